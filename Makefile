@@ -1,0 +1,34 @@
+# make test: create .venv if needed, then ruff, mypy --strict and pytest.
+# make bench: the weight-channel benchmark.
+# TORCH_SPEC picks the torch build (default: the CPU build of 2.13.0; a GPU user sets their own).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: test lint typecheck pytest bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: lint typecheck pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check timeshare tests benchmarks
+	$(VENV)/bin/ruff format --check timeshare tests benchmarks
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy timeshare
+
+pytest: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/weight_sync.py --total-mb 1024 --bucket-mb 64 --depth 1 2 --json runs/weight_sync.json
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

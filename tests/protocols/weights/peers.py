@@ -1,0 +1,81 @@
+"""Starting weight-channel peers in real subprocesses and reading their JSON events."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+class Peer:
+    """One `tests.protocols.weights.peer` process; killed on exit from its `with` block."""
+
+    def __init__(self, **args: Any) -> None:
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed in __exit__
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.protocols.weights.peer", json.dumps(args)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert self.proc.stdout is not None
+        self._stdout = self.proc.stdout
+
+    def next_event(self, timeout: float = 60.0) -> dict[str, Any]:
+        ready, _, _ = select.select([self._stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"peer sent no event in {timeout} s; stderr:\n{self.stderr()}")
+        line = self._stdout.readline()
+        if not line:
+            raise EOFError(f"peer exited (rc={self.proc.poll()}); stderr:\n{self.stderr()}")
+        event: dict[str, Any] = json.loads(line)
+        return event
+
+    def wait_ready(self) -> int:
+        event = self.next_event(timeout=60.0)
+        assert event["event"] == "ready", event
+        pid: int = event["pid"]
+        return pid
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stderr(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read()[-4000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.kill()
+        self._stdout.close()
+        self._stderr.close()
+
+
+def wait_until(condition: Any, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return bool(condition())

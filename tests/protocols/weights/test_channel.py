@@ -1,0 +1,184 @@
+"""The weight channel end to end: a sender here, a receiver in a real subprocess (or both here)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import socket_files
+from tests.protocols.weights.peer import digest, make_weights
+from tests.protocols.weights.peers import Peer
+from timeshare.errors import PeerClosed, SessionClosed, TransferError
+from timeshare.protocols.weights import TransferConfig, WeightReceiver, WeightSender
+
+SMALL = {"bucket_mb": 0.25, "ack_timeout_s": 20.0, "handshake_timeout_s": 30.0}
+
+
+def endpoint(runtime_dir: Path) -> str:
+    return f"ipc://{runtime_dir}/w-rank0.sock"
+
+
+def expected_digests(spec: str, seed: int = 0) -> dict[str, list[Any]]:
+    return {name: digest(t) for name, t in make_weights(spec, seed).items()}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("checksum", [False, True])
+async def test_every_dtype_and_shape_arrives_bit_identical(
+    runtime_dir: Path, depth: int, checksum: bool
+) -> None:
+    cfg = {**SMALL, "pipeline_depth": depth, "checksum": checksum}
+    weights = make_weights("all_dtypes", 0)
+    with Peer(role="receiver", endpoint=endpoint(runtime_dir), config=cfg, transfers=2) as peer:
+        peer.wait_ready()
+        with WeightSender(endpoint(runtime_dir), TransferConfig(**cfg)) as sender:
+            for version in (3, 4):
+                report = await sender.send(weights, version=version)
+                assert report.version == version
+                assert report.tensors == len(weights)
+                assert report.bytes == sum(t.numel() * t.element_size() for t in weights.values())
+                assert report.buckets > report.bytes // (256 * 1024)  # big tensors were split
+                event = peer.next_event()
+                assert event["event"] == "received", event
+                assert event["version"] == version
+                assert event["digests"] == expected_digests("all_dtypes")
+        assert peer.wait() == 0
+    assert socket_files(runtime_dir) == []
+
+
+@pytest.mark.asyncio
+async def test_receiver_may_start_after_the_sender(runtime_dir: Path) -> None:
+    cfg = {**SMALL}
+    weights = make_weights("mb:2:0.5", 1)
+    with WeightSender(endpoint(runtime_dir), TransferConfig(**cfg)) as sender:
+        with Peer(role="receiver", endpoint=endpoint(runtime_dir), config=cfg) as peer:
+            report = await sender.send(weights, version=1)
+            assert peer.next_event()["event"] == "ready"
+            assert peer.next_event()["digests"] == expected_digests("mb:2:0.5", 1)
+    assert report.bytes == 2 * 2**20
+
+
+@pytest.mark.asyncio
+async def test_async_iterable_input_and_session_reuse(runtime_dir: Path) -> None:
+    weights = make_weights("mb:3:1", 2)
+
+    async def stream() -> AsyncIterator[tuple[str, torch.Tensor]]:
+        for item in weights.items():
+            yield item
+
+    with Peer(role="receiver", endpoint=endpoint(runtime_dir), config=SMALL, transfers=3) as peer:
+        peer.wait_ready()
+        with WeightSender(endpoint(runtime_dir), TransferConfig(**SMALL)) as sender:
+            session = sender.session
+            for version in range(3):
+                await sender.send(stream(), version=version)
+                assert peer.next_event()["digests"] == expected_digests("mb:3:1", 2)
+            assert sender.session == session
+
+
+@pytest.mark.asyncio
+async def test_sender_closing_ends_a_waiting_receiver(runtime_dir: Path) -> None:
+    cfg = TransferConfig(**SMALL)
+    outcome: list[BaseException] = []
+
+    def receive_twice() -> None:
+        with WeightReceiver(endpoint(runtime_dir), cfg) as receiver:
+            receiver.receive(lambda items: None)
+            try:
+                receiver.receive(lambda items: None)
+            except PeerClosed as exc:
+                outcome.append(exc)
+
+    thread = threading.Thread(target=receive_twice)
+    thread.start()
+    with WeightSender(endpoint(runtime_dir), cfg) as sender:
+        await sender.send({"w": torch.ones(4)}, version=0)
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert len(outcome) == 1 and "closed the session" in str(outcome[0])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ([("a", torch.ones(2)), ("a", torch.ones(2))], "duplicate weight name 'a'"),
+        ([("a", torch.ones(2)), ("b", [1.0, 2.0])], "'b' is a list, not a torch.Tensor"),
+        ([("a", torch.ones(2)), ("", torch.ones(1))], "non-empty strings"),
+        ([("a", torch.ones(2), "extra")], "(name, tensor) pairs"),
+        ([("sparse", torch.eye(3).to_sparse())], "only dense tensors"),
+    ],
+)
+async def test_bad_input_is_refused_before_anything_is_sent(
+    runtime_dir: Path, weights: list[Any], message: str
+) -> None:
+    # No receiver exists: had the sender tried to send, it would wait for the handshake.
+    cfg = TransferConfig(**{**SMALL, "handshake_timeout_s": 30.0})
+    with WeightSender(endpoint(runtime_dir), cfg) as sender:
+        with pytest.raises(TransferError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            await sender.send(weights, version=0)
+        # Nothing was sent, so the session is still open (not closed as after a failed transfer).
+        with pytest.raises(TransferError, match="duplicate") as again:
+            await sender.send([("x", torch.ones(1))] * 2, version=0)
+        assert not isinstance(again.value, SessionClosed)
+
+
+@pytest.mark.asyncio
+async def test_bad_item_mid_stream_aborts_both_sides(runtime_dir: Path) -> None:
+    async def stream() -> AsyncIterator[tuple[str, Any]]:
+        yield "ok", torch.randn(200_000)  # more than a bucket: sent before the bad item
+        yield "bad", "not a tensor"
+
+    with Peer(role="receiver", endpoint=endpoint(runtime_dir), config=SMALL) as peer:
+        peer.wait_ready()
+        with WeightSender(endpoint(runtime_dir), TransferConfig(**SMALL)) as sender:
+            with pytest.raises(TransferError, match="'bad' is a str"):
+                await sender.send(stream(), version=5)
+            event = peer.next_event()
+            assert event == {
+                "event": "error",
+                "type": "TransferError",
+                "message": event["message"],
+            }
+            assert "sender aborted the transfer of version 5" in event["message"]
+            assert "'bad' is a str" in event["message"]
+            with pytest.raises(SessionClosed, match="new sender/receiver pair"):
+                await sender.send({"x": torch.ones(1)}, version=6)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("expected", "message"),
+    [
+        (["layer0.weight"], "unexpected weight 'layer1.weight'"),
+        (
+            ["layer0.weight", "layer1.weight", "layer2.weight"],
+            r"missing from the transfer: \['layer2.weight'\]",
+        ),
+    ],
+)
+async def test_expected_names_missing_or_extra_fail_both_sides(
+    runtime_dir: Path, expected: list[str], message: str
+) -> None:
+    from timeshare.errors import PeerError
+
+    weights = make_weights("mb:1:0.5", 0)  # layer0.weight, layer1.weight
+    cfg = {**SMALL}
+    with Peer(
+        role="receiver", endpoint=endpoint(runtime_dir), config=cfg, expected_names=expected
+    ) as peer:
+        peer.wait_ready()
+        with WeightSender(endpoint(runtime_dir), TransferConfig(**cfg)) as sender:
+            with pytest.raises(PeerError, match=message) as info:
+                await sender.send(weights, version=0)
+        assert info.value.remote_type == "TransferError"
+        event = peer.next_event()
+        assert event["event"] == "error" and event["type"] == "TransferError"
+        assert peer.wait() == 0
+    assert socket_files(runtime_dir) == []

@@ -1,0 +1,249 @@
+"""Faults of the weight channel with real processes: never a hang, never a leak.
+
+Each test asserts the error type and message on both sides, and (through the autouse fixture
+and `socket_files`) that no staging segment and no socket file is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from tests.conftest import socket_files, staging_segments
+from tests.protocols.weights.peer import make_weights
+from tests.protocols.weights.peers import Peer, wait_until
+from timeshare.errors import AckTimeout, PeerError, ProtocolError, SessionClosed
+from timeshare.protocols.weights import (
+    TransferConfig,
+    WeightReceiver,
+    WeightSender,
+    frames,
+    sweep_stale,
+)
+
+ACK_TIMEOUT_S = 2.0
+FAST = {
+    "bucket_mb": 0.25,
+    "ack_timeout_s": ACK_TIMEOUT_S,
+    "handshake_timeout_s": 20.0,
+    "finalize_timeout_s": ACK_TIMEOUT_S,
+}
+WEIGHTS = "mb:2:0.125"  # 16 tensors of 128 KiB, two to a 0.25 MiB bucket, views of staging
+
+
+def endpoint(runtime_dir: Path) -> str:
+    return f"ipc://{runtime_dir}/w-rank0.sock"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("mode", "remote_type", "remote_message"),
+    [
+        ("raise_on_bucket", "RuntimeError", "engine failed to load bucket 1"),
+        ("raise_in_finalize", "ValueError", "post-load processing failed"),
+        ("keep_view", "TransferError", "on_bucket kept tensors that view staging buffer 1"),
+    ],
+)
+async def test_receiver_failure_reaches_the_sender_as_peer_error(
+    runtime_dir: Path, mode: str, remote_type: str, remote_message: str
+) -> None:
+    with Peer(
+        role="receiver", endpoint=endpoint(runtime_dir), config=FAST, mode=mode, bucket=1
+    ) as peer:
+        peer.wait_ready()
+        sender = WeightSender(endpoint(runtime_dir), TransferConfig(**FAST))
+        with pytest.raises(PeerError, match=remote_message) as info:
+            await sender.send(make_weights(WEIGHTS, 0), version=1)
+        assert info.value.remote_type == remote_type
+        assert remote_message in info.value.remote_message
+        # The receiver re-raised its own exception.
+        event = peer.next_event()
+        assert (event["event"], event["type"]) == ("error", remote_type)
+        assert remote_message in event["message"]
+        assert peer.wait() == 0
+        # The session is closed on the sender's side: a new pair is needed.
+        with pytest.raises(SessionClosed):
+            await sender.send({"w": torch.ones(1)}, version=2)
+        sender.close()
+    assert socket_files(runtime_dir) == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["kill_on_bucket", "hang_on_bucket"])
+async def test_dead_or_stuck_receiver_is_an_ack_timeout(runtime_dir: Path, mode: str) -> None:
+    with Peer(
+        role="receiver", endpoint=endpoint(runtime_dir), config=FAST, mode=mode, bucket=2
+    ) as peer:
+        peer.wait_ready()
+        with WeightSender(endpoint(runtime_dir), TransferConfig(**FAST)) as sender:
+            started = time.monotonic()
+            with pytest.raises(AckTimeout) as info:
+                await sender.send(make_weights(WEIGHTS, 0), version=1)
+            elapsed = time.monotonic() - started
+        assert info.value.phase == "bucket"
+        assert info.value.seq is not None and info.value.seq >= 3
+        assert info.value.endpoint == endpoint(runtime_dir)
+        assert endpoint(runtime_dir) in str(info.value) and "phase bucket" in str(info.value)
+        assert elapsed < ACK_TIMEOUT_S + 3.0  # the bucket's wait, plus a little
+        if mode == "kill_on_bucket":
+            assert peer.wait() == -signal.SIGKILL
+    assert socket_files(runtime_dir) == []
+
+
+def test_dead_sender_is_an_ack_timeout_on_the_receiver(runtime_dir: Path) -> None:
+    with Peer(
+        role="sender",
+        endpoint=endpoint(runtime_dir),
+        config=FAST,
+        spec=WEIGHTS,
+        kill_after_tensors=5,
+    ) as peer:
+        peer.wait_ready()
+        with WeightReceiver(endpoint(runtime_dir), TransferConfig(**FAST)) as receiver:
+            started = time.monotonic()
+            with pytest.raises(AckTimeout) as info:
+                receiver.receive(lambda items: None)
+            elapsed = time.monotonic() - started
+            assert peer.wait() == -signal.SIGKILL
+        assert info.value.phase == "bucket"
+        assert "no frame from the sender" in str(info.value)
+        assert elapsed < 0.2 + 2 * ACK_TIMEOUT_S + 3.0
+        with pytest.raises(SessionClosed):
+            receiver.receive(lambda items: None)
+    # The killed sender's staging had been unlinked at the handshake; its socket file is left
+    # (libzmq never removes one) until a sweep.
+    assert [p.name for p in socket_files(runtime_dir)] == ["w-rank0.sock"]
+    assert sweep_stale(runtime_dir) == [str(runtime_dir / "w-rank0.sock")]
+    assert socket_files(runtime_dir) == []
+
+
+def test_sweep_removes_staging_of_a_sender_killed_before_the_handshake(runtime_dir: Path) -> None:
+    # No receiver: the sender creates its named staging, then waits for the handshake's ACK.
+    before = staging_segments()
+    cfg = {**FAST, "handshake_timeout_s": 60.0}
+    with Peer(role="sender", endpoint=endpoint(runtime_dir), config=cfg, spec=WEIGHTS) as peer:
+        pid = peer.wait_ready()
+        assert wait_until(lambda: len(staging_segments() - before) == 2)
+        left = sorted(staging_segments() - before)
+        assert all(f"-{pid}-" in name for name in left)
+        # The owner lives: nothing is swept.
+        assert sweep_stale(runtime_dir) == []
+        peer.kill()
+    assert staging_segments() - before == set(left)
+    removed = sweep_stale(runtime_dir)
+    assert sorted(removed) == sorted(
+        [*(f"/dev/shm/{n}" for n in left), f"{runtime_dir}/w-rank0.sock"]
+    )
+    assert staging_segments() - before == set()
+
+
+def test_sweep_leaves_other_runtime_directories_alone(runtime_dir: Path, tmp_path: Path) -> None:
+    other = Path(os.path.realpath(tmp_path))
+    cfg = {**FAST, "handshake_timeout_s": 60.0}
+    before = staging_segments()
+    with Peer(role="sender", endpoint=endpoint(runtime_dir), config=cfg, spec=WEIGHTS) as peer:
+        peer.wait_ready()
+        assert wait_until(lambda: len(staging_segments() - before) == 2)
+        peer.kill()
+    assert sweep_stale(other) == []
+    assert len(sweep_stale(runtime_dir)) == 3
+
+
+@pytest.mark.asyncio
+async def test_slow_finalize_is_a_timeout_on_both_sides(runtime_dir: Path) -> None:
+    cfg = {**FAST, "finalize_timeout_s": 1.0}
+    with Peer(
+        role="receiver",
+        endpoint=endpoint(runtime_dir),
+        config=cfg,
+        mode="slow_finalize",
+        finalize_sleep_s=2.5,
+    ) as peer:
+        peer.wait_ready()
+        with WeightSender(endpoint(runtime_dir), TransferConfig(**cfg)) as sender:
+            with pytest.raises(AckTimeout) as info:
+                await sender.send(make_weights(WEIGHTS, 0), version=1)
+        assert info.value.phase == "finalized"
+        event = peer.next_event()
+        assert event["type"] == "TransferError"
+        assert "finalize took" in event["message"]
+
+
+def test_malformed_frame_to_the_receiver_is_a_protocol_error(runtime_dir: Path) -> None:
+    url = endpoint(runtime_dir)
+    context = zmq.Context()
+    rogue = context.socket(zmq.REQ)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.bind(url)
+    try:
+        with WeightReceiver(url, TransferConfig(**FAST)) as receiver:
+            rogue.send(b"\x93not a frame")
+            with pytest.raises(ProtocolError, match="malformed request frame"):
+                receiver.receive(lambda items: None)
+        assert rogue.poll(5000), "the receiver must still reply"
+        reply = frames.decode_reply(rogue.recv())
+        assert isinstance(reply, frames.Failure) and reply.type == "ProtocolError"
+    finally:
+        rogue.close()
+        context.term()
+        os.unlink(url.removeprefix("ipc://"))
+
+
+def test_foreign_protocol_version_is_named(runtime_dir: Path) -> None:
+    url = endpoint(runtime_dir)
+    context = zmq.Context()
+    rogue = context.socket(zmq.REQ)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.bind(url)
+    try:
+        with WeightReceiver(url, TransferConfig(**FAST)) as receiver:
+            future = frames.Goodbye(protocol=99, session=1)
+            rogue.send(frames.encode(future))
+            with pytest.raises(ProtocolError, match="protocol 99"):
+                receiver.receive(lambda items: None)
+    finally:
+        rogue.close()
+        context.term()
+        os.unlink(url.removeprefix("ipc://"))
+
+
+@pytest.mark.asyncio
+async def test_garbage_ack_is_a_protocol_error_on_the_sender(runtime_dir: Path) -> None:
+    url = endpoint(runtime_dir)
+    context = zmq.Context()
+    rogue = context.socket(zmq.REP)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(url)
+    try:
+        with WeightSender(url, TransferConfig(**FAST)) as sender:
+            import threading
+
+            def answer_with_garbage() -> None:
+                if rogue.poll(10_000):
+                    rogue.recv()
+                    rogue.send(b"\xc1")
+
+            thread = threading.Thread(target=answer_with_garbage)
+            thread.start()
+            with pytest.raises(ProtocolError, match="malformed reply frame"):
+                await sender.send({"w": torch.ones(3)}, version=1)
+            thread.join(10)
+    finally:
+        rogue.close()
+        context.term()
+    assert socket_files(runtime_dir) == []
+
+
+def test_second_sender_on_a_live_endpoint_is_refused(runtime_dir: Path) -> None:
+    from timeshare.errors import TransferError
+
+    with WeightSender(endpoint(runtime_dir), TransferConfig(**FAST)):
+        with pytest.raises(TransferError, match="bound by a live process"):
+            WeightSender(endpoint(runtime_dir), TransferConfig(**FAST))
+    assert socket_files(runtime_dir) == []

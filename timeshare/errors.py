@@ -1,0 +1,61 @@
+"""Every error timeshare raises on purpose: one root, leaves named for what happened.
+
+Third-party exceptions (pyzmq, msgspec, OS errors) are mapped to these at the boundary where
+they occur, so a caller never has to know which library sat underneath.
+"""
+
+from __future__ import annotations
+
+
+class TimeshareError(Exception):
+    """Root of every error timeshare raises on purpose."""
+
+
+class TransferError(TimeshareError):
+    """Raised when a weight transfer cannot be done or was not done whole.
+
+    Bad input (duplicate names, a value that is not a tensor, names missing from or extra to the
+    expected set) is raised before anything is sent wherever the input allows it.
+    """
+
+
+class AckTimeout(TransferError):
+    """Raised when the peer of a weight channel did not answer within its deadline.
+
+    The message names the phase (handshake, bucket, release, finalize), the bucket's sequence
+    number and the endpoint. The session is closed on this side: a bucket is never re-sent.
+    """
+
+    def __init__(self, message: str, *, phase: str, seq: int | None, endpoint: str) -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.seq = seq
+        self.endpoint = endpoint
+
+
+class PeerError(TransferError):
+    """Raised on the sender when the receiver replied with an error frame.
+
+    `remote_type` and `remote_message` carry the receiver's exception; the receiver re-raises its
+    own exception on its side.
+    """
+
+    def __init__(self, message: str, *, remote_type: str, remote_message: str) -> None:
+        super().__init__(message)
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+
+
+class ProtocolError(TransferError):
+    """Raised when a frame is malformed, foreign (another session) or out of sequence."""
+
+
+class SessionClosed(TransferError):
+    """Raised when a closed or broken weight-channel session is used again.
+
+    A session breaks on any failed transfer; a new sender/receiver pair is needed.
+    """
+
+
+class PeerClosed(TransferError):
+    """Raised on a receiver waiting for a transfer when the sender closed the session."""

@@ -1,0 +1,42 @@
+"""The weight channel: trainer weights into a rollout engine through shared staging.
+
+    sender = WeightSender("ipc:///run/timeshare/w-rank0.sock", TransferConfig())
+    report = await sender.send(model.named_parameters(), version=7)
+
+    receiver = WeightReceiver("ipc:///run/timeshare/w-rank0.sock", TransferConfig())
+    report = receiver.receive(on_bucket, finalize=None, expected_names=None)
+
+ZMQ carries small typed headers and ACKs; the bytes sit in staging that both processes map
+(see staging.py). A pair is a session: staging is set up by the first transfer and reused until
+`close()`. `sweep_stale` removes what a killed process left in a runtime directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from timeshare.protocols.weights.config import TransferConfig, TransferReport
+from timeshare.protocols.weights.endpoint import sweep_stale_sockets
+from timeshare.protocols.weights.receiver import WeightReceiver
+from timeshare.protocols.weights.sender import WeightSender
+from timeshare.protocols.weights.staging import SHM_DIR, staging_tag, sweep_stale_segments
+
+__all__ = [
+    "TransferConfig",
+    "TransferReport",
+    "WeightReceiver",
+    "WeightSender",
+    "sweep_stale",
+]
+
+
+def sweep_stale(runtime_dir: str | Path) -> list[str]:
+    """Remove staging segments and socket files that dead processes left for `runtime_dir`.
+
+    Segments whose owner process is alive, and sockets on which something listens, stay.
+    Returns the paths removed.
+    """
+    directory = Path(runtime_dir)
+    removed = [str(SHM_DIR / name) for name in sweep_stale_segments(staging_tag(directory))]
+    removed += [str(p) for p in sweep_stale_sockets(directory)]
+    return removed

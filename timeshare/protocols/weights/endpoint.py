@@ -1,0 +1,111 @@
+"""Endpoints of the weight channel and the socket files behind them.
+
+An endpoint is ``ipc:///<runtime dir>/<name>.sock`` (same machine; the usual case) or
+``tcp://host:port``. libzmq leaves an ipc socket file behind when a process exits, killed or not;
+the binding side removes its own file on close, refuses to take over a file a live process still
+listens on, and `sweep_stale_sockets` removes the files of dead processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from timeshare.errors import TransferError
+
+# sun_path holds 108 bytes including the terminating NUL.
+MAX_SOCKET_PATH = 107
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str
+    path: Path | None  # the socket file of an ipc endpoint
+
+    @classmethod
+    def parse(cls, url: str) -> Endpoint:
+        if url.startswith("ipc://"):
+            raw = url.removeprefix("ipc://")
+            if not raw.startswith("/"):
+                raise TransferError(f"ipc endpoint needs an absolute path: {url!r}")
+            if len(raw.encode()) > MAX_SOCKET_PATH:
+                raise TransferError(
+                    f"ipc endpoint path is {len(raw.encode())} bytes, the limit is "
+                    f"{MAX_SOCKET_PATH}: {url!r}"
+                )
+            return cls(url, Path(raw))
+        if url.startswith("tcp://"):
+            return cls(url, None)
+        raise TransferError(f"endpoint must be ipc:///path or tcp://host:port, got {url!r}")
+
+    @property
+    def runtime_dir(self) -> Path | None:
+        return None if self.path is None else self.path.parent
+
+    def prepare_bind(self) -> None:
+        """Make the runtime directory (0700) and clear a stale socket file before binding."""
+        if self.path is None:
+            return
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            mode = self.path.lstat().st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(mode):
+            raise TransferError(f"endpoint {self.url} exists and is not a socket")
+        if socket_is_live(self.path):
+            raise TransferError(f"endpoint {self.url} is bound by a live process")
+        remove_socket_file(self.path)
+
+    def bound_inode(self) -> int | None:
+        if self.path is None:
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            return self.path.stat().st_ino
+        return None
+
+    def remove_socket_file(self, inode: int | None) -> None:
+        """Remove the socket file this side bound (not one another process bound since)."""
+        if self.path is not None and inode is not None and self.bound_inode() == inode:
+            remove_socket_file(self.path)
+
+
+def socket_is_live(path: Path) -> bool:
+    """Whether a process accepts connections on the UNIX socket file `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError as exc:
+            if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+                return False
+            raise
+        return True
+
+
+def remove_socket_file(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def sweep_stale_sockets(runtime_dir: Path) -> list[Path]:
+    """Remove socket files in `runtime_dir` on which nothing listens; return them."""
+    removed: list[Path] = []
+    if not runtime_dir.is_dir():
+        return removed
+    for entry in runtime_dir.iterdir():
+        try:
+            is_socket = stat.S_ISSOCK(entry.lstat().st_mode)
+        except FileNotFoundError:
+            continue
+        if is_socket and not socket_is_live(entry):
+            remove_socket_file(entry)
+            removed.append(entry)
+    return removed

@@ -1,0 +1,180 @@
+"""Wire format of the weight channel: typed msgspec Structs encoded as msgpack.
+
+Every frame carries the protocol version and the session id; frames within a transfer carry the
+weight version and a sequence number, and every reply repeats them. Requests go from the sender
+(REQ) to the receiver (REP); each gets exactly one reply:
+
+    Offer     -> Ack(step="mapped")      staging described; receiver maps it
+    Bucket    -> Ack(step="bucket")      receiver consumed the bucket and dropped every view
+    Release   -> Ack(step="released")    every tensor delivered; sender may recycle staging
+    Finalize  -> Ack(step="finalized")   receiver's post-processing done, device fenced
+    Abort     -> Ack(step="aborted")     sender gave up on this transfer (session ends)
+    Goodbye   -> Ack(step="goodbye")     sender closes the session
+    any       -> Failure                 receiver failed; names its exception
+
+No pickle: a frame from a peer is data, never code.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from timeshare.errors import ProtocolError
+from timeshare.protocols.weights.staging import ShmStaging
+
+PROTOCOL_VERSION = 1
+# An error frame carries at most this much text, so a huge message cannot flood the channel.
+MAX_ERROR_TEXT = 4096
+
+
+class _Frame(msgspec.Struct, frozen=True, tag_field="kind"):
+    """Base of every frame: the "kind" field tells them apart on the wire."""
+
+
+class TensorPiece(msgspec.Struct, frozen=True, array_like=True):
+    """One tensor, or one part of a tensor larger than a bucket, inside a staging buffer."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # byte offset in the staging buffer
+    nbytes: int  # bytes of this piece
+    start: int  # byte offset of this piece within the whole tensor
+    total: int  # bytes of the whole tensor
+
+
+class Offer(_Frame, tag="offer"):
+    protocol: int
+    session: int
+    staging: ShmStaging
+
+
+class Bucket(_Frame, tag="bucket"):
+    protocol: int
+    session: int
+    version: int
+    seq: int
+    index: int  # bucket number within this transfer
+    buffer: int  # which staging buffer holds it
+    pieces: list[TensorPiece]
+    checksum: int | None = None  # crc32 of the bytes used, when enabled
+
+
+class Release(_Frame, tag="release"):
+    protocol: int
+    session: int
+    version: int
+    seq: int
+    tensors: int
+    nbytes: int
+
+
+class Finalize(_Frame, tag="finalize"):
+    protocol: int
+    session: int
+    version: int
+    seq: int
+
+
+class Abort(_Frame, tag="abort"):
+    protocol: int
+    session: int
+    version: int
+    seq: int
+    reason: str
+
+
+class Goodbye(_Frame, tag="goodbye"):
+    protocol: int
+    session: int
+
+
+Request = Offer | Bucket | Release | Finalize | Abort | Goodbye
+AckStep = Literal["mapped", "bucket", "released", "finalized", "aborted", "goodbye"]
+
+
+class Ack(_Frame, tag="ack"):
+    protocol: int
+    session: int
+    step: AckStep
+    version: int
+    seq: int
+
+
+class Failure(_Frame, tag="failure"):
+    protocol: int
+    session: int
+    version: int
+    seq: int
+    type: str
+    message: str
+
+
+Reply = Ack | Failure
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(frame: Request | Reply) -> bytes:
+    return _encoder.encode(frame)
+
+
+def decode_request(data: bytes) -> Request:
+    """Decode a sender's frame; anything malformed or of another protocol is a ProtocolError."""
+    frame: Request = _decode(_request_decoder, data, "request")
+    _check_protocol(frame.protocol)
+    return frame
+
+
+def decode_reply(data: bytes) -> Reply:
+    """Decode a receiver's frame; anything malformed or of another protocol is a ProtocolError."""
+    frame: Reply = _decode(_reply_decoder, data, "reply")
+    _check_protocol(frame.protocol)
+    return frame
+
+
+def failure_for(exc: BaseException, *, session: int, version: int, seq: int) -> Failure:
+    """The error frame that reports `exc` to the peer, its text cut to MAX_ERROR_TEXT."""
+    return Failure(
+        protocol=PROTOCOL_VERSION,
+        session=session,
+        version=version,
+        seq=seq,
+        type=type(exc).__name__[:200],
+        message=str(exc)[:MAX_ERROR_TEXT],
+    )
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[Any], data: bytes, what: str) -> Any:
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        foreign = _foreign_protocol(data)
+        if foreign is not None:
+            raise ProtocolError(
+                f"peer speaks weight-channel protocol {foreign}, this side {PROTOCOL_VERSION}"
+            ) from exc
+        raise ProtocolError(f"malformed {what} frame ({len(data)} bytes): {exc}") from exc
+
+
+def _foreign_protocol(data: bytes) -> object | None:
+    try:
+        loose = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(loose, dict):
+        version: object = loose.get("protocol")
+        if version is not None and version != PROTOCOL_VERSION:
+            return version
+    return None
+
+
+def _check_protocol(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"peer speaks weight-channel protocol {version}, this side {PROTOCOL_VERSION}"
+        )

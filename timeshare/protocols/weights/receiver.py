@@ -1,0 +1,345 @@
+"""The rollout engine's side of the weight channel: connects REP, maps staging, loads buckets.
+
+`receive` blocks (it runs inside an engine worker); `receive_async` runs it in a worker thread and
+stops it within a poll slice when cancelled. Every request that reached the receiver gets a reply,
+on every path: an ACK, or a Failure frame naming the exception, after which the receiver re-raises
+its own exception. A bucket is ACKed only after `on_bucket` returned, the device was fenced and no
+view of the staging buffer is left. Any failure ends the session on this side.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Collection
+from functools import partial
+from typing import NoReturn, TypeAlias
+
+import anyio
+import structlog
+import torch
+import zmq
+
+from timeshare.errors import AckTimeout, PeerClosed, ProtocolError, SessionClosed, TransferError
+from timeshare.protocols.weights import frames
+from timeshare.protocols.weights.config import TransferConfig, TransferReport
+from timeshare.protocols.weights.endpoint import Endpoint
+from timeshare.protocols.weights.frames import PROTOCOL_VERSION
+from timeshare.protocols.weights.layout import Assembler, crc32, fence, payload_extent
+from timeshare.protocols.weights.staging import Staging, views_alive
+
+log = structlog.get_logger(__name__)
+
+OnBucket: TypeAlias = Callable[[list[tuple[str, torch.Tensor]]], None]
+Finalize: TypeAlias = Callable[[], None]
+# How often a blocked receive looks at its cancel flag.
+POLL_SLICE_S = 0.05
+RECONNECT_IVL_MS = 50
+
+
+class _Cancelled(Exception):
+    """Raised inside the receiving thread when `receive_async` was cancelled."""
+
+
+class WeightReceiver:
+    """Receives transfers from one `WeightSender`, delivering tensors to `on_bucket`."""
+
+    def __init__(
+        self, endpoint: str, config: TransferConfig | None = None, device: str = "cpu"
+    ) -> None:
+        self.endpoint = Endpoint.parse(endpoint)
+        self.config = config or TransferConfig()
+        self.device = torch.device(device)
+        self._session: int | None = None
+        self._staging: Staging | None = None
+        self._last_seq = 0
+        self._closed_because: str | None = None
+        self._cancel = threading.Event()
+        self._context = zmq.Context(io_threads=1)
+        self._socket = self._context.socket(zmq.REP)
+        self._socket.setsockopt(zmq.LINGER, int(self.config.linger_s * 1000))
+        self._socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        self._socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        self._socket.connect(self.endpoint.url)
+
+    def receive(
+        self,
+        on_bucket: OnBucket,
+        finalize: Finalize | None = None,
+        expected_names: Collection[str] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> TransferReport:
+        """Receive one whole transfer; block until it is FINALIZED.
+
+        `on_bucket` gets each bucket's (name, tensor) pairs. Tensors of whole weights are views of
+        staging, valid only during the call: copy what you keep (keeping a view is an error).
+        `finalize` runs once after the last bucket (post-load processing). `expected_names`, when
+        given, must be exactly the set of names sent. `timeout_s` bounds the wait for the transfer
+        to begin (default: the config's begin_timeout_s).
+        """
+        self._check_usable()
+        self._cancel.clear()
+        expected = None if expected_names is None else frozenset(expected_names)
+        try:
+            return self._receive(on_bucket, finalize, expected, timeout_s)
+        except BaseException as exc:
+            self._shutdown(f"{type(exc).__name__}: {exc}")
+            raise
+
+    async def receive_async(
+        self,
+        on_bucket: OnBucket,
+        finalize: Finalize | None = None,
+        expected_names: Collection[str] | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> TransferReport:
+        """`receive` in a worker thread; cancelling it ends the session within a poll slice."""
+
+        def run() -> TransferReport | None:
+            try:
+                return self.receive(on_bucket, finalize, expected_names, timeout_s=timeout_s)
+            except _Cancelled:
+                return None  # the caller's cancellation is raised by to_thread on return
+
+        async def flag_cancellation() -> None:
+            try:
+                await anyio.sleep_forever()
+            finally:
+                self._cancel.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(flag_cancellation)
+            # Not abandoned: the thread owns the socket until it has seen the flag and shut down.
+            report = await anyio.to_thread.run_sync(run)
+            group.cancel_scope.cancel()
+        if report is None:
+            raise SessionClosed(f"weight receiver {self.endpoint.url}: receive was cancelled")
+        return report
+
+    def close(self) -> None:
+        """Unmap staging and close the socket (a last reply still goes out, within linger_s)."""
+        if self._closed_because is None:
+            self._shutdown("closed")
+
+    def __enter__(self) -> WeightReceiver:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- one transfer -----------------------------------------------------------------------
+
+    def _receive(
+        self,
+        on_bucket: OnBucket,
+        finalize: Finalize | None,
+        expected: frozenset[str] | None,
+        timeout_s: float | None,
+    ) -> TransferReport:
+        frame = self._next_request("begin", timeout_s or self.config.begin_timeout_s)
+        started = time.perf_counter()
+        if isinstance(frame, frames.Offer):
+            self._reply_to(frame, partial(self._map_staging, frame), step="mapped")
+            frame = self._next_request("bucket", self.config.ack_timeout_s)
+            started = time.perf_counter()
+        if self._staging is None:
+            self._fail(frame, ProtocolError(f"{type(frame).__name__} before the handshake"))
+        version = getattr(frame, "version", 0)
+        assembler = Assembler(expected)
+        buckets = 0
+        while isinstance(frame, frames.Bucket):
+            self._check_bucket(frame, version, buckets)
+            self._reply_to(frame, partial(self._load, frame, assembler, on_bucket), step="bucket")
+            buckets += 1
+            frame = self._next_request("bucket", self.config.ack_timeout_s)
+        if not isinstance(frame, frames.Release):
+            self._fail(
+                frame, ProtocolError(f"expected a bucket or release, got {type(frame).__name__}")
+            )
+        release = frame
+        self._check_version(release, version)
+        self._reply_to(
+            release,
+            lambda: assembler.check_complete(release.tensors, release.nbytes),
+            step="released",
+        )
+        frame = self._next_request("finalize", self.config.ack_timeout_s)
+        if not isinstance(frame, frames.Finalize):
+            self._fail(frame, ProtocolError(f"expected finalize, got {type(frame).__name__}"))
+        self._check_version(frame, version)
+        self._reply_to(frame, lambda: self._finalize(finalize), step="finalized")
+        seconds = time.perf_counter() - started
+        return TransferReport(version, assembler.bytes, len(assembler.delivered), buckets, seconds)
+
+    def _map_staging(self, offer: frames.Offer) -> None:
+        if offer.staging.buffer_bytes <= 0 or not offer.staging.names:
+            raise ProtocolError(f"offer describes no staging: {offer.staging}")
+        self._staging = Staging.attach(offer.staging)
+        self._session = offer.session
+
+    def _load(self, bucket: frames.Bucket, assembler: Assembler, on_bucket: OnBucket) -> None:
+        assert self._staging is not None
+        base, storage = self._staging.view(bucket.buffer)
+        tensors: list[tuple[str, torch.Tensor]] = []
+        try:
+            if bucket.checksum is not None:
+                _check_checksum(bucket, base)
+            tensors = assembler.unpack(bucket.pieces, base)
+            on_bucket(tensors)
+            fence([self.device])
+        finally:
+            tensors.clear()
+            del base
+        kept = views_alive(storage)
+        if kept:
+            raise TransferError(
+                f"on_bucket kept tensors that view staging buffer {bucket.buffer} after bucket "
+                f"{bucket.index} ({kept} references); copy what you keep (the buffer is reused)"
+            )
+
+    def _finalize(self, finalize: Finalize | None) -> None:
+        started = time.perf_counter()
+        if finalize is not None:
+            finalize()
+        fence([self.device])
+        elapsed = time.perf_counter() - started
+        if elapsed > self.config.finalize_timeout_s:
+            raise TransferError(
+                f"finalize took {elapsed:.1f} s, more than finalize_timeout_s "
+                f"({self.config.finalize_timeout_s:g} s)"
+            )
+
+    # -- frames -----------------------------------------------------------------------------
+
+    def _next_request(self, phase: str, timeout: float) -> frames.Request:
+        """Wait for the sender's next frame; a dead or silent sender is an AckTimeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._cancel.is_set():
+                raise _Cancelled
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AckTimeout(
+                    f"weight channel {self.endpoint.url}: no frame from the sender in phase "
+                    f"{phase} (after seq {self._last_seq}) within {timeout:g} s; session closed",
+                    phase=phase,
+                    seq=self._last_seq,
+                    endpoint=self.endpoint.url,
+                )
+            if self._socket.poll(int(min(remaining, POLL_SLICE_S) * 1000) + 1, zmq.POLLIN):
+                break
+        data = self._socket.recv()
+        try:
+            frame = frames.decode_request(data)
+        except ProtocolError as exc:
+            self._send_reply(frames.failure_for(exc, session=self._session or 0, version=0, seq=0))
+            raise
+        self._check_session(frame)
+        if isinstance(frame, frames.Goodbye):
+            self._send_reply(frames.Ack(PROTOCOL_VERSION, frame.session, "goodbye", 0, 0))
+            raise PeerClosed(f"sender at {self.endpoint.url} closed the session")
+        if isinstance(frame, frames.Abort):
+            self._send_reply(
+                frames.Ack(PROTOCOL_VERSION, frame.session, "aborted", frame.version, frame.seq)
+            )
+            raise TransferError(
+                f"sender aborted the transfer of version {frame.version}: {frame.reason}"
+            )
+        return frame
+
+    def _check_session(self, frame: frames.Request) -> None:
+        if isinstance(frame, frames.Offer):
+            if self._session is not None:
+                self._fail(frame, ProtocolError("second handshake on an established session"))
+            return
+        if frame.session != self._session:
+            self._fail(
+                frame,
+                ProtocolError(
+                    f"frame of session {frame.session:x}, this session is "
+                    f"{'none yet' if self._session is None else f'{self._session:x}'}"
+                ),
+            )
+        seq = getattr(frame, "seq", None)
+        if seq is not None:
+            if seq <= self._last_seq:
+                self._fail(
+                    frame, ProtocolError(f"sequence went back: {seq} after {self._last_seq}")
+                )
+            self._last_seq = seq
+
+    def _check_bucket(self, bucket: frames.Bucket, version: int, index: int) -> None:
+        self._check_version(bucket, version)
+        assert self._staging is not None
+        if bucket.index != index or not 0 <= bucket.buffer < len(self._staging.buffers):
+            self._fail(
+                bucket,
+                ProtocolError(
+                    f"bucket {bucket.index} in buffer {bucket.buffer}, expected bucket {index} "
+                    f"in one of {len(self._staging.buffers)} buffers"
+                ),
+            )
+
+    def _check_version(
+        self, frame: frames.Bucket | frames.Release | frames.Finalize, version: int
+    ) -> None:
+        if frame.version != version:
+            self._fail(
+                frame,
+                ProtocolError(f"weight version changed mid-transfer: {version} -> {frame.version}"),
+            )
+
+    def _reply_to(
+        self, frame: frames.Request, work: Callable[[], None], *, step: frames.AckStep
+    ) -> None:
+        """Do `work` for a request, then ACK it; on failure send a Failure frame and re-raise."""
+        try:
+            work()
+        except BaseException as exc:
+            self._fail(frame, exc)
+        version = getattr(frame, "version", 0)
+        seq = getattr(frame, "seq", 0)
+        self._send_reply(frames.Ack(PROTOCOL_VERSION, frame.session, step, version, seq))
+
+    def _fail(self, frame: frames.Request, exc: BaseException) -> NoReturn:
+        failure = frames.failure_for(
+            exc,
+            session=frame.session,
+            version=getattr(frame, "version", 0),
+            seq=getattr(frame, "seq", 0),
+        )
+        self._send_reply(failure)
+        raise exc
+
+    def _send_reply(self, reply: frames.Reply) -> None:
+        # REP holds an outstanding request whenever this runs, so the send does not block.
+        try:
+            self._socket.send(frames.encode(reply), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            # Never replaces the error being reported; the sender's deadline covers a lost reply.
+            log.warning("sync.reply.lost", endpoint=self.endpoint.url, error=repr(exc))
+
+    # -- ending -----------------------------------------------------------------------------
+
+    def _shutdown(self, reason: str) -> None:
+        self._closed_because = reason
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
+        self._socket.close()
+        self._context.term()
+
+    def _check_usable(self) -> None:
+        if self._closed_because is not None:
+            raise SessionClosed(
+                f"weight receiver {self.endpoint.url} is closed ({self._closed_because}); "
+                "open a new sender/receiver pair"
+            )
+
+
+def _check_checksum(bucket: frames.Bucket, base: torch.Tensor) -> None:
+    actual = crc32(base[: payload_extent(bucket.pieces)])
+    if actual != bucket.checksum:
+        raise TransferError(f"bucket {bucket.index} checksum {actual:#x} != {bucket.checksum:#x}")

@@ -1,0 +1,351 @@
+"""The trainer's side of the weight channel: binds REQ, owns staging, streams buckets.
+
+One `WeightSender` is one session: the first `send` sets up staging (handshake), every later
+`send` reuses it. With pipeline depth 2 the next bucket is packed while the receiver consumes the
+previous one. Any failure inside a transfer ends the session on this side (staging freed, socket
+closed, socket file removed): a bucket is never re-sent, a new pair is needed.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
+from typing import TypeAlias, cast
+
+import anyio
+import structlog
+import torch
+import zmq
+import zmq.asyncio
+
+from timeshare.errors import AckTimeout, PeerError, ProtocolError, SessionClosed, TransferError
+from timeshare.protocols.weights import frames
+from timeshare.protocols.weights.config import TransferConfig, TransferReport
+from timeshare.protocols.weights.endpoint import Endpoint
+from timeshare.protocols.weights.frames import PROTOCOL_VERSION, Ack
+from timeshare.protocols.weights.layout import (
+    BucketPlanner,
+    PlannedBucket,
+    check_tensor,
+    crc32,
+    fence,
+    pack,
+)
+from timeshare.protocols.weights.staging import Staging, staging_tag
+
+log = structlog.get_logger(__name__)
+
+NamedTensors: TypeAlias = (
+    Mapping[str, torch.Tensor]
+    | Iterable[tuple[str, torch.Tensor]]
+    | AsyncIterable[tuple[str, torch.Tensor]]
+)
+# Buckets smaller than this are packed on the event loop: a thread hop would cost more.
+INLINE_PACK_BYTES = 1 << 20
+# An abort notice to the receiver is best effort and never waits longer than this.
+ABORT_NOTICE_S = 5.0
+
+
+class WeightSender:
+    """Sends named tensors to one `WeightReceiver`; async, never blocks the event loop."""
+
+    def __init__(self, endpoint: str, config: TransferConfig | None = None) -> None:
+        self.endpoint = Endpoint.parse(endpoint)
+        self.config = config or TransferConfig()
+        self._session = secrets.randbits(63)
+        self._seq = 0
+        self._staging: Staging | None = None
+        self._busy = False
+        self._closed_because: str | None = None
+        self.endpoint.prepare_bind()
+        self._context = zmq.asyncio.Context(io_threads=1)
+        self._socket = self._context.socket(zmq.REQ)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self._socket.bind(self.endpoint.url)
+        except zmq.ZMQError as exc:
+            self._socket.close()
+            self._context.term()
+            raise TransferError(f"cannot bind weight channel {self.endpoint.url}: {exc}") from exc
+        self._inode = self.endpoint.bound_inode()
+
+    async def send(self, weights: NamedTensors, *, version: int) -> TransferReport:
+        """Send every (name, tensor) of `weights` as weight version `version`.
+
+        Returns after the receiver has finished post-load processing (FINALIZED). Sized inputs
+        (a dict, list or tuple) are validated whole before anything is sent.
+        """
+        self._check_usable()
+        if isinstance(weights, Mapping):
+            weights = list(weights.items())
+        if isinstance(weights, list | tuple):
+            _validate_all(weights)
+        self._busy = True
+        try:
+            return await self._transfer(weights, version)
+        except BaseException as exc:
+            await self._abort_after(exc, version)
+            raise
+        finally:
+            self._busy = False
+
+    def close(self) -> None:
+        """End the session: tell an idle receiver (briefly), free staging, remove the socket."""
+        if self._closed_because is not None:
+            return
+        if self._staging is not None and not self._busy:
+            self._say_goodbye()
+        self._shutdown("closed")
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def session(self) -> int:
+        return self._session
+
+    # -- one transfer -----------------------------------------------------------------------
+
+    async def _transfer(self, weights: NamedTensors, version: int) -> TransferReport:
+        staging = self._staging or await self._handshake()
+        started = time.perf_counter()
+        planner = BucketPlanner(staging.buffer_bytes)
+        free = deque(range(len(staging.buffers)))
+        in_flight: tuple[int, int] | None = None  # (seq, buffer) of the header awaiting its ACK
+        index = 0
+        async for name, tensor in _pairs(weights):
+            for bucket in planner.add(name, tensor):
+                in_flight = await self._send_bucket(bucket, index, version, free, in_flight)
+                index += 1
+        for bucket in planner.finish():
+            in_flight = await self._send_bucket(bucket, index, version, free, in_flight)
+            index += 1
+        if in_flight is not None:
+            await self._await_ack(in_flight[0], version, "bucket", self.config.ack_timeout_s)
+        seq = self._next_seq()
+        release = frames.Release(
+            PROTOCOL_VERSION, self._session, version, seq, planner.tensors, planner.bytes
+        )
+        await self._request(release, "released", self.config.ack_timeout_s)
+        seq = self._next_seq()
+        finalize = frames.Finalize(PROTOCOL_VERSION, self._session, version, seq)
+        await self._request(finalize, "finalized", self.config.finalize_timeout_s)
+        seconds = time.perf_counter() - started
+        report = TransferReport(version, planner.bytes, planner.tensors, index, seconds)
+        log.debug(
+            "sync.transfer.finalized",
+            endpoint=self.endpoint.url,
+            version=version,
+            bytes=report.bytes,
+            buckets=index,
+            gbps=round(report.gbps, 3),
+        )
+        return report
+
+    async def _send_bucket(
+        self,
+        bucket: PlannedBucket,
+        index: int,
+        version: int,
+        free: deque[int],
+        in_flight: tuple[int, int] | None,
+    ) -> tuple[int, int]:
+        """Pack `bucket` into a free buffer, then send its header once the previous one is ACKed."""
+        assert self._staging is not None
+        if not free:
+            assert in_flight is not None
+            await self._await_ack(in_flight[0], version, "bucket", self.config.ack_timeout_s)
+            free.append(in_flight[1])
+            in_flight = None
+        buffer = free.popleft()
+        checksum = await self._pack(bucket, self._staging.buffers[buffer])
+        if in_flight is not None:
+            await self._await_ack(in_flight[0], version, "bucket", self.config.ack_timeout_s)
+            free.append(in_flight[1])
+        seq = self._next_seq()
+        pieces = [p.piece for p in bucket.pieces]
+        header = frames.Bucket(
+            PROTOCOL_VERSION, self._session, version, seq, index, buffer, pieces, checksum
+        )
+        await self._send(header, "bucket", seq)
+        return seq, buffer
+
+    async def _pack(self, bucket: PlannedBucket, buffer: torch.Tensor) -> int | None:
+        def work() -> int | None:
+            pack(bucket, buffer)
+            fence({p.source.device for p in bucket.pieces})
+            if self.config.checksum:
+                return crc32(buffer[: bucket.extent])
+            return None
+
+        if bucket.payload <= INLINE_PACK_BYTES:
+            return work()
+        # Not abandoned on cancel: staging must not be freed while a thread still writes it.
+        return await anyio.to_thread.run_sync(work)
+
+    async def _handshake(self) -> Staging:
+        staging = Staging.create(
+            count=self.config.pipeline_depth,
+            buffer_bytes=self.config.bucket_bytes,
+            tag=staging_tag(self.endpoint.runtime_dir),
+            session=self._session,
+        )
+        self._staging = staging
+        try:
+            offer = frames.Offer(PROTOCOL_VERSION, self._session, staging.describe())
+            await self._request(offer, "mapped", self.config.handshake_timeout_s, seq=0)
+        finally:
+            # Named only until the receiver has mapped it (or failed to): nothing to sweep later.
+            staging.unlink_names()
+        return staging
+
+    # -- frames -----------------------------------------------------------------------------
+
+    async def _request(
+        self, frame: frames.Request, step: str, limit_s: float, seq: int | None = None
+    ) -> Ack:
+        seq = getattr(frame, "seq", 0) if seq is None else seq
+        version = getattr(frame, "version", 0)
+        await self._send(frame, step, seq, limit_s)
+        return await self._await_ack(seq, version, step, limit_s)
+
+    async def _send(
+        self, frame: frames.Request, phase: str, seq: int, limit_s: float | None = None
+    ) -> None:
+        # A REQ send waits for a connected peer; bounded like every other wait.
+        with anyio.move_on_after(limit_s or self.config.ack_timeout_s) as scope:
+            await self._socket.send(frames.encode(frame))
+        if scope.cancelled_caught:
+            raise self._timeout(phase, seq, "sending")
+
+    async def _await_ack(self, seq: int, version: int, step: str, limit_s: float) -> Ack:
+        with anyio.move_on_after(limit_s) as scope:
+            data = await self._socket.recv()
+        if scope.cancelled_caught:
+            raise self._timeout(step, seq, f"waiting {limit_s:g} s for the receiver's ACK")
+        reply = frames.decode_reply(data)
+        if isinstance(reply, frames.Failure):
+            raise PeerError(
+                f"receiver at {self.endpoint.url} failed ({step}, seq {seq}): "
+                f"{reply.type}: {reply.message}",
+                remote_type=reply.type,
+                remote_message=reply.message,
+            )
+        if (reply.session, reply.seq, reply.version, reply.step) != (
+            self._session,
+            seq,
+            version,
+            step,
+        ):
+            raise ProtocolError(
+                f"unexpected ACK from {self.endpoint.url}: got session {reply.session:x} "
+                f"seq {reply.seq} version {reply.version} step {reply.step}, expected session "
+                f"{self._session:x} seq {seq} version {version} step {step}"
+            )
+        return reply
+
+    def _timeout(self, phase: str, seq: int, doing: str) -> AckTimeout:
+        return AckTimeout(
+            f"weight channel {self.endpoint.url}: no answer in phase {phase} (seq {seq}) "
+            f"while {doing}; session closed",
+            phase=phase,
+            seq=seq,
+            endpoint=self.endpoint.url,
+        )
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    # -- ending -----------------------------------------------------------------------------
+
+    async def _abort_after(self, exc: BaseException, version: int) -> None:
+        """After a failed transfer: tell the receiver when it can still listen, then shut down.
+
+        The notice is best effort and bounded; nothing it raises replaces `exc`.
+        """
+        reason = f"{type(exc).__name__}: {exc}"
+        peer_listens = not isinstance(exc, AckTimeout | PeerError | ProtocolError)
+        if peer_listens and self._staging is not None:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(ABORT_NOTICE_S):
+                try:
+                    await self._send_abort_notice(version, reason)
+                except (TransferError, zmq.ZMQError) as notice_exc:
+                    log.warning(
+                        "sync.abort.notice_failed",
+                        endpoint=self.endpoint.url,
+                        error=repr(notice_exc),
+                    )
+        self._shutdown(reason)
+
+    def _socket_idle(self) -> bool:
+        """Whether REQ may send now (no header is awaiting its reply)."""
+        return bool(cast(int, self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLOUT)
+
+    async def _send_abort_notice(self, version: int, reason: str) -> None:
+        if not self._socket_idle():
+            await self._socket.recv()  # the reply to the header still in flight
+        seq = self._next_seq()
+        notice = frames.Abort(PROTOCOL_VERSION, self._session, version, seq, reason[:4096])
+        await self._socket.send(frames.encode(notice))
+        await self._socket.recv()
+
+    def _say_goodbye(self) -> None:
+        """Best effort, bounded: lets a receiver waiting for the next transfer stop at once."""
+        goodbye = frames.encode(frames.Goodbye(PROTOCOL_VERSION, self._session))
+        try:
+            self._socket.send(goodbye, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return
+
+    def _shutdown(self, reason: str) -> None:
+        self._closed_because = reason
+        if self._staging is not None:
+            self._staging.unlink_names()
+            self._staging.close()
+            self._staging = None
+        self._socket.close(linger=int(self.config.linger_s * 1000))
+        self._context.term()
+        self.endpoint.remove_socket_file(self._inode)
+
+    def _check_usable(self) -> None:
+        if self._closed_because is not None:
+            raise SessionClosed(
+                f"weight sender {self.endpoint.url} is closed ({self._closed_because}); "
+                "open a new sender/receiver pair"
+            )
+        if self._busy:
+            raise TransferError(f"weight sender {self.endpoint.url} is already sending")
+
+
+async def _pairs(
+    weights: Iterable[object] | AsyncIterable[object],
+) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    if isinstance(weights, AsyncIterable):
+        async for item in weights:
+            yield _unpack_pair(item)
+    else:
+        for item in weights:
+            yield _unpack_pair(item)
+
+
+def _unpack_pair(item: object) -> tuple[str, torch.Tensor]:
+    if not isinstance(item, tuple) or len(item) != 2:
+        raise TransferError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
+    name, tensor = item
+    return name, tensor
+
+
+def _validate_all(
+    pairs: list[tuple[str, torch.Tensor]] | tuple[tuple[str, torch.Tensor], ...],
+) -> None:
+    seen: set[str] = set()
+    for item in pairs:
+        name, tensor = _unpack_pair(item)
+        check_tensor(name, tensor, seen)
+        seen.add(name)
