@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check timeshare tests benchmarks
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy timeshare
+	$(VENV)/bin/mypy timeshare tests benchmarks
 
 pytest: $(STAMP)
 	$(PY) -m pytest -q

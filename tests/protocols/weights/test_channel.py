@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from tests.protocols.weights.peers import Peer
 from timeshare.errors import PeerClosed, SessionClosed, TransferError
 from timeshare.protocols.weights import TransferConfig, WeightReceiver, WeightSender
 
-SMALL = {"bucket_mb": 0.25, "ack_timeout_s": 20.0, "handshake_timeout_s": 30.0}
+SMALL: dict[str, Any] = {"bucket_mb": 0.25, "ack_timeout_s": 20.0, "handshake_timeout_s": 30.0}
 
 
 def endpoint(runtime_dir: Path) -> str:
@@ -33,7 +34,7 @@ def expected_digests(spec: str, seed: int = 0) -> dict[str, list[Any]]:
 async def test_every_dtype_and_shape_arrives_bit_identical(
     runtime_dir: Path, depth: int, checksum: bool
 ) -> None:
-    cfg = {**SMALL, "pipeline_depth": depth, "checksum": checksum}
+    cfg: dict[str, Any] = {**SMALL, "pipeline_depth": depth, "checksum": checksum}
     weights = make_weights("all_dtypes", 0)
     with Peer(role="receiver", endpoint=endpoint(runtime_dir), config=cfg, transfers=2) as peer:
         peer.wait_ready()
@@ -54,7 +55,7 @@ async def test_every_dtype_and_shape_arrives_bit_identical(
 
 @pytest.mark.asyncio
 async def test_receiver_may_start_after_the_sender(runtime_dir: Path) -> None:
-    cfg = {**SMALL}
+    cfg: dict[str, Any] = {**SMALL}
     weights = make_weights("mb:2:0.5", 1)
     with WeightSender(endpoint(runtime_dir), TransferConfig(**cfg)) as sender:
         with Peer(role="receiver", endpoint=endpoint(runtime_dir), config=cfg) as peer:
@@ -169,7 +170,7 @@ async def test_expected_names_missing_or_extra_fail_both_sides(
     from timeshare.errors import PeerError
 
     weights = make_weights("mb:1:0.5", 0)  # layer0.weight, layer1.weight
-    cfg = {**SMALL}
+    cfg: dict[str, Any] = {**SMALL}
     with Peer(
         role="receiver", endpoint=endpoint(runtime_dir), config=cfg, expected_names=expected
     ) as peer:
@@ -182,3 +183,31 @@ async def test_expected_names_missing_or_extra_fail_both_sides(
         assert event["event"] == "error" and event["type"] == "TransferError"
         assert peer.wait() == 0
     assert socket_files(runtime_dir) == []
+
+
+@pytest.mark.asyncio
+async def test_receive_async_delivers_and_stops_promptly_when_cancelled(runtime_dir: Path) -> None:
+    import time
+
+    import anyio
+
+    cfg = TransferConfig(**SMALL)
+    got: dict[str, torch.Tensor] = {}
+
+    def keep(items: list[tuple[str, torch.Tensor]]) -> None:
+        got.update((name, tensor.clone()) for name, tensor in items)
+
+    with WeightReceiver(endpoint(runtime_dir), cfg) as receiver:
+        with WeightSender(endpoint(runtime_dir), cfg) as sender:
+            async with anyio.create_task_group() as group:
+                group.start_soon(partial(sender.send, {"w": torch.arange(10.0)}, version=0))
+                report = await receiver.receive_async(keep)
+            assert report.tensors == 1 and torch.equal(got["w"], torch.arange(10.0))
+            # The sender sends nothing more: a cancelled wait ends within a poll slice, not
+            # after begin_timeout_s.
+            started = time.monotonic()
+            with anyio.move_on_after(0.3):
+                await receiver.receive_async(keep)
+            assert time.monotonic() - started < 2.0
+            with pytest.raises(SessionClosed, match="cancelled"):
+                receiver.receive(keep)

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from timeshare.protocols.weights import (
 )
 
 ACK_TIMEOUT_S = 2.0
-FAST = {
+FAST: dict[str, Any] = {
     "bucket_mb": 0.25,
     "ack_timeout_s": ACK_TIMEOUT_S,
     "handshake_timeout_s": 20.0,
@@ -126,7 +127,7 @@ def test_dead_sender_is_an_ack_timeout_on_the_receiver(runtime_dir: Path) -> Non
 def test_sweep_removes_staging_of_a_sender_killed_before_the_handshake(runtime_dir: Path) -> None:
     # No receiver: the sender creates its named staging, then waits for the handshake's ACK.
     before = staging_segments()
-    cfg = {**FAST, "handshake_timeout_s": 60.0}
+    cfg: dict[str, Any] = {**FAST, "handshake_timeout_s": 60.0}
     with Peer(role="sender", endpoint=endpoint(runtime_dir), config=cfg, spec=WEIGHTS) as peer:
         pid = peer.wait_ready()
         assert wait_until(lambda: len(staging_segments() - before) == 2)
@@ -145,7 +146,7 @@ def test_sweep_removes_staging_of_a_sender_killed_before_the_handshake(runtime_d
 
 def test_sweep_leaves_other_runtime_directories_alone(runtime_dir: Path, tmp_path: Path) -> None:
     other = Path(os.path.realpath(tmp_path))
-    cfg = {**FAST, "handshake_timeout_s": 60.0}
+    cfg: dict[str, Any] = {**FAST, "handshake_timeout_s": 60.0}
     before = staging_segments()
     with Peer(role="sender", endpoint=endpoint(runtime_dir), config=cfg, spec=WEIGHTS) as peer:
         peer.wait_ready()
@@ -157,7 +158,7 @@ def test_sweep_leaves_other_runtime_directories_alone(runtime_dir: Path, tmp_pat
 
 @pytest.mark.asyncio
 async def test_slow_finalize_is_a_timeout_on_both_sides(runtime_dir: Path) -> None:
-    cfg = {**FAST, "finalize_timeout_s": 1.0}
+    cfg: dict[str, Any] = {**FAST, "finalize_timeout_s": 1.0}
     with Peer(
         role="receiver",
         endpoint=endpoint(runtime_dir),

@@ -45,13 +45,13 @@ class TensorPiece(msgspec.Struct, frozen=True, array_like=True):
     total: int  # bytes of the whole tensor
 
 
-class Offer(_Frame, tag="offer"):
+class Offer(_Frame, frozen=True, tag="offer"):
     protocol: int
     session: int
     staging: ShmStaging
 
 
-class Bucket(_Frame, tag="bucket"):
+class Bucket(_Frame, frozen=True, tag="bucket"):
     protocol: int
     session: int
     version: int
@@ -62,7 +62,7 @@ class Bucket(_Frame, tag="bucket"):
     checksum: int | None = None  # crc32 of the bytes used, when enabled
 
 
-class Release(_Frame, tag="release"):
+class Release(_Frame, frozen=True, tag="release"):
     protocol: int
     session: int
     version: int
@@ -71,14 +71,14 @@ class Release(_Frame, tag="release"):
     nbytes: int
 
 
-class Finalize(_Frame, tag="finalize"):
+class Finalize(_Frame, frozen=True, tag="finalize"):
     protocol: int
     session: int
     version: int
     seq: int
 
 
-class Abort(_Frame, tag="abort"):
+class Abort(_Frame, frozen=True, tag="abort"):
     protocol: int
     session: int
     version: int
@@ -86,7 +86,7 @@ class Abort(_Frame, tag="abort"):
     reason: str
 
 
-class Goodbye(_Frame, tag="goodbye"):
+class Goodbye(_Frame, frozen=True, tag="goodbye"):
     protocol: int
     session: int
 
@@ -95,7 +95,7 @@ Request = Offer | Bucket | Release | Finalize | Abort | Goodbye
 AckStep = Literal["mapped", "bucket", "released", "finalized", "aborted", "goodbye"]
 
 
-class Ack(_Frame, tag="ack"):
+class Ack(_Frame, frozen=True, tag="ack"):
     protocol: int
     session: int
     step: AckStep
@@ -103,7 +103,7 @@ class Ack(_Frame, tag="ack"):
     seq: int
 
 
-class Failure(_Frame, tag="failure"):
+class Failure(_Frame, frozen=True, tag="failure"):
     protocol: int
     session: int
     version: int

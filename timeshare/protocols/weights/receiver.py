@@ -16,6 +16,7 @@ from functools import partial
 from typing import NoReturn, TypeAlias
 
 import anyio
+import anyio.lowlevel
 import structlog
 import torch
 import zmq
@@ -83,6 +84,9 @@ class WeightReceiver:
         expected = None if expected_names is None else frozenset(expected_names)
         try:
             return self._receive(on_bucket, finalize, expected, timeout_s)
+        except _Cancelled as exc:
+            self._shutdown(str(exc))
+            raise
         except BaseException as exc:
             self._shutdown(f"{type(exc).__name__}: {exc}")
             raise
@@ -115,6 +119,7 @@ class WeightReceiver:
             report = await anyio.to_thread.run_sync(run)
             group.cancel_scope.cancel()
         if report is None:
+            await anyio.lowlevel.checkpoint()  # raises the caller's cancellation
             raise SessionClosed(f"weight receiver {self.endpoint.url}: receive was cancelled")
         return report
 
@@ -218,7 +223,7 @@ class WeightReceiver:
         deadline = time.monotonic() + timeout
         while True:
             if self._cancel.is_set():
-                raise _Cancelled
+                raise _Cancelled("receive_async was cancelled")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise AckTimeout(

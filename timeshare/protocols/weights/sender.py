@@ -12,6 +12,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
+from functools import partial
 from typing import TypeAlias, cast
 
 import anyio
@@ -189,11 +190,15 @@ class WeightSender:
         return await anyio.to_thread.run_sync(work)
 
     async def _handshake(self) -> Staging:
-        staging = Staging.create(
-            count=self.config.pipeline_depth,
-            buffer_bytes=self.config.bucket_bytes,
-            tag=staging_tag(self.endpoint.runtime_dir),
-            session=self._session,
+        # Creating staging faults in every page (MAP_POPULATE): tens of ms, off the event loop.
+        staging = await anyio.to_thread.run_sync(
+            partial(
+                Staging.create,
+                count=self.config.pipeline_depth,
+                buffer_bytes=self.config.bucket_bytes,
+                tag=staging_tag(self.endpoint.runtime_dir),
+                session=self._session,
+            )
         )
         self._staging = staging
         try:
@@ -296,12 +301,13 @@ class WeightSender:
         await self._socket.recv()
 
     def _say_goodbye(self) -> None:
-        """Best effort, bounded: lets a receiver waiting for the next transfer stop at once."""
+        """Best effort, never blocks: lets a receiver waiting for the next transfer stop at once."""
         goodbye = frames.encode(frames.Goodbye(PROTOCOL_VERSION, self._session))
+        blocking_view: zmq.Socket[bytes] = zmq.Socket.shadow(self._socket.underlying)
         try:
-            self._socket.send(goodbye, flags=zmq.NOBLOCK)
+            blocking_view.send(goodbye, flags=zmq.NOBLOCK)
         except zmq.ZMQError:
-            return
+            log.debug("sync.goodbye.skipped", endpoint=self.endpoint.url, reason="peer gone")
 
     def _shutdown(self, reason: str) -> None:
         self._closed_because = reason

@@ -91,7 +91,9 @@ class Staging:
             for name in names:
                 _unlink_quietly(name)
             raise
-        return cls(maps, names, buffer_bytes)
+        staging = cls(maps, names, buffer_bytes)
+        staging.fault_in(write=True)
+        return staging
 
     @classmethod
     def attach(cls, description: ShmStaging) -> Staging:
@@ -104,7 +106,21 @@ class Staging:
             for m in maps:
                 m.close()
             raise
-        return cls(maps, list(description.names), description.buffer_bytes)
+        staging = cls(maps, list(description.names), description.buffer_bytes)
+        staging.fault_in(write=False)
+        return staging
+
+    def fault_in(self, *, write: bool) -> None:
+        """Touch every page now, at session set-up, rather than during the first transfer.
+
+        Fresh shared pages cost 5-10x a warm copy to touch. torch releases the GIL while it
+        touches them (MAP_POPULATE would hold it for the whole mmap call).
+        """
+        for buffer in self.buffers:
+            if write:
+                buffer.zero_()
+            else:
+                buffer.max()
 
     def describe(self) -> ShmStaging:
         return ShmStaging(names=list(self._names), buffer_bytes=self.buffer_bytes)
@@ -172,8 +188,7 @@ def _create_segment(name: str, nbytes: int) -> mmap.mmap:
         raise TransferError(f"cannot create staging segment {path}: {exc}") from exc
     try:
         os.ftruncate(fd, nbytes)
-        # MAP_POPULATE faults every page in now, at session set-up, not during the first bucket.
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     except OSError as exc:
         _unlink_quietly(name)
         raise TransferError(f"cannot size staging segment {path} to {nbytes} bytes: {exc}") from exc
@@ -193,7 +208,7 @@ def _map_segment(name: str, nbytes: int) -> mmap.mmap:
         size = os.fstat(fd).st_size
         if size != nbytes:
             raise TransferError(f"staging segment {path} holds {size} bytes, offer said {nbytes}")
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
 
