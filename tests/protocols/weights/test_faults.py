@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -247,4 +248,45 @@ def test_second_sender_on_a_live_endpoint_is_refused(runtime_dir: Path) -> None:
     with WeightSender(endpoint(runtime_dir), TransferConfig(**FAST)):
         with pytest.raises(TransferError, match="bound by a live process"):
             WeightSender(endpoint(runtime_dir), TransferConfig(**FAST))
+    assert socket_files(runtime_dir) == []
+
+
+def test_a_stale_socket_file_is_replaced_at_bind(runtime_dir: Path) -> None:
+    import socket as pysocket
+
+    path = runtime_dir / "w-rank0.sock"
+    dead = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+    dead.bind(str(path))
+    dead.close()  # the file stays, as after a SIGKILL
+    assert socket_files(runtime_dir) == [path]
+    with WeightSender(endpoint(runtime_dir), TransferConfig(**FAST)):
+        assert socket_files(runtime_dir) == [path]
+    assert socket_files(runtime_dir) == []
+
+
+def test_a_regular_file_at_the_endpoint_is_not_touched(runtime_dir: Path) -> None:
+    from timeshare.errors import TransferError
+
+    path = runtime_dir / "w-rank0.sock"
+    path.write_text("not a socket")
+    with pytest.raises(TransferError, match="exists and is not a socket"):
+        WeightSender(endpoint(runtime_dir), TransferConfig(**FAST))
+    assert path.read_text() == "not a socket"
+    path.unlink()
+
+
+@pytest.mark.asyncio
+async def test_close_is_refused_while_a_transfer_runs(runtime_dir: Path) -> None:
+    import anyio
+
+    from timeshare.errors import TransferError
+
+    with WeightSender(endpoint(runtime_dir), TransferConfig(**FAST)) as sender:
+        async with anyio.create_task_group() as group:
+            # No receiver: the send waits for the handshake until cancelled below.
+            group.start_soon(partial(sender.send, {"w": torch.ones(2)}, version=0))
+            await anyio.sleep(0.2)
+            with pytest.raises(TransferError, match="while a transfer is in progress"):
+                sender.close()
+            group.cancel_scope.cancel()
     assert socket_files(runtime_dir) == []

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from timeshare.errors import ProtocolError
 from timeshare.protocols.weights import frames
 from timeshare.protocols.weights.frames import PROTOCOL_VERSION, TensorPiece
-from timeshare.protocols.weights.staging import ShmStaging
+from timeshare.protocols.weights.shm import ShmSegments
 
 SAMPLES: list[frames.Request | frames.Reply] = [
-    frames.Offer(PROTOCOL_VERSION, 5, ShmStaging(names=["ts-w-x-1-2-3-0"], buffer_bytes=4096)),
+    frames.Offer(PROTOCOL_VERSION, 5, ShmSegments(names=["ts-w-x-1-2-3-0"], buffer_bytes=4096)),
     frames.Bucket(
         PROTOCOL_VERSION, 5, 7, 1, 0, 1, [TensorPiece("w", "bfloat16", (2, 3), 0, 12, 0, 12)], 99
     ),

@@ -7,8 +7,8 @@
     report = receiver.receive(on_bucket, finalize=None, expected_names=None)
 
 ZMQ carries small typed headers and ACKs; the bytes sit in staging that both processes map
-(see staging.py). A pair is a session: staging is set up by the first transfer and reused until
-`close()`. `sweep_stale` removes what a killed process left in a runtime directory.
+(staging.py, shm.py). A pair is a session: staging is set up by the first transfer and reused
+until `close()`. `sweep_stale` removes what a killed process left in a runtime directory.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from timeshare.protocols.weights.config import TransferConfig, TransferReport
 from timeshare.protocols.weights.endpoint import sweep_stale_sockets
 from timeshare.protocols.weights.receiver import WeightReceiver
 from timeshare.protocols.weights.sender import WeightSender
-from timeshare.protocols.weights.staging import SHM_DIR, staging_tag, sweep_stale_segments
+from timeshare.protocols.weights.shm import SHM_DIR, staging_tag, sweep_stale_segments
 
 __all__ = [
     "TransferConfig",

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import msgspec
 
 from timeshare.errors import TransferError
 from timeshare.protocols.weights.staging import ALIGNMENT
+from timeshare.protocols.weights.transport import Transport
 
 MAX_PIPELINE_DEPTH = 2  # REQ/REP keeps one header in flight; deeper needs DEALER with credits
 
@@ -37,7 +37,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
     begin_timeout_s: float = 600.0
     linger_s: float = 1.0
     checksum: bool = False
-    transport: Literal["auto", "shm"] = "auto"
+    transport: Transport = "auto"
 
     def __post_init__(self) -> None:
         if not self.bucket_mb > 0:
@@ -63,10 +63,6 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
     def bucket_bytes(self) -> int:
         """The staging buffer size in bytes, rounded down to the piece alignment."""
         return int(self.bucket_mb * 2**20) // ALIGNMENT * ALIGNMENT
-
-    @property
-    def resolved_transport(self) -> Literal["shm"]:
-        return "shm"
 
 
 @dataclass(frozen=True)

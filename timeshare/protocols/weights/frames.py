@@ -22,7 +22,7 @@ from typing import Any, Literal
 import msgspec
 
 from timeshare.errors import ProtocolError
-from timeshare.protocols.weights.staging import ShmStaging
+from timeshare.protocols.weights.transport import StagingDescription
 
 PROTOCOL_VERSION = 1
 # An error frame carries at most this much text, so a huge message cannot flood the channel.
@@ -48,7 +48,7 @@ class TensorPiece(msgspec.Struct, frozen=True, array_like=True):
 class Offer(_Frame, frozen=True, tag="offer"):
     protocol: int
     session: int
-    staging: ShmStaging
+    staging: StagingDescription
 
 
 class Bucket(_Frame, frozen=True, tag="bucket"):

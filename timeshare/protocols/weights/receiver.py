@@ -28,6 +28,7 @@ from timeshare.protocols.weights.endpoint import Endpoint
 from timeshare.protocols.weights.frames import PROTOCOL_VERSION
 from timeshare.protocols.weights.layout import Assembler, crc32, fence, payload_extent
 from timeshare.protocols.weights.staging import Staging, views_alive
+from timeshare.protocols.weights.transport import attach_staging
 
 log = structlog.get_logger(__name__)
 
@@ -181,7 +182,7 @@ class WeightReceiver:
     def _map_staging(self, offer: frames.Offer) -> None:
         if offer.staging.buffer_bytes <= 0 or not offer.staging.names:
             raise ProtocolError(f"offer describes no staging: {offer.staging}")
-        self._staging = Staging.attach(offer.staging)
+        self._staging = attach_staging(offer.staging)
         self._session = offer.session
 
     def _load(self, bucket: frames.Bucket, assembler: Assembler, on_bucket: OnBucket) -> None:

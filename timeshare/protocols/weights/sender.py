@@ -34,7 +34,9 @@ from timeshare.protocols.weights.layout import (
     fence,
     pack,
 )
-from timeshare.protocols.weights.staging import Staging, staging_tag
+from timeshare.protocols.weights.shm import staging_tag
+from timeshare.protocols.weights.staging import Staging
+from timeshare.protocols.weights.transport import create_staging
 
 log = structlog.get_logger(__name__)
 
@@ -93,12 +95,19 @@ class WeightSender:
             self._busy = False
 
     def close(self) -> None:
-        """End the session: tell an idle receiver (briefly), free staging, remove the socket."""
+        """End the session: tell an idle receiver, free staging, remove the socket file.
+
+        Blocks at most `linger_s` (delivering the goodbye). Refused while a transfer runs in
+        another task: staging must not be freed under it (cancel that task first).
+        """
         if self._closed_because is not None:
             return
-        if self._staging is not None and not self._busy:
-            self._say_goodbye()
-        self._shutdown("closed")
+        if self._busy:
+            raise TransferError(
+                f"weight sender {self.endpoint.url}: close() while a transfer is in progress"
+            )
+        said_goodbye = self._staging is not None and self._say_goodbye()
+        self._shutdown("closed", linger_s=self.config.linger_s if said_goodbye else 0.0)
 
     def __enter__(self) -> WeightSender:
         return self
@@ -193,7 +202,8 @@ class WeightSender:
         # Creating staging faults in every page (MAP_POPULATE): tens of ms, off the event loop.
         staging = await anyio.to_thread.run_sync(
             partial(
-                Staging.create,
+                create_staging,
+                self.config.transport,
                 count=self.config.pipeline_depth,
                 buffer_bytes=self.config.bucket_bytes,
                 tag=staging_tag(self.endpoint.runtime_dir),
@@ -300,7 +310,7 @@ class WeightSender:
         await self._socket.send(frames.encode(notice))
         await self._socket.recv()
 
-    def _say_goodbye(self) -> None:
+    def _say_goodbye(self) -> bool:
         """Best effort, never blocks: lets a receiver waiting for the next transfer stop at once."""
         goodbye = frames.encode(frames.Goodbye(PROTOCOL_VERSION, self._session))
         blocking_view: zmq.Socket[bytes] = zmq.Socket.shadow(self._socket.underlying)
@@ -308,14 +318,17 @@ class WeightSender:
             blocking_view.send(goodbye, flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             log.debug("sync.goodbye.skipped", endpoint=self.endpoint.url, reason="peer gone")
+            return False
+        return True
 
-    def _shutdown(self, reason: str) -> None:
+    def _shutdown(self, reason: str, *, linger_s: float = 0.0) -> None:
+        """Free everything; with linger_s 0 (failures) nothing waits, not even term()."""
         self._closed_because = reason
         if self._staging is not None:
             self._staging.unlink_names()
             self._staging.close()
             self._staging = None
-        self._socket.close(linger=int(self.config.linger_s * 1000))
+        self._socket.close(linger=int(linger_s * 1000))
         self._context.term()
         self.endpoint.remove_socket_file(self._inode)
 

@@ -1,218 +1,65 @@
-"""Shared staging buffers of the weight channel, behind one small interface.
+"""Staging buffers of the weight channel: the one interface every transport implements.
 
-The sender owns the staging (`Staging.create`), describes it in the handshake (`describe`), and
-unlinks every name once the receiver has mapped it (`unlink_names`); the receiver maps it
-(`Staging.attach`). Both then see the same bytes; later transfers on the session reuse them.
+The sender creates staging and describes it in the handshake (`describe`); the receiver maps
+that description (transport.py picks the implementation); once it has, the sender removes every name
+the staging had (`unlink_names`), so that nothing is left to sweep. Both sides then see the same
+bytes, and every later transfer of the session reuses them.
 
-Shared memory (`transport="shm"`): one /dev/shm segment per buffer, named
-``ts-w-<tag>-<pid>-<starttime>-<session>-<i>`` so that `sweep_stale_segments` can tell a segment
-whose owner is gone (pid dead, or reused by a process that started at another time) from a live
-one. A named segment exists only between `create` and `unlink_names`; after that it has no name
-and disappears with the last mapping. The CUDA IPC transport will add a second implementation of
-this interface.
+Implementations: shm.py (/dev/shm segments). CUDA IPC will be a second one, with its own
+description struct.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import mmap
-import os
-import re
-from pathlib import Path
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
-import msgspec
 import structlog
 import torch
 
-from timeshare.errors import TransferError
+if TYPE_CHECKING:  # the description types name their implementations; no import at run time
+    from timeshare.protocols.weights.transport import StagingDescription
 
 log = structlog.get_logger(__name__)
 
-SHM_DIR = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
-SEGMENT_PREFIX = "ts-w-"
-_SEGMENT_RE = re.compile(r"^ts-w-(?P<tag>[0-9a-z]+)-(?P<pid>\d+)-(?P<start>\d+)-[0-9a-f]+-\d+$")
 # Staging offsets are aligned so that every dtype view of a piece is aligned.
 ALIGNMENT = 64
 
 
-class ShmStaging(msgspec.Struct, frozen=True, tag="shm"):
-    """The handshake's description of shared-memory staging: one segment name per buffer."""
+class Staging(ABC):
+    """Equal buffers both processes map; `buffers[i]` is a flat uint8 tensor over buffer i."""
 
-    names: list[str]
     buffer_bytes: int
+    buffers: list[torch.Tensor]
 
+    @abstractmethod
+    def describe(self) -> StagingDescription:
+        """What the receiver needs to map the same buffers (sent in the handshake)."""
 
-def staging_tag(runtime_dir: Path | None) -> str:
-    """The part of a segment name that ties it to one runtime directory (or to TCP endpoints)."""
-    if runtime_dir is None:
-        return "tcp"
-    return hashlib.sha256(str(runtime_dir.resolve()).encode()).hexdigest()[:10]
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot (from /proc), or None if it does not exist."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # The command name may hold spaces and parentheses: fields count from the last ')'.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19])
-
-
-class Staging:
-    """A set of equal shared buffers mapped into this process, as uint8 tensors.
-
-    `buffers[i]` is a tensor over the whole of buffer i. The mappings are released by `close()`;
-    a mapping that something still views is left to disappear with its last view (never unmapped
-    under a live tensor).
-    """
-
-    def __init__(self, maps: list[mmap.mmap], names: list[str], buffer_bytes: int) -> None:
-        self._maps = maps
-        self._names = names
-        self.buffer_bytes = buffer_bytes
-        self.buffers = [torch.frombuffer(memoryview(m), dtype=torch.uint8) for m in maps]
-
-    @classmethod
-    def create(cls, *, count: int, buffer_bytes: int, tag: str, session: int) -> Staging:
-        """Create `count` named shared segments of `buffer_bytes` each, owned by this process."""
-        pid = os.getpid()
-        start = process_start_time(pid) or 0
-        names = [f"{SEGMENT_PREFIX}{tag}-{pid}-{start}-{session:016x}-{i}" for i in range(count)]
-        maps: list[mmap.mmap] = []
-        try:
-            for name in names:
-                maps.append(_create_segment(name, buffer_bytes))
-        except BaseException:
-            for m in maps:
-                m.close()
-            for name in names:
-                _unlink_quietly(name)
-            raise
-        staging = cls(maps, names, buffer_bytes)
-        staging.fault_in(write=True)
-        return staging
-
-    @classmethod
-    def attach(cls, description: ShmStaging) -> Staging:
-        """Map the segments a sender described in its handshake."""
-        maps: list[mmap.mmap] = []
-        try:
-            for name in description.names:
-                maps.append(_map_segment(name, description.buffer_bytes))
-        except BaseException:
-            for m in maps:
-                m.close()
-            raise
-        staging = cls(maps, list(description.names), description.buffer_bytes)
-        staging.fault_in(write=False)
-        return staging
-
-    def fault_in(self, *, write: bool) -> None:
-        """Touch every page now, at session set-up, rather than during the first transfer.
-
-        Fresh shared pages cost 5-10x a warm copy to touch. torch releases the GIL while it
-        touches them (MAP_POPULATE would hold it for the whole mmap call).
-        """
-        for buffer in self.buffers:
-            if write:
-                buffer.zero_()
-            else:
-                buffer.max()
-
-    def describe(self) -> ShmStaging:
-        return ShmStaging(names=list(self._names), buffer_bytes=self.buffer_bytes)
-
+    @abstractmethod
     def unlink_names(self) -> None:
-        """Remove the segments' names: the memory lives on until the last mapping goes."""
-        for name in self._names:
-            _unlink_quietly(name)
+        """Remove every name the buffers have; the memory lives on while mapped."""
 
+    @abstractmethod
     def view(self, index: int) -> tuple[torch.Tensor, torch.UntypedStorage]:
-        """A fresh tensor over buffer `index`, and its storage.
+        """A fresh tensor over buffer `index` and its storage (see `views_alive`)."""
 
-        The storage's use count tells afterwards whether anything kept a view of it
-        (`views_alive`).
-        """
-        base = torch.frombuffer(memoryview(self._maps[index]), dtype=torch.uint8)
-        return base, base.untyped_storage()
-
+    @abstractmethod
     def close(self) -> None:
-        """Unmap every buffer that nothing views any more; forget the rest safely."""
-        self.buffers = []
-        kept = 0
-        for m in self._maps:
-            try:
-                m.close()
-            except BufferError:
-                kept += 1  # a live view exports it: unmapped when that view dies
-        self._maps = []
-        if kept:
-            log.warning("staging.close.views_alive", buffers=kept)
+        """Release the mappings; never unmaps memory a live tensor still views."""
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)
+if _use_count is None:  # pragma: no cover - depends on the torch build
+    log.warning("staging.view_check.unavailable", torch=torch.__version__)
 
 
 def views_alive(storage: torch.UntypedStorage) -> int:
     """How many references other than `storage` itself still hold it (0: no view is left).
 
     A view of a view counts its base too, so this is not the number of tensors a caller kept.
+    Returns 0 where this torch build cannot tell.
     """
-    return int(torch._C._storage_Use_Count(storage._cdata)) - 1
-
-
-def sweep_stale_segments(tag: str | None = None) -> list[str]:
-    """Remove staging segments whose owner process is gone; return their names.
-
-    With a `tag`, only that runtime directory's segments are considered.
-    """
-    removed: list[str] = []
-    for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*"):
-        match = _SEGMENT_RE.match(path.name)
-        if match is None or (tag is not None and match["tag"] != tag):
-            continue
-        pid, start = int(match["pid"]), int(match["start"])
-        if process_start_time(pid) == start:
-            continue  # owner alive
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed.append(path.name)
-    return removed
-
-
-def _create_segment(name: str, nbytes: int) -> mmap.mmap:
-    path = SHM_DIR / name
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as exc:
-        raise TransferError(f"cannot create staging segment {path}: {exc}") from exc
-    try:
-        os.ftruncate(fd, nbytes)
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-    except OSError as exc:
-        _unlink_quietly(name)
-        raise TransferError(f"cannot size staging segment {path} to {nbytes} bytes: {exc}") from exc
-    finally:
-        os.close(fd)
-
-
-def _map_segment(name: str, nbytes: int) -> mmap.mmap:
-    if "/" in name or not name.startswith(SEGMENT_PREFIX):
-        raise TransferError(f"refusing to map staging segment with a foreign name: {name!r}")
-    path = SHM_DIR / name
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError as exc:
-        raise TransferError(f"cannot open staging segment {path}: {exc}") from exc
-    try:
-        size = os.fstat(fd).st_size
-        if size != nbytes:
-            raise TransferError(f"staging segment {path} holds {size} bytes, offer said {nbytes}")
-        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
-    finally:
-        os.close(fd)
-
-
-def _unlink_quietly(name: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        (SHM_DIR / name).unlink()
+    if _use_count is None:  # pragma: no cover
+        return 0
+    return int(_use_count(storage._cdata)) - 1
