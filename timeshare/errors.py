@@ -22,15 +22,19 @@ class TransferError(TimeshareError):
 class AckTimeout(TransferError):
     """Raised when the peer of a weight channel did not answer within its deadline.
 
-    The message names the phase (handshake, bucket, release, finalize), the bucket's sequence
-    number and the endpoint. The session is closed on this side: a bucket is never re-sent.
+    The message names the phase (mapped, begin, bucket, released, finalized), the bucket's index
+    within the transfer where one was involved, the sequence number and the endpoint. The session
+    is closed on this side: a bucket is never re-sent.
     """
 
-    def __init__(self, message: str, *, phase: str, seq: int | None, endpoint: str) -> None:
+    def __init__(
+        self, message: str, *, phase: str, seq: int | None, endpoint: str, bucket: int | None = None
+    ) -> None:
         super().__init__(message)
         self.phase = phase
         self.seq = seq
         self.endpoint = endpoint
+        self.bucket = bucket
 
 
 class PeerError(TransferError):

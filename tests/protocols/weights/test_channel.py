@@ -131,6 +131,14 @@ async def test_bad_input_is_refused_before_anything_is_sent(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("version", [-1, 1.5, True])
+async def test_bad_version_is_refused(runtime_dir: Path, version: Any) -> None:
+    with WeightSender(endpoint(runtime_dir), TransferConfig(**SMALL)) as sender:
+        with pytest.raises(TransferError, match="version must be a non-negative int"):
+            await sender.send({"w": torch.ones(1)}, version=version)
+
+
+@pytest.mark.asyncio
 async def test_bad_item_mid_stream_aborts_both_sides(runtime_dir: Path) -> None:
     async def stream() -> AsyncIterator[tuple[str, Any]]:
         yield "ok", torch.randn(200_000)  # more than a bucket: sent before the bad item

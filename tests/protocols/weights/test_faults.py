@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -88,10 +89,11 @@ async def test_dead_or_stuck_receiver_is_an_ack_timeout(runtime_dir: Path, mode:
             with pytest.raises(AckTimeout) as info:
                 await sender.send(make_weights(WEIGHTS, 0), version=1)
             elapsed = time.monotonic() - started
-        assert info.value.phase == "bucket"
+        assert (info.value.phase, info.value.bucket) == ("bucket", 2)
         assert info.value.seq is not None and info.value.seq >= 3
         assert info.value.endpoint == endpoint(runtime_dir)
-        assert endpoint(runtime_dir) in str(info.value) and "phase bucket" in str(info.value)
+        assert endpoint(runtime_dir) in str(info.value)
+        assert "phase bucket (bucket 2, seq" in str(info.value)
         assert elapsed < ACK_TIMEOUT_S + 3.0  # the bucket's wait, plus a little
         if mode == "kill_on_bucket":
             assert peer.wait() == -signal.SIGKILL
@@ -113,8 +115,9 @@ def test_dead_sender_is_an_ack_timeout_on_the_receiver(runtime_dir: Path) -> Non
                 receiver.receive(lambda items: None)
             elapsed = time.monotonic() - started
             assert peer.wait() == -signal.SIGKILL
-        assert info.value.phase == "bucket"
-        assert "no frame from the sender" in str(info.value)
+        # Five tensors of 128 KiB make two full buckets; the third never comes.
+        assert (info.value.phase, info.value.bucket) == ("bucket", 2)
+        assert "no frame from the sender in phase bucket (bucket 2" in str(info.value)
         assert elapsed < 0.2 + 2 * ACK_TIMEOUT_S + 3.0
         with pytest.raises(SessionClosed):
             receiver.receive(lambda items: None)
@@ -177,42 +180,49 @@ async def test_slow_finalize_is_a_timeout_on_both_sides(runtime_dir: Path) -> No
         assert "finalize took" in event["message"]
 
 
-def test_malformed_frame_to_the_receiver_is_a_protocol_error(runtime_dir: Path) -> None:
-    url = endpoint(runtime_dir)
+@pytest.fixture
+def rogue_sender(runtime_dir: Path) -> Iterator[zmq.Socket[bytes]]:
+    """A raw REQ socket bound where a WeightSender would be, to send what no sender would."""
     context = zmq.Context()
     rogue = context.socket(zmq.REQ)
     rogue.setsockopt(zmq.LINGER, 0)
-    rogue.bind(url)
-    try:
-        with WeightReceiver(url, TransferConfig(**FAST)) as receiver:
-            rogue.send(b"\x93not a frame")
-            with pytest.raises(ProtocolError, match="malformed request frame"):
-                receiver.receive(lambda items: None)
-        assert rogue.poll(5000), "the receiver must still reply"
-        reply = frames.decode_reply(rogue.recv())
-        assert isinstance(reply, frames.Failure) and reply.type == "ProtocolError"
-    finally:
-        rogue.close()
-        context.term()
-        os.unlink(url.removeprefix("ipc://"))
+    rogue.bind(endpoint(runtime_dir))
+    yield rogue
+    rogue.close()
+    context.term()
+    os.unlink(runtime_dir / "w-rank0.sock")
 
 
-def test_foreign_protocol_version_is_named(runtime_dir: Path) -> None:
-    url = endpoint(runtime_dir)
-    context = zmq.Context()
-    rogue = context.socket(zmq.REQ)
-    rogue.setsockopt(zmq.LINGER, 0)
-    rogue.bind(url)
-    try:
-        with WeightReceiver(url, TransferConfig(**FAST)) as receiver:
-            future = frames.Goodbye(protocol=99, session=1)
-            rogue.send(frames.encode(future))
-            with pytest.raises(ProtocolError, match="protocol 99"):
-                receiver.receive(lambda items: None)
-    finally:
-        rogue.close()
-        context.term()
-        os.unlink(url.removeprefix("ipc://"))
+def test_malformed_frame_to_the_receiver_is_a_protocol_error(
+    runtime_dir: Path, rogue_sender: zmq.Socket[bytes]
+) -> None:
+    with WeightReceiver(endpoint(runtime_dir), TransferConfig(**FAST)) as receiver:
+        rogue_sender.send(b"\x93not a frame")
+        with pytest.raises(ProtocolError, match="malformed request frame"):
+            receiver.receive(lambda items: None)
+    assert rogue_sender.poll(5000), "the receiver must still reply"
+    reply = frames.decode_reply(rogue_sender.recv())
+    assert isinstance(reply, frames.Failure) and reply.type == "ProtocolError"
+
+
+def test_foreign_protocol_version_is_named(
+    runtime_dir: Path, rogue_sender: zmq.Socket[bytes]
+) -> None:
+    with WeightReceiver(endpoint(runtime_dir), TransferConfig(**FAST)) as receiver:
+        rogue_sender.send(frames.encode(frames.Goodbye(protocol=99, session=1)))
+        with pytest.raises(ProtocolError, match="protocol 99"):
+            receiver.receive(lambda items: None)
+
+
+def test_frame_of_another_session_is_a_protocol_error(
+    runtime_dir: Path, rogue_sender: zmq.Socket[bytes]
+) -> None:
+    with WeightReceiver(endpoint(runtime_dir), TransferConfig(**FAST)) as receiver:
+        rogue_sender.send(frames.encode(frames.Finalize(frames.PROTOCOL_VERSION, 42, 0, 1)))
+        with pytest.raises(ProtocolError, match="frame of session 2a, this session is none yet"):
+            receiver.receive(lambda items: None)
+    assert rogue_sender.poll(5000)
+    assert isinstance(frames.decode_reply(rogue_sender.recv()), frames.Failure)
 
 
 @pytest.mark.asyncio

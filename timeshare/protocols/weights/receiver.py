@@ -148,7 +148,7 @@ class WeightReceiver:
         started = time.perf_counter()
         if isinstance(frame, frames.Offer):
             self._reply_to(frame, partial(self._map_staging, frame), step="mapped")
-            frame = self._next_request("bucket", self.config.ack_timeout_s)
+            frame = self._next_request("bucket", self.config.ack_timeout_s, bucket=0)
             started = time.perf_counter()
         if self._staging is None:
             self._fail(frame, ProtocolError(f"{type(frame).__name__} before the handshake"))
@@ -159,7 +159,7 @@ class WeightReceiver:
             self._check_bucket(frame, version, buckets)
             self._reply_to(frame, partial(self._load, frame, assembler, on_bucket), step="bucket")
             buckets += 1
-            frame = self._next_request("bucket", self.config.ack_timeout_s)
+            frame = self._next_request("bucket", self.config.ack_timeout_s, bucket=buckets)
         if not isinstance(frame, frames.Release):
             self._fail(
                 frame, ProtocolError(f"expected a bucket or release, got {type(frame).__name__}")
@@ -219,7 +219,9 @@ class WeightReceiver:
 
     # -- frames -----------------------------------------------------------------------------
 
-    def _next_request(self, phase: str, timeout: float) -> frames.Request:
+    def _next_request(
+        self, phase: str, timeout: float, bucket: int | None = None
+    ) -> frames.Request:
         """Wait for the sender's next frame; a dead or silent sender is an AckTimeout."""
         deadline = time.monotonic() + timeout
         while True:
@@ -227,12 +229,15 @@ class WeightReceiver:
                 raise _Cancelled("receive_async was cancelled")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                waiting_for = "" if bucket is None else f"bucket {bucket}, "
                 raise AckTimeout(
                     f"weight channel {self.endpoint.url}: no frame from the sender in phase "
-                    f"{phase} (after seq {self._last_seq}) within {timeout:g} s; session closed",
+                    f"{phase} ({waiting_for}after seq {self._last_seq}) within {timeout:g} s; "
+                    "session closed",
                     phase=phase,
                     seq=self._last_seq,
                     endpoint=self.endpoint.url,
+                    bucket=bucket,
                 )
             if self._socket.poll(int(min(remaining, POLL_SLICE_S) * 1000) + 1, zmq.POLLIN):
                 break

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from functools import partial
-from typing import TypeAlias, cast
+from typing import NamedTuple, TypeAlias, cast
 
 import anyio
 import structlog
@@ -51,6 +51,14 @@ INLINE_PACK_BYTES = 1 << 20
 ABORT_NOTICE_S = 5.0
 
 
+class InFlight(NamedTuple):
+    """A bucket header sent and not yet ACKed."""
+
+    seq: int
+    buffer: int
+    bucket: int
+
+
 class WeightSender:
     """Sends named tensors to one `WeightReceiver`; async, never blocks the event loop."""
 
@@ -81,6 +89,8 @@ class WeightSender:
         (a dict, list or tuple) are validated whole before anything is sent.
         """
         self._check_usable()
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise TransferError(f"version must be a non-negative int, got {version!r}")
         if isinstance(weights, Mapping):
             weights = list(weights.items())
         if isinstance(weights, list | tuple):
@@ -126,7 +136,7 @@ class WeightSender:
         started = time.perf_counter()
         planner = BucketPlanner(staging.buffer_bytes)
         free = deque(range(len(staging.buffers)))
-        in_flight: tuple[int, int] | None = None  # (seq, buffer) of the header awaiting its ACK
+        in_flight: InFlight | None = None  # the header awaiting its ACK
         index = 0
         async for name, tensor in _pairs(weights):
             for bucket in planner.add(name, tensor):
@@ -136,7 +146,7 @@ class WeightSender:
             in_flight = await self._send_bucket(bucket, index, version, free, in_flight)
             index += 1
         if in_flight is not None:
-            await self._await_ack(in_flight[0], version, "bucket", self.config.ack_timeout_s)
+            await self._await_bucket_ack(in_flight, version)
         seq = self._next_seq()
         release = frames.Release(
             PROTOCOL_VERSION, self._session, version, seq, planner.tensors, planner.bytes
@@ -163,27 +173,25 @@ class WeightSender:
         index: int,
         version: int,
         free: deque[int],
-        in_flight: tuple[int, int] | None,
-    ) -> tuple[int, int]:
+        in_flight: InFlight | None,
+    ) -> InFlight:
         """Pack `bucket` into a free buffer, then send its header once the previous one is ACKed."""
         assert self._staging is not None
         if not free:
             assert in_flight is not None
-            await self._await_ack(in_flight[0], version, "bucket", self.config.ack_timeout_s)
-            free.append(in_flight[1])
+            free.append(await self._await_bucket_ack(in_flight, version))
             in_flight = None
         buffer = free.popleft()
         checksum = await self._pack(bucket, self._staging.buffers[buffer])
         if in_flight is not None:
-            await self._await_ack(in_flight[0], version, "bucket", self.config.ack_timeout_s)
-            free.append(in_flight[1])
+            free.append(await self._await_bucket_ack(in_flight, version))
         seq = self._next_seq()
         pieces = [p.piece for p in bucket.pieces]
         header = frames.Bucket(
             PROTOCOL_VERSION, self._session, version, seq, index, buffer, pieces, checksum
         )
-        await self._send(header, "bucket", seq)
-        return seq, buffer
+        await self._send(header, "bucket", seq, bucket=index)
+        return InFlight(seq, buffer, index)
 
     async def _pack(self, bucket: PlannedBucket, buffer: torch.Tensor) -> int | None:
         def work() -> int | None:
@@ -230,19 +238,33 @@ class WeightSender:
         return await self._await_ack(seq, version, step, limit_s)
 
     async def _send(
-        self, frame: frames.Request, phase: str, seq: int, limit_s: float | None = None
+        self,
+        frame: frames.Request,
+        phase: str,
+        seq: int,
+        limit_s: float | None = None,
+        *,
+        bucket: int | None = None,
     ) -> None:
         # A REQ send waits for a connected peer; bounded like every other wait.
         with anyio.move_on_after(limit_s or self.config.ack_timeout_s) as scope:
             await self._socket.send(frames.encode(frame))
         if scope.cancelled_caught:
-            raise self._timeout(phase, seq, "sending")
+            raise self._timeout(phase, seq, "sending", bucket)
 
-    async def _await_ack(self, seq: int, version: int, step: str, limit_s: float) -> Ack:
+    async def _await_bucket_ack(self, in_flight: InFlight, version: int) -> int:
+        """Wait for a bucket's ACK; return its buffer, free again."""
+        limit_s = self.config.ack_timeout_s
+        await self._await_ack(in_flight.seq, version, "bucket", limit_s, bucket=in_flight.bucket)
+        return in_flight.buffer
+
+    async def _await_ack(
+        self, seq: int, version: int, step: str, limit_s: float, *, bucket: int | None = None
+    ) -> Ack:
         with anyio.move_on_after(limit_s) as scope:
             data = await self._socket.recv()
         if scope.cancelled_caught:
-            raise self._timeout(step, seq, f"waiting {limit_s:g} s for the receiver's ACK")
+            raise self._timeout(step, seq, f"waiting {limit_s:g} s for the receiver's ACK", bucket)
         reply = frames.decode_reply(data)
         if isinstance(reply, frames.Failure):
             raise PeerError(
@@ -264,13 +286,15 @@ class WeightSender:
             )
         return reply
 
-    def _timeout(self, phase: str, seq: int, doing: str) -> AckTimeout:
+    def _timeout(self, phase: str, seq: int, doing: str, bucket: int | None) -> AckTimeout:
+        where = f"bucket {bucket}, seq {seq}" if bucket is not None else f"seq {seq}"
         return AckTimeout(
-            f"weight channel {self.endpoint.url}: no answer in phase {phase} (seq {seq}) "
+            f"weight channel {self.endpoint.url}: no answer in phase {phase} ({where}) "
             f"while {doing}; session closed",
             phase=phase,
             seq=seq,
             endpoint=self.endpoint.url,
+            bucket=bucket,
         )
 
     def _next_seq(self) -> int:
