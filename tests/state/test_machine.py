@@ -1,0 +1,317 @@
+"""The phase machine, table-driven: every legal and illegal (lifecycle, event) pair, the cycle,
+its fences, the requests at safe points, and a hypothesis state machine over random events."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from timeshare.state import (
+    MEMORY_FENCES,
+    TABLE,
+    Bootstrapped,
+    Drained,
+    Event,
+    Failed,
+    InvalidTransition,
+    JobState,
+    Lifecycle,
+    Phase,
+    RankFinished,
+    Request,
+    Requested,
+    advance,
+    initial_state,
+)
+
+CYCLE = [Phase.SYNC, Phase.BARRIER, Phase.RESUME, Phase.ROLLOUT, Phase.TRAIN, Phase.OFFLOAD]
+# Between two fences every rank of a fenced job stands in the same segment.
+SEGMENT = {
+    Phase.SYNC: 0,
+    Phase.BARRIER: 0,
+    Phase.RESUME: 1,
+    Phase.ROLLOUT: 1,
+    Phase.TRAIN: 2,
+    Phase.OFFLOAD: 2,
+}
+
+
+def run(state: JobState, *events: Event) -> JobState:
+    for event in events:
+        state = advance(state, event).state
+    return state
+
+
+def finish_phase(state: JobState) -> JobState:
+    """Every rank finishes the phase it is in."""
+    for rank, progress in enumerate(state.ranks):
+        if not progress.done:
+            state = advance(state, RankFinished(rank, progress.phase)).state
+    return state
+
+
+def state_in(lifecycle: Lifecycle, ranks: int = 2) -> JobState:
+    start = initial_state(ranks)
+    running = run(start, Bootstrapped(step=0))
+    paused = run(running, Requested(Request.PAUSE))
+    while paused.lifecycle is Lifecycle.RUNNING:
+        paused = finish_phase(paused)
+    draining = run(running, Requested(Request.STOP))
+    return {
+        Lifecycle.STARTING: start,
+        Lifecycle.RUNNING: running,
+        Lifecycle.PAUSED: paused,
+        Lifecycle.DRAINING: draining,
+        Lifecycle.STOPPED: run(draining, Drained()),
+        Lifecycle.FAILED: run(running, Failed("boom")),
+    }[lifecycle]
+
+
+def sample_events(state: JobState) -> list[Event]:
+    first = state.ranks[0]
+    return [
+        Bootstrapped(step=3),
+        RankFinished(0, first.phase),
+        *(Requested(r) for r in Request),
+        Drained(),
+        Failed("worker 1 died"),
+    ]
+
+
+# Legal pairs whose particular event the rules still refuse, and why.
+REFUSED: dict[tuple[Lifecycle, Event], str] = {
+    (Lifecycle.DRAINING, Requested(Request.RESUME)): "a draining job cannot resume",
+}
+
+
+@pytest.mark.parametrize("lifecycle", list(Lifecycle), ids=lambda lc: lc.value)
+def test_every_pair_is_legal_exactly_when_the_table_says(lifecycle: Lifecycle) -> None:
+    state = state_in(lifecycle)
+    assert state.lifecycle is lifecycle
+    for event in sample_events(state):
+        legal = (lifecycle, type(event)) in TABLE
+        refused = REFUSED.get((lifecycle, event))
+        if legal and refused is None:
+            outcome = advance(state, event)
+            assert outcome.state.lifecycle in TABLE[(lifecycle, type(event))]
+        else:
+            with pytest.raises(InvalidTransition) as info:
+                advance(state, event)
+            assert info.value.state is state and info.value.event == event
+            assert lifecycle.value in str(info.value) and type(event).__name__ in str(info.value)
+            if refused:
+                assert refused in str(info.value)
+
+
+def test_bootstrap_path_starts_at_sync_and_the_cycle_follows() -> None:
+    outcome = advance(initial_state(2), Bootstrapped(step=5))
+    assert outcome.state.lifecycle is Lifecycle.RUNNING
+    assert outcome.start == ((0, Phase.SYNC), (1, Phase.SYNC))
+    state = outcome.state
+    seen = []
+    for _ in range(6):
+        seen.append(state.phases[0])
+        state = finish_phase(state)
+    assert seen == CYCLE
+    assert state.phases == (Phase.SYNC, Phase.SYNC)
+    assert state.step == 6  # one TRAIN entered since the checkpoint of step 5
+
+
+FENCED = [Phase.SYNC, Phase.RESUME, Phase.TRAIN]
+
+
+def test_the_fences_are_the_memory_handoffs() -> None:
+    assert set(FENCED) == MEMORY_FENCES
+
+
+@pytest.mark.parametrize("fenced", FENCED, ids=str)
+def test_a_fenced_phase_starts_only_when_every_rank_finished_the_one_before(fenced: Phase) -> None:
+    state = run(initial_state(3), Bootstrapped(step=0))
+    while state.phases[0] is not CYCLE[CYCLE.index(fenced) - 1]:
+        state = finish_phase(state)
+    before = state.phases[0]
+    first = advance(state, RankFinished(0, before))
+    second = advance(first.state, RankFinished(2, before))
+    assert first.start == () and second.start == ()  # ranks 0 and 2 wait at the fence
+    last = advance(second.state, RankFinished(1, before))
+    assert last.start == ((0, fenced), (1, fenced), (2, fenced))
+
+
+def test_an_unfenced_phase_starts_at_once_per_rank() -> None:
+    state = run(initial_state(2), Bootstrapped(step=0))
+    outcome = advance(state, RankFinished(1, Phase.SYNC))
+    assert outcome.start == ((1, Phase.BARRIER),)
+    assert outcome.state.phases == (Phase.SYNC, Phase.BARRIER)
+
+
+def test_without_a_fence_a_rank_runs_ahead() -> None:
+    state = run(initial_state(2, fences=MEMORY_FENCES - {Phase.SYNC}), Bootstrapped(step=0))
+    while state.phases[0] is not Phase.OFFLOAD:
+        state = finish_phase(state)
+    outcome = advance(state, RankFinished(0, Phase.OFFLOAD))
+    assert outcome.start == ((0, Phase.SYNC),)  # rank 1 still offloading
+    assert outcome.state.phases == (Phase.SYNC, Phase.OFFLOAD)
+
+
+def test_pause_takes_effect_at_the_cycle_boundary_and_resume_starts_the_next_step() -> None:
+    state = run(initial_state(2), Bootstrapped(step=0), Requested(Request.PAUSE))
+    assert state.lifecycle is Lifecycle.RUNNING and Request.PAUSE in state.requests
+    for _ in range(3):  # sync, barrier, resume: still running
+        state = finish_phase(state)
+        assert state.lifecycle is Lifecycle.RUNNING
+    state = finish_phase(state)  # rollout ends: engines slept, everything released
+    assert state.lifecycle is Lifecycle.PAUSED and state.requests == frozenset()
+    assert run(state, Requested(Request.PAUSE)) == state  # repeating is harmless
+    outcome = advance(state, Requested(Request.RESUME))
+    assert outcome.state.lifecycle is Lifecycle.RUNNING
+    assert outcome.start == ((0, Phase.TRAIN), (1, Phase.TRAIN))
+    assert outcome.state.step == state.step + 1
+
+
+def test_resume_before_the_boundary_cancels_a_pending_pause() -> None:
+    state = run(initial_state(1), Bootstrapped(step=0), Requested(Request.PAUSE))
+    state = run(state, Requested(Request.RESUME))
+    for _ in range(6):
+        state = finish_phase(state)
+    assert state.lifecycle is Lifecycle.RUNNING
+
+
+def test_drain_waits_for_the_next_fence_and_ends_stopped() -> None:
+    state = run(initial_state(2), Bootstrapped(step=0))
+    state = finish_phase(state)  # in barrier now
+    state = run(state, Requested(Request.DRAIN), Requested(Request.DRAIN))
+    assert state.lifecycle is Lifecycle.RUNNING
+    state = finish_phase(state)  # every rank finished barrier: a fence, a safe point
+    assert state.lifecycle is Lifecycle.DRAINING and state.reason == "drain requested"
+    stopped = run(state, Drained())
+    assert stopped.lifecycle is Lifecycle.STOPPED
+
+
+def test_stop_drains_at_once_and_in_flight_phases_may_still_finish() -> None:
+    state = run(initial_state(2), Bootstrapped(step=0), Requested(Request.STOP))
+    assert state.lifecycle is Lifecycle.DRAINING and state.reason == "stop requested"
+    outcome = advance(state, RankFinished(0, Phase.SYNC))
+    assert outcome.start == ()  # nothing new starts while draining
+    assert run(outcome.state, Requested(Request.STOP)) == outcome.state
+
+
+def test_the_job_drains_after_max_steps() -> None:
+    state = run(initial_state(2, max_steps=2), Bootstrapped(step=0))
+    while state.lifecycle is Lifecycle.RUNNING:
+        state = finish_phase(state)
+    assert state.lifecycle is Lifecycle.DRAINING
+    assert state.reason == "completed 2 steps" and state.step == 2
+
+
+def test_requests_during_start_up() -> None:
+    paused_later = run(initial_state(1), Requested(Request.PAUSE), Bootstrapped(step=0))
+    assert paused_later.lifecycle is Lifecycle.RUNNING and Request.PAUSE in paused_later.requests
+    drained = run(initial_state(1), Requested(Request.DRAIN), Bootstrapped(step=0))
+    assert drained.lifecycle is Lifecycle.DRAINING
+
+
+@pytest.mark.parametrize(
+    ("event", "message"),
+    [
+        (RankFinished(2, Phase.SYNC), "the job has ranks 0..1"),
+        (RankFinished(0, Phase.TRAIN), "rank 0 is in sync"),
+        (Bootstrapped(step=1), "not allowed"),
+    ],
+)
+def test_bad_events_name_state_and_event(event: Event, message: str) -> None:
+    state = run(initial_state(2), Bootstrapped(step=0))
+    with pytest.raises(InvalidTransition, match=message):
+        advance(state, event)
+
+
+def test_a_rank_cannot_finish_twice() -> None:
+    state = run(initial_state(2), Bootstrapped(step=0), RankFinished(0, Phase.SYNC))
+    state = run(state, RankFinished(0, Phase.BARRIER))
+    with pytest.raises(InvalidTransition, match=r"rank 0 is in barrier \(done\)"):
+        advance(state, RankFinished(0, Phase.BARRIER))
+
+
+def test_initial_state_refuses_nonsense() -> None:
+    with pytest.raises(ValueError, match="at least one rank"):
+        initial_state(0)
+    with pytest.raises(ValueError, match="subset"):
+        initial_state(1, fences=frozenset({Phase.BARRIER}))
+
+
+class RandomEvents(RuleBasedStateMachine):
+    """Random events, legal or not: the job never reaches a state the rules do not declare."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = initial_state(3, max_steps=4)
+        self.steps_seen = [0]
+
+    def apply(self, event: Event) -> None:
+        before = self.state
+        try:
+            outcome = advance(self.state, event)
+        except InvalidTransition as exc:
+            assert exc.state is before
+            assert (before.lifecycle, type(event)) not in TABLE or exc.args
+            return
+        allowed = TABLE[(before.lifecycle, type(event))]
+        assert outcome.state.lifecycle in allowed
+        for rank, phase in outcome.start:
+            assert outcome.state.ranks[rank] == replace(outcome.state.ranks[rank], phase=phase)
+            assert not outcome.state.ranks[rank].done
+        self.state = outcome.state
+        self.steps_seen.append(self.state.step)
+
+    @rule(step=st.integers(0, 3))
+    def bootstrap(self, step: int) -> None:
+        self.apply(Bootstrapped(step))
+
+    @rule(rank=st.integers(0, 3), phase=st.sampled_from(Phase))
+    def finish_any(self, rank: int, phase: Phase) -> None:
+        self.apply(RankFinished(rank, phase))
+
+    @rule(rank=st.integers(0, 2))
+    def finish_current(self, rank: int) -> None:
+        self.apply(RankFinished(rank, self.state.ranks[rank].phase))
+
+    @rule(request=st.sampled_from(Request))
+    def request(self, request: Request) -> None:
+        self.apply(Requested(request))
+
+    @rule()
+    def drained(self) -> None:
+        self.apply(Drained())
+
+    @rule()
+    def failed(self) -> None:
+        if self.state.lifecycle is Lifecycle.RUNNING and self.state.step >= 3:
+            self.apply(Failed("late failure"))
+
+    @invariant()
+    def fences_hold(self) -> None:
+        if self.state.lifecycle is Lifecycle.RUNNING:
+            assert len({SEGMENT[p] for p in self.state.phases}) == 1, self.state
+
+    @invariant()
+    def steps_never_go_back_while_running(self) -> None:
+        if self.state.lifecycle is not Lifecycle.STARTING:
+            assert self.steps_seen[-1] >= max(self.steps_seen[1:], default=0)
+
+    @invariant()
+    def steps_are_bounded(self) -> None:
+        assert self.state.max_steps is not None
+        assert self.state.step <= self.state.max_steps + 3  # bootstrap may start at step 3
+
+    @invariant()
+    def declared(self) -> None:
+        assert isinstance(self.state.lifecycle, Lifecycle)
+        assert all(isinstance(p, Phase) for p in self.state.phases)
+        assert self.state.requests <= set(Request) - {Request.RESUME, Request.STOP}
+
+
+TestRandomEvents = RandomEvents.TestCase
+TestRandomEvents.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)

@@ -1,0 +1,1 @@
+"""The service side of timeshare: the command line (driver, control, systemd glue to come)."""

@@ -1,0 +1,43 @@
+"""The job's phase machine: pure, no I/O. See machine.py for the rules and the table."""
+
+from timeshare.state.machine import (
+    MEMORY_FENCES,
+    NEXT_PHASE,
+    TABLE,
+    Bootstrapped,
+    Drained,
+    Event,
+    Failed,
+    InvalidTransition,
+    JobState,
+    Lifecycle,
+    Outcome,
+    Phase,
+    RankFinished,
+    RankProgress,
+    Request,
+    Requested,
+    advance,
+    initial_state,
+)
+
+__all__ = [
+    "MEMORY_FENCES",
+    "NEXT_PHASE",
+    "TABLE",
+    "Bootstrapped",
+    "Drained",
+    "Event",
+    "Failed",
+    "InvalidTransition",
+    "JobState",
+    "Lifecycle",
+    "Outcome",
+    "Phase",
+    "RankFinished",
+    "RankProgress",
+    "Request",
+    "Requested",
+    "advance",
+    "initial_state",
+]
