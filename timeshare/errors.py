@@ -63,3 +63,20 @@ class SessionClosed(TransferError):
 
 class PeerClosed(TransferError):
     """Raised on a receiver waiting for a transfer when the sender closed the session."""
+
+
+class StoreError(TimeshareError):
+    """Raised when the job store cannot be hosted or reached, or refuses an operation."""
+
+
+class CollectiveTimeout(TimeshareError):
+    """Raised on every rank of a barrier that not every rank reached within its deadline.
+
+    `missing` names the ranks that had not arrived; the job store stays usable afterwards.
+    """
+
+    def __init__(self, message: str, *, name: str, generation: int, missing: list[int]) -> None:
+        super().__init__(message)
+        self.name = name
+        self.generation = generation
+        self.missing = missing

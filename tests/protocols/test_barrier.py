@@ -1,0 +1,119 @@
+"""The job store and its barriers across real processes on a loopback TCPStore."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from timeshare.errors import CollectiveTimeout, StoreError
+from timeshare.protocols.barrier import Barrier
+from timeshare.protocols.store import JobStore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def start_rank(store: JobStore, rank: int, world_size: int, **args: Any) -> subprocess.Popen[str]:
+    host, port = store.address
+    spec = {"host": host, "port": port, "rank": rank, "world_size": world_size, **args}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.protocols.barrier_rank", json.dumps(spec)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def results(proc: subprocess.Popen[str]) -> list[dict[str, Any]]:
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    return [json.loads(line) for line in out.splitlines()]
+
+
+@pytest.mark.slow
+def test_every_rank_learns_who_is_missing_and_the_store_stays_usable() -> None:
+    store = JobStore.host()
+    plan = [["all", 60.0], ["partial", 3.0], ["again", 60.0]]
+    # Ranks 1..3 in their own processes; rank 3 skips "partial". Rank 0 is this process.
+    procs = [
+        start_rank(store, rank, 4, plan=plan, skip=["partial"] if rank == 3 else [])
+        for rank in (1, 2, 3)
+    ]
+    barrier = Barrier(store, 0, 4)
+    assert barrier.wait_blocking("all", timeout_s=60.0) == 1
+    started = time.monotonic()
+    with pytest.raises(CollectiveTimeout) as info:
+        barrier.wait_blocking("partial", timeout_s=3.0)
+    assert time.monotonic() - started < 3.0 + 2.0
+    assert info.value.missing == [3] and info.value.name == "partial"
+    assert "ranks [3] did not arrive" in str(info.value)
+    assert barrier.wait_blocking("again", timeout_s=60.0) == 1
+    outcomes = [results(p) for p in procs]
+    for rank, events in zip((1, 2), outcomes[:2], strict=True):
+        assert events == [
+            {"barrier": "all", "generation": 1},
+            {"barrier": "partial", "missing": [3]},
+            {"barrier": "again", "generation": 1},
+        ], rank
+    assert outcomes[2][1] == {"barrier": "partial", "skipped": True}
+    assert outcomes[2][2] == {"barrier": "again", "generation": 1}
+
+
+def test_generations_count_per_name_and_old_arrivals_are_removed() -> None:
+    store = JobStore.host()
+    barrier = Barrier(store, 0, 1)
+    assert [barrier.wait_blocking("x", timeout_s=5.0) for _ in range(3)] == [1, 2, 3]
+    assert barrier.wait_blocking("y", timeout_s=5.0) == 1
+    assert not store.has("barrier/x/2/0") and store.has("barrier/x/3/0")
+
+
+@pytest.mark.asyncio
+async def test_async_wait_keeps_the_event_loop_running() -> None:
+    store = JobStore.host()
+    barrier = Barrier(store, 0, 2)  # rank 1 never comes
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.01)
+            ticks += 1
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(tick)
+        with pytest.raises(CollectiveTimeout, match=r"ranks \[1\]"):
+            await barrier.wait("lonely", timeout_s=0.5)
+        group.cancel_scope.cancel()
+    assert ticks >= 20
+
+
+def test_store_values_commands_and_generations() -> None:
+    leader = JobStore.host()
+    host, port = leader.address
+    follower = JobStore.connect(host, port, timeout_s=10.0)
+    assert [leader.next_generation("g"), follower.next_generation("g")] == [1, 2]
+    generation = follower.record_command("pause", wait=True)
+    assert leader.command(generation, timeout_s=5.0) == {
+        "command": "pause",
+        "params": {"wait": True},
+    }
+    leader.put("phase", {"step": 3, "phase": "sync"})
+    assert follower.get("phase", timeout_s=5.0) == {"step": 3, "phase": "sync"}
+    with pytest.raises(TimeoutError, match="not written within"):
+        follower.get("never", timeout_s=0.2)
+
+
+def test_an_unreachable_store_is_a_clear_error() -> None:
+    with pytest.raises(StoreError, match=r"cannot reach the job store at 127.0.0.1:1 within"):
+        JobStore.connect("127.0.0.1", 1, timeout_s=0.5)
+
+
+def test_barrier_refuses_a_rank_outside_the_job() -> None:
+    with pytest.raises(ValueError, match=r"rank 2 is not in 0..1"):
+        Barrier(JobStore.host(), 2, 2)

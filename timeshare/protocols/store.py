@@ -1,0 +1,100 @@
+"""The job store: the job's shared state on the `torch.distributed` TCPStore hosted by the leader.
+
+Every daemon and worker of a job reaches the same store (the one torchrun uses). It holds
+generation numbers, the current phase, and every command that changes the cycle, each written
+under a fresh generation so that every node applies it at the same point. Values are JSON, never
+pickle. Blocking calls here are meant for worker threads (see barrier.py); each has a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
+
+from timeshare.errors import StoreError
+
+PREFIX = "timeshare/"
+
+
+class JobStore:
+    """A connection to the job store; the leader's instance also hosts it."""
+
+    def __init__(self, store: TCPStore, *, leader: bool) -> None:
+        self._store = store
+        self.leader = leader
+
+    @classmethod
+    def host(cls, host: str = "127.0.0.1", port: int = 0, *, timeout_s: float = 30.0) -> JobStore:
+        """Host the store (the leader daemon); port 0 picks a free one."""
+        try:
+            store = TCPStore(
+                host,
+                port,
+                is_master=True,
+                timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )
+        except (RuntimeError, OSError) as exc:
+            raise StoreError(f"cannot host the job store on {host}:{port}: {exc}") from exc
+        return cls(store, leader=True)
+
+    @classmethod
+    def connect(cls, host: str, port: int, *, timeout_s: float = 30.0) -> JobStore:
+        """Reach the leader's store, waiting at most `timeout_s` for it to come up."""
+        try:
+            store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        except (RuntimeError, OSError) as exc:
+            raise StoreError(
+                f"cannot reach the job store at {host}:{port} within {timeout_s:g} s: {exc}"
+            ) from exc
+        return cls(store, leader=False)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._store.host, self._store.port
+
+    @property
+    def raw(self) -> TCPStore:
+        """The TCPStore itself, for barriers and for torch.distributed's own use."""
+        return self._store
+
+    def next_generation(self, name: str) -> int:
+        """A number no earlier call for `name` on any rank returned (1, 2, …)."""
+        return int(self._store.add(f"{PREFIX}gen/{name}", 1))
+
+    def put(self, key: str, value: Any) -> None:
+        self._store.set(PREFIX + key, json.dumps(value))
+
+    def get(self, key: str, *, timeout_s: float) -> Any:
+        """The JSON value under `key`, waiting at most `timeout_s` for it to be written."""
+        self.wait([key], timeout_s=timeout_s)
+        return json.loads(self._store.get(PREFIX + key))
+
+    def has(self, key: str) -> bool:
+        return bool(self._store.check([PREFIX + key]))
+
+    def delete(self, key: str) -> None:
+        self._store.delete_key(PREFIX + key)
+
+    def wait(self, keys: list[str], *, timeout_s: float) -> None:
+        """Block until every key exists; `TimeoutError` naming the keys after `timeout_s`."""
+        try:
+            self._store.wait([PREFIX + k for k in keys], timedelta(seconds=timeout_s))
+        except dist.DistStoreError as exc:
+            if "timeout" in str(exc).lower():
+                raise TimeoutError(f"keys not written within {timeout_s:g} s: {keys}") from exc
+            raise StoreError(f"job store failed while waiting for {keys}: {exc}") from exc
+
+    def record_command(self, command: str, **params: Any) -> int:
+        """Write a cycle-changing command under a new generation; return the generation."""
+        generation = self.next_generation("command")
+        self.put(f"command/{generation}", {"command": command, "params": params})
+        return generation
+
+    def command(self, generation: int, *, timeout_s: float) -> dict[str, Any]:
+        value: dict[str, Any] = self.get(f"command/{generation}", timeout_s=timeout_s)
+        return value
