@@ -80,3 +80,53 @@ class CollectiveTimeout(TimeshareError):
         self.name = name
         self.generation = generation
         self.missing = missing
+
+
+class WorkerFailure(TimeshareError):
+    """Base of the errors that name a worker: its rank and role, and the command it was running.
+
+    `phase` is filled in by the driver when it knows which phase the command belonged to.
+    """
+
+    def __init__(self, message: str, *, rank: int, role: str, command: str | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.role = role
+        self.command = command
+        self.phase: str | None = None
+
+
+class WorkerError(WorkerFailure):
+    """Raised when a command raised inside a worker; carries the remote type and message."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int,
+        role: str,
+        command: str,
+        remote_type: str,
+        remote_message: str,
+    ) -> None:
+        super().__init__(message, rank=rank, role=role, command=command)
+        self.remote_type = remote_type
+        self.remote_message = remote_message
+
+
+class WorkerDied(WorkerFailure):
+    """Raised when a worker's process exited (seen from the exit itself, not a deadline)."""
+
+    def __init__(
+        self, message: str, *, rank: int, role: str, command: str | None, returncode: int
+    ) -> None:
+        super().__init__(message, rank=rank, role=role, command=command)
+        self.returncode = returncode
+
+
+class WorkerStalled(WorkerFailure):
+    """Raised when a worker busy with a command made no progress for `stall_timeout_s`."""
+
+
+class CommandTimeout(WorkerFailure):
+    """Raised when a command did not finish within its deadline, progress or not."""

@@ -1,0 +1,59 @@
+"""A worker for the command-lane tests: `python -m tests.protocols.lane_worker ARGS`.
+
+ARGS (JSON): work, control (endpoints), role, rank, heartbeat_s. Handlers: echo, work (sleeps
+in steps, reporting progress), hang (waits forever without progress), raise, die (SIGKILL self).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import structlog
+
+from timeshare.protocols.commands import WorkerServer
+
+structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    server: WorkerServer
+
+    def echo(params: dict[str, Any]) -> Any:
+        return params
+
+    def work(params: dict[str, Any]) -> Any:
+        steps = int(params["seconds"] / 0.1)
+        for _ in range(steps):
+            time.sleep(0.1)
+            server.report_progress()
+        return {"steps": steps}
+
+    def hang(params: dict[str, Any]) -> Any:
+        threading.Event().wait()  # never set: an engine stuck waiting
+
+    def fail(params: dict[str, Any]) -> Any:
+        raise ValueError(f"bad batch {params.get('batch')}")
+
+    def die(params: dict[str, Any]) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    server = WorkerServer(
+        work_endpoint=args["work"],
+        control_endpoint=args["control"],
+        role=args["role"],
+        rank=args["rank"],
+        heartbeat_s=args.get("heartbeat_s", 0.1),
+        handlers={"echo": echo, "work": work, "hang": hang, "raise": fail, "die": die},
+    )
+    server.serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Command lanes with real worker processes: results, typed failures, exits, stalls, abort."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from tests.conftest import socket_files
+from timeshare.errors import CommandTimeout, WorkerDied, WorkerError, WorkerStalled
+from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER = WorkerId("trainer", 1)
+
+
+@asynccontextmanager
+async def one_worker(
+    runtime_dir: Path, *, stall_timeout_s: float = 5.0
+) -> AsyncIterator[tuple[WorkerLanes, subprocess.Popen[str]]]:
+    async with WorkerLanes.open(runtime_dir, stall_timeout_s=stall_timeout_s) as lanes:
+        lanes.expect(TRAINER)
+        spec = {
+            "work": lanes.work_endpoint,
+            "control": lanes.control_endpoint,
+            "role": TRAINER.role,
+            "rank": TRAINER.rank,
+        }
+        argv = [sys.executable, "-m", "tests.protocols.lane_worker", json.dumps(spec)]
+        process = await anyio.to_thread.run_sync(partial(subprocess.Popen, argv, cwd=ROOT))
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(watch_process, lanes, TRAINER, process)
+                await lanes.wait_ready([TRAINER], timeout_s=60.0)
+                yield lanes, process
+                if process.poll() is None:
+                    await lanes.call(TRAINER, "shutdown", deadline_s=10.0)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.mark.asyncio
+async def test_results_and_typed_remote_errors(runtime_dir: Path) -> None:
+    async with one_worker(runtime_dir) as (lanes, process):
+        assert await lanes.call(TRAINER, "echo", {"x": [1, 2]}, deadline_s=10.0) == {"x": [1, 2]}
+        with pytest.raises(WorkerError) as info:
+            await lanes.call(TRAINER, "raise", {"batch": 7}, deadline_s=10.0)
+        error = info.value
+        assert (error.rank, error.role, error.command) == (1, "trainer", "raise")
+        assert (error.remote_type, error.remote_message) == ("ValueError", "bad batch 7")
+        assert "trainer rank 1 failed in raise: ValueError: bad batch 7" in str(error)
+        with pytest.raises(WorkerError, match="UnknownCommand"):
+            await lanes.call(TRAINER, "nope", deadline_s=10.0)
+        # Still serving after failures.
+        assert await lanes.call(TRAINER, "echo", {}, deadline_s=10.0) == {}
+    assert process.returncode == 0
+    assert socket_files(runtime_dir) == []
+
+
+@pytest.mark.asyncio
+async def test_a_worker_that_dies_is_seen_at_once(runtime_dir: Path) -> None:
+    async with one_worker(runtime_dir) as (lanes, _):
+        started = time.monotonic()
+        with pytest.raises(WorkerDied) as info:
+            await lanes.call(TRAINER, "die", deadline_s=60.0)
+        assert time.monotonic() - started < 1.0  # the exit itself, not a deadline
+        assert info.value.returncode == -signal.SIGKILL and info.value.command == "die"
+        assert "trainer rank 1 exited during die with signal 9" in str(info.value)
+        with pytest.raises(WorkerDied):  # and every later call knows
+            await lanes.call(TRAINER, "echo", deadline_s=10.0)
+    assert socket_files(runtime_dir) == []
+
+
+@pytest.mark.asyncio
+async def test_no_progress_is_a_stall_but_slow_progress_is_alive(runtime_dir: Path) -> None:
+    async with one_worker(runtime_dir, stall_timeout_s=1.0) as (lanes, _):
+        # 2.5 s of work reporting progress every 0.1 s: longer than the stall timeout, alive.
+        assert await lanes.call(TRAINER, "work", {"seconds": 2.5}, deadline_s=30.0) == {"steps": 25}
+        started = time.monotonic()
+        with pytest.raises(WorkerStalled, match="made no progress in hang for 1 s"):
+            await lanes.call(TRAINER, "hang", deadline_s=30.0)
+        assert time.monotonic() - started < 1.0 + 1.0
+        await lanes.control(TRAINER, "abort", timeout_s=5.0)
+
+
+@pytest.mark.asyncio
+async def test_deadline_applies_even_while_progressing(runtime_dir: Path) -> None:
+    async with one_worker(runtime_dir, stall_timeout_s=5.0) as (lanes, _):
+        with pytest.raises(CommandTimeout, match="did not finish work within 1 s"):
+            await lanes.call(TRAINER, "work", {"seconds": 3.0}, deadline_s=1.0)
+        # The late result is dropped; the next call gets its own answer.
+        await anyio.sleep(2.5)
+        assert await lanes.call(TRAINER, "echo", {"after": True}, deadline_s=10.0) == {
+            "after": True
+        }
+
+
+@pytest.mark.asyncio
+async def test_control_lane_answers_while_work_runs_and_abort_interrupts(runtime_dir: Path) -> None:
+    async with one_worker(runtime_dir, stall_timeout_s=30.0) as (lanes, _):
+        outcome: dict[str, Any] = {}
+
+        async def run_hang() -> None:
+            try:
+                await lanes.call(TRAINER, "hang", deadline_s=60.0)
+            except WorkerError as exc:
+                outcome["error"] = exc
+                outcome["at"] = time.monotonic()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run_hang)
+            await anyio.sleep(0.5)
+            status = await lanes.control(TRAINER, "status", timeout_s=5.0)
+            assert status["busy"] == "hang" and status["role"] == "trainer"
+            asked = time.monotonic()
+            assert await lanes.control(TRAINER, "abort", timeout_s=5.0) == "hang"
+        assert outcome["at"] - asked < 1.0
+        assert outcome["error"].remote_type == "Aborted"
+        idle = await lanes.control(TRAINER, "status", timeout_s=5.0)
+        assert idle["busy"] is None
+        assert await lanes.control(TRAINER, "abort", timeout_s=5.0) is None  # nothing to abort
+        assert await lanes.call(TRAINER, "echo", {"ok": 1}, deadline_s=10.0) == {"ok": 1}
+
+
+@pytest.mark.asyncio
+async def test_garbage_on_a_lane_is_ignored_and_calls_go_on(runtime_dir: Path) -> None:
+    import zmq
+
+    async with one_worker(runtime_dir) as (lanes, _):
+        context = zmq.Context()
+        rogue = context.socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(lanes.work_endpoint)
+        rogue.send(b"\xc1\xc1 not msgpack")
+        rogue.send_multipart([b"a", b"b", b"c"])
+        rogue.send(b"\x81\xa4kind\xa6result")  # a reply to no call
+        await anyio.sleep(0.3)
+        assert await lanes.call(TRAINER, "echo", {"still": "fine"}, deadline_s=10.0) == {
+            "still": "fine"
+        }
+        rogue.close()
+        context.term()

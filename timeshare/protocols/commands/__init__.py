@@ -1,0 +1,11 @@
+"""Command lanes between the driver and its workers: a work lane and a control lane over ZMQ.
+
+driver_side.py: `WorkerLanes` (ROUTER per lane; calls with deadlines; exits and stalls seen).
+worker_side.py: `WorkerServer` (DEALER per lane; work in the main thread, control in its own).
+frames.py: the typed msgpack frames both speak.
+"""
+
+from timeshare.protocols.commands.driver_side import WorkerId, WorkerLanes, watch_process
+from timeshare.protocols.commands.worker_side import Aborted, WorkerServer
+
+__all__ = ["Aborted", "WorkerId", "WorkerLanes", "WorkerServer", "watch_process"]

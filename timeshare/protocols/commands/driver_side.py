@@ -1,0 +1,321 @@
+"""The driver's end of the command lanes: one ROUTER per lane, every call with a deadline.
+
+`WorkerLanes.call` sends a command on the work lane and waits for its result, watching three
+things at once: the result, the worker's process (`worker_exited`, fed by `watch_process`, ends
+the wait at once with `WorkerDied`), and the worker's progress count from its heartbeats (no
+change for `stall_timeout_s` is `WorkerStalled`). The deadline is `CommandTimeout`. A command
+that raised in the worker comes back as `WorkerError` with the remote type and message.
+`WorkerLanes.control` uses the control lane, which the worker answers while its work runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+import zmq
+import zmq.asyncio
+
+from timeshare.errors import (
+    CommandTimeout,
+    ProtocolError,
+    TimeshareError,
+    WorkerDied,
+    WorkerError,
+    WorkerFailure,
+    WorkerStalled,
+)
+from timeshare.protocols.commands import frames
+from timeshare.protocols.weights.endpoint import Endpoint
+
+log = structlog.get_logger(__name__)
+
+# How often a waiting call looks at exits, stalls and its deadline.
+CHECK_S = 0.05
+LANES = ("work", "control")
+
+
+@dataclass(frozen=True)
+class WorkerId:
+    role: str
+    rank: int
+
+    @property
+    def routing_id(self) -> bytes:
+        return f"{self.role}:{self.rank}".encode()
+
+    def __str__(self) -> str:
+        return f"{self.role} rank {self.rank}"
+
+
+@dataclass
+class _Liveness:
+    lanes: set[str] = field(default_factory=set)  # lanes that said hello
+    pid: int | None = None
+    progress: int = 0
+    progress_at: float = field(default_factory=time.monotonic)
+    returncode: int | None = None
+
+
+@dataclass
+class _Pending:
+    worker: WorkerId
+    command: str
+    reply: frames.Result | frames.Failure | None = None
+    done: anyio.Event = field(default_factory=anyio.Event)
+
+
+class WorkerLanes:
+    """Open with `async with WorkerLanes.open(runtime_dir, stall_timeout_s=...) as lanes`."""
+
+    def __init__(self, runtime_dir: Path, *, stall_timeout_s: float) -> None:
+        self.stall_timeout_s = stall_timeout_s
+        self.endpoints = {
+            lane: Endpoint.parse(f"ipc://{runtime_dir}/{lane}.sock") for lane in LANES
+        }
+        self._context = zmq.asyncio.Context(io_threads=1)
+        self._sockets: dict[str, zmq.asyncio.Socket] = {}
+        self._inodes: dict[str, int | None] = {}
+        self._workers: dict[WorkerId, _Liveness] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, runtime_dir: Path, *, stall_timeout_s: float) -> AsyncIterator[WorkerLanes]:
+        lanes = cls(runtime_dir, stall_timeout_s=stall_timeout_s)
+        try:
+            lanes._bind()
+            async with anyio.create_task_group() as group:
+                for lane in LANES:
+                    group.start_soon(lanes._receive, lane)
+                yield lanes
+                group.cancel_scope.cancel()
+        finally:
+            lanes._close()
+
+    @property
+    def work_endpoint(self) -> str:
+        return self.endpoints["work"].url
+
+    @property
+    def control_endpoint(self) -> str:
+        return self.endpoints["control"].url
+
+    # -- liveness -----------------------------------------------------------------------------
+
+    def expect(self, worker: WorkerId) -> None:
+        """Track `worker` from now on (before it is spawned, so its hello is not missed)."""
+        self._workers.setdefault(worker, _Liveness())
+
+    async def wait_ready(self, workers: list[WorkerId], *, timeout_s: float) -> None:
+        """Wait until every worker said hello on both lanes; a worker that exits first is fatal."""
+        for worker in workers:
+            self.expect(worker)
+        with anyio.move_on_after(timeout_s):
+            while not all(self._workers[w].lanes == set(LANES) for w in workers):
+                for worker in workers:
+                    self._raise_if_exited(worker, None)
+                await anyio.sleep(CHECK_S)
+            return
+        late = [str(w) for w in workers if self._workers[w].lanes != set(LANES)]
+        raise TimeshareError(f"workers not ready within {timeout_s:g} s: {late}")
+
+    def worker_exited(self, worker: WorkerId, returncode: int) -> None:
+        """The worker's process is gone: every wait on it ends now."""
+        liveness = self._workers.setdefault(worker, _Liveness())
+        liveness.returncode = returncode
+        for pending in self._pending.values():
+            if pending.worker == worker:
+                pending.done.set()
+
+    # -- calls --------------------------------------------------------------------------------
+
+    async def call(
+        self,
+        worker: WorkerId,
+        command: str,
+        params: dict[str, Any] | None = None,
+        *,
+        deadline_s: float,
+    ) -> Any:
+        """Run `command` on the worker's work lane; its result, or a typed WorkerFailure."""
+        return await self._call("work", worker, command, params or {}, deadline_s)
+
+    async def control(
+        self,
+        worker: WorkerId,
+        command: str,
+        params: dict[str, Any] | None = None,
+        *,
+        timeout_s: float,
+    ) -> Any:
+        """`status` or `abort` on the control lane, answered while work runs."""
+        return await self._call("control", worker, command, params or {}, timeout_s)
+
+    async def _call(
+        self, lane: str, worker: WorkerId, command: str, params: dict[str, Any], deadline_s: float
+    ) -> Any:
+        self.expect(worker)
+        self._raise_if_exited(worker, command)
+        call_id = next(self._ids)
+        pending = _Pending(worker, command)
+        self._pending[call_id] = pending
+        liveness = self._workers[worker]
+        started = time.monotonic()
+        try:
+            frame = frames.encode(frames.Call(call_id, command, params))
+            try:
+                await self._sockets[lane].send_multipart([worker.routing_id, frame])
+            except zmq.ZMQError as exc:  # ROUTER_MANDATORY: nobody with that id is connected
+                raise WorkerFailure(
+                    f"{worker} is not connected on the {lane} lane: {exc}",
+                    rank=worker.rank,
+                    role=worker.role,
+                    command=command,
+                ) from exc
+            while True:
+                with anyio.move_on_after(CHECK_S):
+                    await pending.done.wait()
+                if pending.reply is not None:
+                    break
+                self._raise_if_exited(worker, command)
+                now = time.monotonic()
+                if (
+                    lane == "work"
+                    and now - max(started, liveness.progress_at) > self.stall_timeout_s
+                ):
+                    raise WorkerStalled(
+                        f"{worker} made no progress in {command} for {self.stall_timeout_s:g} s",
+                        rank=worker.rank,
+                        role=worker.role,
+                        command=command,
+                    )
+                if now - started > deadline_s:
+                    raise CommandTimeout(
+                        f"{worker} did not finish {command} within {deadline_s:g} s",
+                        rank=worker.rank,
+                        role=worker.role,
+                        command=command,
+                    )
+        finally:
+            del self._pending[call_id]
+        return _outcome(worker, command, pending.reply)
+
+    def _raise_if_exited(self, worker: WorkerId, command: str | None) -> None:
+        returncode = self._workers[worker].returncode
+        if returncode is not None:
+            during = f" during {command}" if command else ""
+            raise WorkerDied(
+                f"{worker} exited{during} with {_describe_exit(returncode)}",
+                rank=worker.rank,
+                role=worker.role,
+                command=command,
+                returncode=returncode,
+            )
+
+    # -- sockets ------------------------------------------------------------------------------
+
+    def _bind(self) -> None:
+        for lane, endpoint in self.endpoints.items():
+            endpoint.prepare_bind()
+            socket = self._context.socket(zmq.ROUTER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone worker is an error
+            socket.bind(endpoint.url)
+            self._sockets[lane] = socket
+            self._inodes[lane] = endpoint.bound_inode()
+
+    async def _receive(self, lane: str) -> None:
+        socket = self._sockets[lane]
+        while True:
+            parts = await socket.recv_multipart()
+            if len(parts) != 2:
+                log.warning("lanes.frame.malformed", lane=lane, parts=len(parts))
+                continue
+            routing_id, data = parts
+            try:
+                frame = frames.decode_from_worker(data)
+            except ProtocolError as exc:
+                log.warning("lanes.frame.malformed", lane=lane, error=str(exc))
+                continue
+            self._dispatch(lane, routing_id, frame)
+
+    def _dispatch(self, lane: str, routing_id: bytes, frame: frames.FromWorker) -> None:
+        if isinstance(frame, frames.Hello):
+            liveness = self._workers.setdefault(WorkerId(frame.role, frame.rank), _Liveness())
+            liveness.lanes.add(frame.lane)
+            liveness.pid = frame.pid
+        elif isinstance(frame, frames.Heartbeat):
+            worker = _worker_of(routing_id)
+            liveness = self._workers.setdefault(worker, _Liveness())
+            if frame.progress != liveness.progress:
+                liveness.progress = frame.progress
+                liveness.progress_at = time.monotonic()
+        else:
+            pending = self._pending.get(frame.id)
+            if pending is None:
+                log.debug("lanes.reply.late", lane=lane, id=frame.id)  # its caller gave up
+                return
+            pending.reply = frame
+            pending.done.set()
+
+    def _close(self) -> None:
+        for socket in self._sockets.values():
+            socket.close(linger=0)
+        self._context.term()
+        for lane, endpoint in self.endpoints.items():
+            endpoint.remove_socket_file(self._inodes.get(lane))
+
+
+async def watch_process(
+    lanes: WorkerLanes, worker: WorkerId, process: subprocess.Popen[Any]
+) -> int:
+    """Report the worker's exit to `lanes` the moment it happens; return its exit code.
+
+    A pidfd becomes readable when the process exits: no polling, no thread.
+    """
+    pidfd = os.pidfd_open(process.pid)
+    try:
+        if process.poll() is None:
+            await anyio.wait_readable(pidfd)
+        returncode = process.poll()  # readable pidfd: the process has exited, this reaps it
+    finally:
+        os.close(pidfd)
+    assert returncode is not None
+    lanes.worker_exited(worker, returncode)
+    return returncode
+
+
+def _outcome(worker: WorkerId, command: str, reply: frames.Result | frames.Failure | None) -> Any:
+    if isinstance(reply, frames.Failure):
+        raise WorkerError(
+            f"{worker} failed in {command}: {reply.type}: {reply.message}",
+            rank=worker.rank,
+            role=worker.role,
+            command=command,
+            remote_type=reply.type,
+            remote_message=reply.message,
+        )
+    assert reply is not None
+    return reply.value
+
+
+def _worker_of(routing_id: bytes) -> WorkerId:
+    role, _, rank = routing_id.decode(errors="replace").rpartition(":")
+    return WorkerId(role, int(rank) if rank.isdigit() else -1)
+
+
+def _describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        return f"signal {-returncode}"
+    return f"exit code {returncode}"

@@ -1,0 +1,85 @@
+"""Wire format of the command lanes: typed msgspec Structs as msgpack, never pickle.
+
+Driver (ROUTER) and worker (DEALER) exchange, on either lane:
+
+    worker -> driver   Hello       once per lane, on connecting: who this is
+    driver -> worker   Call        run `command` with `params` (id chosen by the driver)
+    worker -> driver   Result      the call's return value (msgpack-able)
+    worker -> driver   Failure     the call raised: exception type and message
+    worker -> driver   Heartbeat   control lane, every heartbeat_s: busy with what, progress count
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from timeshare.errors import ProtocolError
+
+MAX_ERROR_TEXT = 4096
+
+
+class _Frame(msgspec.Struct, frozen=True, tag_field="kind"):
+    """Base of every command-lane frame."""
+
+
+class Hello(_Frame, frozen=True, tag="hello"):
+    role: str
+    rank: int
+    pid: int
+    lane: str
+
+
+class Call(_Frame, frozen=True, tag="call"):
+    id: int
+    command: str
+    params: dict[str, Any]
+
+
+class Result(_Frame, frozen=True, tag="result"):
+    id: int
+    value: Any
+
+
+class Failure(_Frame, frozen=True, tag="failure"):
+    id: int
+    type: str
+    message: str
+
+
+class Heartbeat(_Frame, frozen=True, tag="heartbeat"):
+    busy: int | None  # id of the call on the work lane, if any
+    command: str | None
+    progress: int  # grows while the worker makes progress
+
+
+ToWorker = Call
+FromWorker = Hello | Result | Failure | Heartbeat
+
+_encoder = msgspec.msgpack.Encoder()
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
+_from_worker = msgspec.msgpack.Decoder(FromWorker)
+
+
+def encode(frame: ToWorker | FromWorker) -> bytes:
+    return _encoder.encode(frame)
+
+
+def decode_to_worker(data: bytes) -> ToWorker:
+    try:
+        return _to_worker.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed command frame ({len(data)} bytes): {exc}") from exc
+
+
+def decode_from_worker(data: bytes) -> FromWorker:
+    try:
+        frame: FromWorker = _from_worker.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed worker frame ({len(data)} bytes): {exc}") from exc
+    return frame
+
+
+def failure(call_id: int, exc: BaseException) -> Failure:
+    return Failure(call_id, type(exc).__name__[:200], str(exc)[:MAX_ERROR_TEXT])

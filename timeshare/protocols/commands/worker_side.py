@@ -1,0 +1,199 @@
+"""The worker's end of the command lanes: runs calls from the work lane, answers the control lane.
+
+The work lane runs one call at a time in the main thread (train_step, sync, generate: these may
+take minutes). The control lane has its own thread and socket, so it answers `status` and
+`abort` while work runs, and it sends a heartbeat every `heartbeat_s` carrying a progress count
+that the engine raises with `report_progress()`: the driver calls a worker alive when that count
+moves, not when its process merely exists.
+
+`abort` interrupts the running call by a signal to the main thread: a call waiting in Python
+(sleeping, waiting on a lock or an event, polling) ends at once with `Aborted`. A call stuck inside
+C code is not interruptible; the driver's stall detector sees it and kills the process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, TypeAlias
+
+import structlog
+import zmq
+
+from timeshare.errors import ProtocolError
+from timeshare.protocols.commands import frames
+
+log = structlog.get_logger(__name__)
+
+Handler: TypeAlias = Callable[[dict[str, Any]], Any]
+ABORT_SIGNAL = signal.SIGUSR1
+POLL_SLICE_S = 0.05
+SHUTDOWN = "shutdown"
+
+
+class Aborted(Exception):
+    """Raised inside a running call when the driver aborts it."""
+
+
+class UnknownCommand(Exception):
+    """Raised (and reported to the driver) for a command this worker has no handler for."""
+
+
+class WorkerServer:
+    """Serves one worker's two lanes. `serve()` must run in the process's main thread."""
+
+    def __init__(
+        self,
+        *,
+        work_endpoint: str,
+        control_endpoint: str,
+        role: str,
+        rank: int,
+        handlers: dict[str, Handler],
+        heartbeat_s: float = 0.5,
+    ) -> None:
+        self.role = role
+        self.rank = rank
+        self._handlers = handlers
+        self._heartbeat_s = heartbeat_s
+        self._endpoints = {"work": work_endpoint, "control": control_endpoint}
+        self._progress = 0
+        self._busy: frames.Call | None = None
+        self._armed = False  # an abort signal may raise Aborted now
+        self._stop = threading.Event()
+        self._context = zmq.Context(io_threads=1)
+        self._parent = os.getppid()
+
+    def report_progress(self) -> None:
+        """Called by the engine as it makes progress (a batch generated, a bucket loaded)."""
+        self._progress += 1
+
+    def serve(self) -> None:
+        """Answer work calls until `shutdown` or until the driver (the parent process) is gone."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("WorkerServer.serve() must run in the main thread (abort signal)")
+        previous = signal.signal(ABORT_SIGNAL, self._on_abort_signal)
+        work = self._connect("work")
+        control = threading.Thread(target=self._control_loop, name="control-lane", daemon=True)
+        control.start()
+        try:
+            self._work_loop(work)
+        finally:
+            self._stop.set()
+            control.join(timeout=5.0)
+            work.close(linger=1000)
+            self._context.term()
+            signal.signal(ABORT_SIGNAL, previous)
+
+    # -- work lane ----------------------------------------------------------------------------
+
+    def _work_loop(self, work: zmq.Socket[bytes]) -> None:
+        while os.getppid() == self._parent:
+            if not work.poll(int(POLL_SLICE_S * 1000)):
+                continue
+            try:
+                call = frames.decode_to_worker(work.recv())
+            except ProtocolError as exc:
+                log.warning("worker.call.malformed", role=self.role, rank=self.rank, error=str(exc))
+                continue
+            work.send(frames.encode(self._execute(call)))
+            if call.command == SHUTDOWN:
+                return
+        log.warning("worker.driver.gone", role=self.role, rank=self.rank)
+
+    def _execute(self, call: frames.Call) -> frames.Result | frames.Failure:
+        try:
+            return self._run(call)
+        except Aborted as exc:  # the signal came between the handler's end and the disarm
+            return frames.failure(call.id, exc)
+
+    def _run(self, call: frames.Call) -> frames.Result | frames.Failure:
+        if call.command == SHUTDOWN:
+            return frames.Result(call.id, None)
+        handler = self._handlers.get(call.command)
+        if handler is None:
+            return frames.failure(call.id, UnknownCommand(f"no handler for {call.command!r}"))
+        self._busy = call
+        try:
+            self._armed = True
+            value = handler(call.params)
+            self._armed = False
+            return frames.Result(call.id, value)
+        except Exception as exc:
+            self._armed = False
+            return frames.failure(call.id, exc)
+        finally:
+            self._armed = False
+            self._busy = None
+
+    def _on_abort_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._armed:
+            self._armed = False  # at most one Aborted per call
+            raise Aborted(f"{self._busy.command if self._busy else 'call'} aborted by the driver")
+
+    # -- control lane -------------------------------------------------------------------------
+
+    def _control_loop(self) -> None:
+        control = self._connect("control")
+        next_beat = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                if control.poll(int(POLL_SLICE_S * 1000)):
+                    self._answer_control(control)
+                if time.monotonic() >= next_beat:
+                    control.send(frames.encode(self._heartbeat()))
+                    next_beat = time.monotonic() + self._heartbeat_s
+        finally:
+            control.close(linger=0)
+
+    def _answer_control(self, control: zmq.Socket[bytes]) -> None:
+        try:
+            call = frames.decode_to_worker(control.recv())
+        except ProtocolError as exc:
+            log.warning("worker.control.malformed", role=self.role, rank=self.rank, error=str(exc))
+            return
+        if call.command == "abort":
+            reply: frames.Result | frames.Failure = frames.Result(call.id, self._abort())
+        elif call.command == "status":
+            reply = frames.Result(call.id, self._status())
+        else:
+            reply = frames.failure(call.id, UnknownCommand(f"no control command {call.command!r}"))
+        control.send(frames.encode(reply))
+
+    def _abort(self) -> str | None:
+        busy = self._busy
+        if busy is not None and self._armed:
+            signal.pthread_kill(threading.main_thread().ident or 0, ABORT_SIGNAL)
+            return busy.command
+        return None
+
+    def _status(self) -> dict[str, Any]:
+        busy = self._busy
+        return {
+            "role": self.role,
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "busy": None if busy is None else busy.command,
+            "progress": self._progress,
+        }
+
+    def _heartbeat(self) -> frames.Heartbeat:
+        busy = self._busy
+        return frames.Heartbeat(
+            None if busy is None else busy.id,
+            None if busy is None else busy.command,
+            self._progress,
+        )
+
+    def _connect(self, lane: str) -> zmq.Socket[bytes]:
+        socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RECONNECT_IVL, 50)
+        socket.setsockopt(zmq.ROUTING_ID, f"{self.role}:{self.rank}".encode())
+        socket.connect(self._endpoints[lane])
+        socket.send(frames.encode(frames.Hello(self.role, self.rank, os.getpid(), lane)))
+        return socket
