@@ -130,3 +130,20 @@ class WorkerStalled(WorkerFailure):
 
 class CommandTimeout(WorkerFailure):
     """Raised when a command did not finish within its deadline, progress or not."""
+
+
+class CycleFailed(TimeshareError):
+    """Raised by the driver when a phase failed on a rank: names rank, role and phase.
+
+    The typed cause (WorkerError, WorkerDied, WorkerStalled, CommandTimeout, CollectiveTimeout,
+    ...) is `cause` and `__cause__`.
+    """
+
+    def __init__(
+        self, message: str, *, rank: int, role: str, phase: str, cause: BaseException
+    ) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.role = role
+        self.phase = phase
+        self.cause = cause

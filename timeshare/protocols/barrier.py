@@ -2,8 +2,8 @@
 
 A barrier named `name` is passed in generations: the k-th time a rank waits on `name` it joins
 generation k. It writes its arrival under that generation, then waits for the others' keys with
-a deadline. The wait runs in a worker thread from async code and always ends by its deadline, so
-no thread is left behind. Unlike a gloo `monitored_barrier`, a timeout leaves the store usable.
+a deadline. From async code the wait polls, so a cancellation ends it at once and no thread is
+left behind. Unlike a gloo `monitored_barrier`, a timeout leaves the store usable.
 """
 
 from __future__ import annotations
@@ -16,10 +16,16 @@ import anyio
 from timeshare.errors import CollectiveTimeout
 from timeshare.protocols.store import JobStore
 
+POLL_S = 0.02
+
 
 @dataclass
 class Barrier:
-    """One rank's handle on the job's barriers (not thread-safe: one waiter at a time)."""
+    """One rank's handle on the job's barriers: one waiter at a time, on its own connection.
+
+    Blocking waits on one store connection queue behind each other, so ranks served by one
+    process (the driver of a node) each need their own `JobStore`.
+    """
 
     store: JobStore
     rank: int
@@ -32,29 +38,49 @@ class Barrier:
 
     def wait_blocking(self, name: str, *, timeout_s: float) -> int:
         """Arrive at barrier `name` and wait for every rank; return its generation."""
+        generation, keys = self._arrive(name)
+        try:
+            self.store.wait(keys, timeout_s=timeout_s)
+        except TimeoutError as exc:
+            raise self._timeout(name, generation, keys, timeout_s) from exc
+        return generation
+
+    async def wait(self, name: str, *, timeout_s: float) -> int:
+        """Like `wait_blocking`, for the event loop: cancellable at once, no thread left behind.
+
+        It polls the store (a ~0.1 ms round trip in a worker thread) every POLL_S rather than
+        blocking a thread for the whole wait, which a cancellation could not interrupt.
+        """
+        generation, keys = await anyio.to_thread.run_sync(self._arrive, name)
+        with anyio.move_on_after(timeout_s):
+            while True:
+                if await anyio.to_thread.run_sync(self._all_arrived, keys):
+                    return generation
+                await anyio.sleep(POLL_S)
+        raise self._timeout(name, generation, keys, timeout_s)
+
+    def _arrive(self, name: str) -> tuple[int, list[str]]:
         self._generations[name] += 1
         generation = self._generations[name]
         self.store.put(_key(name, generation, self.rank), True)
         if generation > 1:  # our arrival at the previous generation is no longer read by anyone
             self.store.delete(_key(name, generation - 1, self.rank))
-        keys = [_key(name, generation, r) for r in range(self.world_size)]
-        try:
-            self.store.wait(keys, timeout_s=timeout_s)
-        except TimeoutError as exc:
-            missing = [r for r, key in enumerate(keys) if not self.store.has(key)]
-            raise CollectiveTimeout(
-                f"barrier {name!r} (generation {generation}) timed out after {timeout_s:g} s on "
-                f"rank {self.rank}: ranks {missing} did not arrive",
-                name=name,
-                generation=generation,
-                missing=missing,
-            ) from exc
-        return generation
+        return generation, [_key(name, generation, r) for r in range(self.world_size)]
 
-    async def wait(self, name: str, *, timeout_s: float) -> int:
-        """`wait_blocking` in a worker thread; the event loop goes on meanwhile."""
-        # Not abandoned on cancel: the wait ends by its own deadline, and its thread with it.
-        return await anyio.to_thread.run_sync(lambda: self.wait_blocking(name, timeout_s=timeout_s))
+    def _all_arrived(self, keys: list[str]) -> bool:
+        return all(self.store.has(key) for key in keys)
+
+    def _timeout(
+        self, name: str, generation: int, keys: list[str], timeout_s: float
+    ) -> CollectiveTimeout:
+        missing = [rank for rank, key in enumerate(keys) if not self.store.has(key)]
+        return CollectiveTimeout(
+            f"barrier {name!r} (generation {generation}) timed out after {timeout_s:g} s on "
+            f"rank {self.rank}: ranks {missing} did not arrive",
+            name=name,
+            generation=generation,
+            missing=missing,
+        )
 
 
 def _key(name: str, generation: int, rank: int) -> str:

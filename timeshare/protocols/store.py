@@ -66,6 +66,10 @@ class JobStore:
         """A number no earlier call for `name` on any rank returned (1, 2, …)."""
         return int(self._store.add(f"{PREFIX}gen/{name}", 1))
 
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add `amount` to the integer counter `key`; return the new value."""
+        return int(self._store.add(PREFIX + key, amount))
+
     def put(self, key: str, value: Any) -> None:
         self._store.set(PREFIX + key, json.dumps(value))
 

@@ -1,0 +1,335 @@
+"""The driver: performs what the phase machine decides ("sync decides, async acts").
+
+It hosts the job store, spawns a trainer and a rollout worker per rank (each in its own process
+group), bootstraps them from the last checkpoint, then runs each (rank, phase) the machine starts
+as a command on both workers of that rank, feeding `RankFinished` back into the machine. The
+machine's fences order the memory handoffs across ranks; BARRIER additionally checks that the
+rank's trainer holds no device memory and meets the other ranks at a store barrier. The first
+failure stops the cycle with `CycleFailed` naming rank, role and phase; on every path every
+worker process group is killed and the runtime directory swept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectSendStream
+
+from timeshare.engines.simulated import SimulatedSpec
+from timeshare.engines.worker import Fault, WorkerSpec
+from timeshare.errors import CycleFailed, TimeshareError, WorkerFailure
+from timeshare.protocols.barrier import Barrier
+from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
+from timeshare.protocols.store import JobStore
+from timeshare.protocols.weights import TransferConfig, sweep_stale
+from timeshare.protocols.weights.shm import process_start_time
+from timeshare.state import (
+    MEMORY_FENCES,
+    Bootstrapped,
+    Drained,
+    Event,
+    Lifecycle,
+    Phase,
+    RankFinished,
+    advance,
+    initial_state,
+)
+
+log = structlog.get_logger(__name__)
+
+ROLES = ("trainer", "rollout")
+WORKERS_FILE = "workers.json"
+# Variables of the service manager that must not reach workers.
+PRIVATE_ENV = (
+    "NOTIFY_SOCKET",
+    "WATCHDOG_PID",
+    "WATCHDOG_USEC",
+    "LISTEN_FDS",
+    "LISTEN_PID",
+    "LISTEN_FDNAMES",
+)
+
+
+class DriverConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What one run of the cycle needs (config.py will load it from TOML)."""
+
+    runtime_dir: str
+    checkpoint_dir: str
+    ranks: int = 2
+    steps: int = 2
+    phase_deadline_s: float = 30.0
+    stall_timeout_s: float = 10.0
+    barrier_timeout_s: float = 20.0
+    ready_timeout_s: float = 60.0
+    transfer: TransferConfig = TransferConfig(bucket_mb=1.0, ack_timeout_s=10.0)
+    engine: SimulatedSpec = SimulatedSpec()
+    faults: list[Fault] = []
+    fences: frozenset[str] = frozenset(p.value for p in MEMORY_FENCES)  # test-only: drop one
+
+
+@dataclass
+class RunSummary:
+    lifecycle: str
+    step: int
+    reason: str | None
+    phase_seconds: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass
+class _Job:
+    config: DriverConfig
+    lanes: WorkerLanes
+    store: JobStore
+    barriers: list[Barrier]
+    events: MemoryObjectSendStream[Event | CycleFailed]
+    summary: RunSummary
+    in_flight: int = 0
+
+
+async def run_cycle(config: DriverConfig) -> RunSummary:
+    """Run the job until the machine stops it; raise `CycleFailed` on the first failure."""
+    runtime = Path(config.runtime_dir)
+    await anyio.to_thread.run_sync(prepare_runtime, runtime)
+    store = JobStore.host()
+    processes: dict[WorkerId, subprocess.Popen[bytes]] = {}
+    async with WorkerLanes.open(runtime, stall_timeout_s=config.stall_timeout_s) as lanes:
+        try:
+            outcome = await _run_with_workers(config, lanes, store, processes)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_clean_up, runtime, list(processes.values()))
+    if isinstance(outcome, CycleFailed):
+        raise outcome
+    return outcome
+
+
+async def _run_with_workers(
+    config: DriverConfig,
+    lanes: WorkerLanes,
+    store: JobStore,
+    processes: dict[WorkerId, subprocess.Popen[bytes]],
+) -> RunSummary | CycleFailed:
+    """Spawn and watch every worker, run the cycle, shut the workers down if it ended well."""
+    async with anyio.create_task_group() as watchers:
+        for rank in range(config.ranks):
+            for role in ROLES:
+                worker = WorkerId(role, rank)
+                lanes.expect(worker)
+                processes[worker] = await _spawn(config, lanes, store, worker)
+                watchers.start_soon(watch_process, lanes, worker, processes[worker])
+        _record_workers(Path(config.runtime_dir), processes)
+        outcome = await _drive(config, lanes, store, list(processes))
+        if isinstance(outcome, RunSummary):
+            for worker in processes:
+                await lanes.call(worker, "shutdown", deadline_s=config.phase_deadline_s)
+        watchers.cancel_scope.cancel()
+    return outcome
+
+
+async def _drive(
+    config: DriverConfig, lanes: WorkerLanes, store: JobStore, workers: list[WorkerId]
+) -> RunSummary | CycleFailed:
+    fences = frozenset(Phase(name) for name in config.fences)
+    state = initial_state(config.ranks, max_steps=config.steps, fences=fences)
+    try:
+        await lanes.wait_ready(workers, timeout_s=config.ready_timeout_s)
+        step = await _bootstrap(config, lanes)
+    except WorkerFailure as exc:
+        return _failed(exc.rank, exc.role, "bootstrap", exc)
+    send, receive = anyio.create_memory_object_stream[Event | CycleFailed](max_buffer_size=1000)
+    # One store connection per rank: blocking waits on one connection would queue behind each other.
+    host, port = store.address
+    barriers = [
+        Barrier(JobStore.connect(host, port), rank, config.ranks) for rank in range(config.ranks)
+    ]
+    summary = RunSummary(lifecycle=state.lifecycle.value, step=step, reason=None)
+    job = _Job(config, lanes, store, barriers, send, summary)
+    failure: CycleFailed | None = None
+    async with anyio.create_task_group() as group, receive:
+        outcome = advance(state, Bootstrapped(step))
+        state = outcome.state
+        _start(job, group, outcome.start)
+        while state.lifecycle is not Lifecycle.STOPPED:
+            if state.lifecycle is Lifecycle.DRAINING and job.in_flight == 0:
+                state = advance(state, Drained()).state
+                continue
+            event = await receive.receive()
+            if isinstance(event, CycleFailed):
+                failure = event
+                break
+            outcome = advance(state, event)
+            state = outcome.state
+            _start(job, group, outcome.start)
+        group.cancel_scope.cancel()
+    if failure is not None:
+        log.error(
+            "cycle.run.failed",
+            rank=failure.rank,
+            role=failure.role,
+            phase=failure.phase,
+            error=str(failure.cause),
+        )
+        return failure
+    summary.lifecycle, summary.step, summary.reason = (
+        state.lifecycle.value,
+        state.step,
+        state.reason,
+    )
+    log.info("cycle.run.stopped", step=state.step, reason=state.reason)
+    return summary
+
+
+async def _bootstrap(config: DriverConfig, lanes: WorkerLanes) -> int:
+    steps: list[int] = []
+    async with anyio.create_task_group() as group:
+        for rank in range(config.ranks):
+            for role in ROLES:
+                group.start_soon(_bootstrap_one, config, lanes, WorkerId(role, rank), steps)
+    return min(steps)
+
+
+async def _bootstrap_one(
+    config: DriverConfig, lanes: WorkerLanes, worker: WorkerId, steps: list[int]
+) -> None:
+    result = await lanes.call(worker, "bootstrap", deadline_s=config.phase_deadline_s)
+    if worker.role == "trainer":
+        steps.append(int(result["step"]))
+
+
+def _start(job: _Job, group: TaskGroup, starts: tuple[tuple[int, Phase], ...]) -> None:
+    for rank, phase in starts:
+        job.in_flight += 1
+        group.start_soon(_run_phase, job, rank, phase)
+
+
+async def _run_phase(job: _Job, rank: int, phase: Phase) -> None:
+    """Both workers of `rank` run `phase`; the first failure is reported as CycleFailed."""
+    started = time.monotonic()
+    failure: list[CycleFailed] = []
+    results: dict[str, Any] = {}
+
+    async def call(worker: WorkerId, group: TaskGroup) -> None:
+        try:
+            deadline_s = job.config.phase_deadline_s
+            results[worker.role] = await job.lanes.call(worker, phase.value, deadline_s=deadline_s)
+        except WorkerFailure as exc:
+            exc.phase = phase.value
+            failure.append(_failed(worker.rank, worker.role, phase, exc))
+            group.cancel_scope.cancel()  # the other side's call would only wait for a dead peer
+
+    async with anyio.create_task_group() as group:
+        for role in ROLES:
+            group.start_soon(call, WorkerId(role, rank), group)
+    if not failure and phase is Phase.BARRIER:
+        await _meet_at_barrier(job, rank, results, failure)
+    job.in_flight -= 1
+    job.summary.phase_seconds.setdefault(phase.value, []).append(time.monotonic() - started)
+    await job.events.send(failure[0] if failure else RankFinished(rank, phase))
+
+
+async def _meet_at_barrier(
+    job: _Job, rank: int, results: dict[str, Any], failure: list[CycleFailed]
+) -> None:
+    held = float(results["trainer"]["held_mb"])
+    try:
+        if held > 0:
+            raise TimeshareError(f"trainer still holds {held:g} MiB of device memory at BARRIER")
+        await job.barriers[rank].wait("barrier", timeout_s=job.config.barrier_timeout_s)
+    except TimeshareError as exc:
+        failure.append(_failed(rank, "trainer", Phase.BARRIER, exc))
+
+
+def _failed(rank: int, role: str, phase: Phase | str, exc: BaseException) -> CycleFailed:
+    name = phase.value if isinstance(phase, Phase) else phase
+    failed = CycleFailed(
+        f"{role} rank {rank} failed in phase {name}: {type(exc).__name__}: {exc}",
+        rank=rank,
+        role=role,
+        phase=name,
+        cause=exc,
+    )
+    failed.__cause__ = exc
+    return failed
+
+
+# -- worker processes ------------------------------------------------------------------------
+
+
+async def _spawn(
+    config: DriverConfig, lanes: WorkerLanes, store: JobStore, worker: WorkerId
+) -> subprocess.Popen[bytes]:
+    host, port = store.address
+    spec = WorkerSpec(
+        role="trainer" if worker.role == "trainer" else "rollout",
+        rank=worker.rank,
+        world_size=config.ranks,
+        work_endpoint=lanes.work_endpoint,
+        control_endpoint=lanes.control_endpoint,
+        weight_endpoint=f"ipc://{config.runtime_dir}/w-rank{worker.rank}.sock",
+        store_host=host,
+        store_port=port,
+        checkpoint_dir=f"{config.checkpoint_dir}/rank{worker.rank}",
+        transfer=config.transfer,
+        engine=config.engine,
+        faults=config.faults,
+    )
+    argv = [sys.executable, "-m", "timeshare.engines.worker", msgspec.json.encode(spec).decode()]
+    env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
+    # Own session and process group: a kill of the group takes grandchildren too.
+    process = await anyio.to_thread.run_sync(
+        lambda: subprocess.Popen(argv, env=env, start_new_session=True)
+    )
+    log.info("driver.worker.spawned", role=worker.role, rank=worker.rank, pid=process.pid)
+    return process
+
+
+def _record_workers(runtime: Path, processes: dict[WorkerId, subprocess.Popen[bytes]]) -> None:
+    """Write the worker process groups so that a restarted driver can reap them."""
+    entries = [{"pgid": p.pid, "start": process_start_time(p.pid)} for p in processes.values()]
+    temporary = runtime / f"{WORKERS_FILE}.tmp"
+    temporary.write_text(json.dumps(entries))
+    temporary.replace(runtime / WORKERS_FILE)
+
+
+def _clean_up(runtime: Path, processes: list[subprocess.Popen[bytes]]) -> None:
+    """Kill every worker process group, then remove what the job left in the runtime dir."""
+    for process in processes:
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+    for process in processes:
+        with suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=10)
+    (runtime / WORKERS_FILE).unlink(missing_ok=True)
+    sweep_stale(runtime)
+
+
+def prepare_runtime(runtime: Path) -> list[int]:
+    """Make the runtime dir; kill the worker groups a killed predecessor recorded; sweep it."""
+    runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+    killed: list[int] = []
+    record = runtime / WORKERS_FILE
+    if record.exists():
+        for entry in json.loads(record.read_text()):
+            pgid = int(entry["pgid"])
+            if entry.get("start") is not None and process_start_time(pgid) == entry["start"]:
+                with suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+                    killed.append(pgid)
+        record.unlink()
+    sweep_stale(runtime)
+    if killed:
+        log.warning("driver.leftovers.reaped", process_groups=killed)
+    return killed

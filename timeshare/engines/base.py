@@ -1,0 +1,147 @@
+"""What every engine adapter implements, and the request type every rollout engine receives.
+
+`TrainerEngine` and `RolloutEngine` are the two sides a worker process drives. A
+`RolloutRequest` carries prompt tokens, sampling parameters and multimodal inputs (images, video,
+and the processor's own output); every adapter receives every field, and one that cannot honour a
+field raises `UnsupportedInput` instead of dropping it (`refuse_unsupported`). Every sample
+carries the weight version that produced it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from timeshare.errors import TimeshareError
+
+
+class UnsupportedInput(TimeshareError):
+    """Raised by an adapter given a request field it cannot honour (never dropped silently)."""
+
+
+class WeightsTorn(TimeshareError):
+    """Raised by a rollout engine asked to generate while its weights are not a whole version."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    logprobs: bool = True
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One prompt to sample from; the same type serves teacher and reference-logprob calls."""
+
+    request_id: str
+    prompt_tokens: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    images: tuple[Any, ...] = ()
+    videos: tuple[Any, ...] = ()
+    processor_output: Mapping[str, Any] | None = None
+
+    def fields_in_use(self) -> set[str]:
+        """The optional fields this request sets (what an adapter must honour or refuse)."""
+        used = {name for name in ("images", "videos") if getattr(self, name)}
+        if self.processor_output is not None:
+            used.add("processor_output")
+        return used
+
+
+@dataclass(frozen=True)
+class RolloutSample:
+    request_id: str
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    weight_version: int
+
+
+def refuse_unsupported(request: RolloutRequest, supported: set[str], engine: str) -> None:
+    """Raise `UnsupportedInput` naming every field of `request` that `engine` cannot honour."""
+    unsupported = sorted(request.fields_in_use() - supported)
+    if unsupported:
+        raise UnsupportedInput(
+            f"{engine} cannot honour {', '.join(unsupported)} of request {request.request_id!r}"
+        )
+
+
+class TrainerEngine(ABC):
+    """The trainer side of one rank."""
+
+    @abstractmethod
+    def train_step(self, batch: list[RolloutSample]) -> dict[str, float]:
+        """One optimisation step on the last rollout batch; returns its metrics."""
+
+    @abstractmethod
+    def offload(self) -> None:
+        """Release optimiser state and gradients from the device (state kept bit for bit)."""
+
+    @abstractmethod
+    def onload(self) -> None:
+        """Bring back what `offload` released, exactly as it was."""
+
+    @abstractmethod
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights the rollout engine needs, by name (every rank iterates: collectives)."""
+
+    @abstractmethod
+    def offload_params(self) -> None:
+        """After the weights went out: release the parameters from the device too."""
+
+    @abstractmethod
+    def save_checkpoint(self, directory: Path) -> None:
+        """Model, optimiser, data position and RNG, written atomically."""
+
+    @abstractmethod
+    def load_checkpoint(self, directory: Path) -> None: ...
+
+    @abstractmethod
+    def logprobs(self, batch: list[RolloutSample]) -> list[tuple[float, ...]]:
+        """The trainer's logprobs of the sampled tokens (to compare with the rollout's)."""
+
+
+class RolloutEngine(ABC):
+    """The rollout side of one rank (one shard of an engine that may span several devices)."""
+
+    def __init__(self) -> None:
+        self.weight_version: int | None = None
+        self.torn = True  # no whole weight version loaded yet
+
+    @abstractmethod
+    def sleep(self) -> None:
+        """Release KV cache and weights so the trainer can use the memory."""
+
+    @abstractmethod
+    def wake(self, tags: set[str]) -> None:
+        """Allocate `weights` and/or `kv_cache` again (checking real free memory first)."""
+
+    @abstractmethod
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """One bucket of a weight transfer (tensors are views: copy what is kept)."""
+
+    @abstractmethod
+    def finish_weight_update(self, version: int) -> None:
+        """Post-load processing after the last bucket; the version is whole from now on."""
+
+    @abstractmethod
+    def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
+        """Sample every request; raises `WeightsTorn` while no whole version is loaded."""
+
+    def begin_weight_update(self) -> None:
+        """A transfer starts: until it finishes, the weights are torn."""
+        self.torn = True
+
+    def check_whole(self) -> int:
+        if self.torn or self.weight_version is None:
+            raise WeightsTorn(
+                "weights are torn: no whole transfer completed since the last one began"
+            )
+        return self.weight_version

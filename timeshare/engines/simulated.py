@@ -1,0 +1,228 @@
+"""A simulated engine pair for testing orchestration: real tensors, simulated device memory.
+
+Device memory is a ledger per simulated accelerator, kept in the job store so that the trainer
+and rollout processes of every rank see the same one; an allocation that does not fit raises
+`SimulatedOOM` naming device, owner and sizes. Sizes come from `SimulatedSpec`. The rollout
+engine may span several ranks' devices (`engine_span`), as a tensor-parallel engine does: its
+leader wakes and sleeps the memory of every device it spans. Weights are real tensors, moved
+through the real weight channel; their values follow the step, so a mismatch is visible.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import ClassVar
+
+import msgspec
+import torch
+
+from timeshare.engines.base import (
+    RolloutEngine,
+    RolloutRequest,
+    RolloutSample,
+    TrainerEngine,
+    refuse_unsupported,
+)
+from timeshare.errors import TimeshareError
+from timeshare.protocols.store import JobStore
+
+KIB_PER_MB = 1024
+
+
+class SimulatedSizes(msgspec.Struct, frozen=True, kw_only=True):
+    """MiB each part takes on a simulated device."""
+
+    device_mb: float = 100.0
+    params_mb: float = 30.0
+    optimizer_mb: float = 40.0
+    staging_mb: float = 10.0
+    weights_mb: float = 35.0
+    kv_cache_mb: float = 50.0
+
+
+class SimulatedSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the simulated engines of a job need; workers get it as JSON."""
+
+    sizes: SimulatedSizes = SimulatedSizes()
+    engine_span: int = 1  # ranks (devices) one rollout engine spans; its leader wakes them all
+    tensors: int = 4
+    tensor_numel: int = 1024
+    delays: dict[str, dict[int, float]] = {}  # phase -> rank -> seconds the phase takes
+
+
+class SimulatedOOM(TimeshareError):
+    """Raised when an allocation does not fit on a simulated device."""
+
+
+class DeviceLedger:
+    """Per-device memory accounts in the job store; atomic across processes."""
+
+    def __init__(self, store: JobStore, capacity_mb: float) -> None:
+        self.store = store
+        self.capacity_kib = int(capacity_mb * KIB_PER_MB)
+
+    def allocate(self, device: int, owner: str, mb: float) -> None:
+        amount = int(mb * KIB_PER_MB)
+        used = self.store.add(f"ledger/{device}/used", amount)
+        if used > self.capacity_kib:
+            self.store.add(f"ledger/{device}/used", -amount)
+            raise SimulatedOOM(
+                f"simulated OOM on device {device}: {owner} needs {mb:g} MiB, "
+                f"{(used - amount) / KIB_PER_MB:g} of {self.capacity_kib / KIB_PER_MB:g} MiB in use"
+            )
+        self.store.add(f"ledger/{device}/owner/{owner}", amount)
+
+    def release(self, device: int, owner: str) -> float:
+        """Free everything `owner` holds on `device`; return the MiB freed."""
+        held = self.held(device, owner)
+        amount = int(held * KIB_PER_MB)
+        self.store.add(f"ledger/{device}/owner/{owner}", -amount)
+        self.store.add(f"ledger/{device}/used", -amount)
+        return held
+
+    def held(self, device: int, owner: str) -> float:
+        return self.store.add(f"ledger/{device}/owner/{owner}", 0) / KIB_PER_MB
+
+    def used(self, device: int) -> float:
+        return self.store.add(f"ledger/{device}/used", 0) / KIB_PER_MB
+
+
+def weights_of_step(step: int, spec: SimulatedSpec) -> dict[str, torch.Tensor]:
+    """The trainer's weights after `step` steps: values that tell the step apart."""
+    return {
+        f"layer{i}.weight": torch.full((spec.tensor_numel,), step + i / 1000.0)
+        for i in range(spec.tensors)
+    }
+
+
+class SimulatedTrainer(TrainerEngine):
+    """Rank `rank`'s trainer on device `rank`: parameters, optimiser state, staging."""
+
+    def __init__(self, rank: int, spec: SimulatedSpec, ledger: DeviceLedger) -> None:
+        self.rank = rank
+        self.spec = spec
+        self.ledger = ledger
+        self.step = 0
+        self.weights = weights_of_step(0, spec)
+
+    def _owner(self, part: str) -> str:
+        return f"trainer.{part}"
+
+    def onload(self) -> None:
+        sizes = self.spec.sizes
+        for part, mb in (("params", sizes.params_mb), ("optimizer", sizes.optimizer_mb)):
+            if self.ledger.held(self.rank, self._owner(part)) == 0:
+                self.ledger.allocate(self.rank, self._owner(part), mb)
+
+    def train_step(self, batch: list[RolloutSample]) -> dict[str, float]:
+        self.onload()
+        self.delay("train")
+        self.step += 1
+        self.weights = weights_of_step(self.step, self.spec)
+        return {"step": float(self.step), "samples": float(len(batch))}
+
+    def offload(self) -> None:
+        self.delay("offload")
+        self.ledger.release(self.rank, self._owner("optimizer"))
+
+    def hold_params(self) -> None:
+        """The parameters are on the device (bootstrap: the checkpoint was just loaded)."""
+        if self.ledger.held(self.rank, self._owner("params")) == 0:
+            self.ledger.allocate(self.rank, self._owner("params"), self.spec.sizes.params_mb)
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.weights.items()
+
+    def hold_staging(self) -> None:
+        self.ledger.allocate(self.rank, self._owner("staging"), self.spec.sizes.staging_mb)
+
+    def free_staging(self) -> None:
+        self.ledger.release(self.rank, self._owner("staging"))
+
+    def offload_params(self) -> None:
+        self.ledger.release(self.rank, self._owner("params"))
+
+    def held_mb(self) -> float:
+        return sum(
+            self.ledger.held(self.rank, self._owner(p)) for p in ("params", "optimizer", "staging")
+        )
+
+    def save_checkpoint(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        temporary = directory / "trainer.json.tmp"
+        temporary.write_text(json.dumps({"step": self.step}))
+        temporary.replace(directory / "trainer.json")
+
+    def load_checkpoint(self, directory: Path) -> None:
+        path = directory / "trainer.json"
+        self.step = json.loads(path.read_text())["step"] if path.exists() else 0
+        self.weights = weights_of_step(self.step, self.spec)
+
+    def logprobs(self, batch: list[RolloutSample]) -> list[tuple[float, ...]]:
+        return [sample.logprobs for sample in batch]
+
+    def delay(self, phase: str) -> None:
+        seconds = self.spec.delays.get(phase, {}).get(self.rank, 0.0)
+        if seconds:
+            time.sleep(seconds)
+
+
+class SimulatedRollout(RolloutEngine):
+    """Rank `rank`'s shard of a rollout engine spanning `engine_span` devices."""
+
+    # It ignores the content of these fields, so it can honour them all.
+    SUPPORTED: ClassVar[frozenset[str]] = frozenset({"images", "videos", "processor_output"})
+
+    def __init__(self, rank: int, spec: SimulatedSpec, ledger: DeviceLedger) -> None:
+        super().__init__()
+        self.rank = rank
+        self.spec = spec
+        self.ledger = ledger
+        self.leader = rank - rank % spec.engine_span
+        self.devices = range(self.leader, self.leader + spec.engine_span)
+        self.loaded: dict[str, torch.Tensor] = {}
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    def wake(self, tags: set[str]) -> None:
+        if not self.is_leader:
+            return  # the leader wakes the memory of every device the engine spans
+        sizes = {"weights": self.spec.sizes.weights_mb, "kv_cache": self.spec.sizes.kv_cache_mb}
+        for tag in sorted(tags):
+            for device in self.devices:
+                if self.ledger.held(device, f"rollout.{tag}") == 0:
+                    self.ledger.allocate(device, f"rollout.{tag}", sizes[tag])
+
+    def sleep(self) -> None:
+        if self.is_leader:
+            for device in self.devices:
+                for tag in ("kv_cache", "weights"):
+                    self.ledger.release(device, f"rollout.{tag}")
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named:
+            self.loaded[name] = tensor.clone()
+
+    def finish_weight_update(self, version: int) -> None:
+        self.weight_version = version
+        self.torn = False
+
+    def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
+        version = self.check_whole()
+        self.delay("rollout")
+        samples = []
+        for request in requests:
+            refuse_unsupported(request, set(self.SUPPORTED), "simulated rollout")
+            n = request.sampling.max_tokens
+            samples.append(RolloutSample(request.request_id, tuple(range(n)), (0.0,) * n, version))
+        return samples
+
+    def delay(self, phase: str) -> None:
+        seconds = self.spec.delays.get(phase, {}).get(self.rank, 0.0)
+        if seconds:
+            time.sleep(seconds)
