@@ -136,14 +136,22 @@ class CycleFailed(TimeshareError):
     """Raised by the driver when a phase failed on a rank: names rank, role and phase.
 
     The typed cause (WorkerError, WorkerDied, WorkerStalled, CommandTimeout, CollectiveTimeout,
-    ...) is `cause` and `__cause__`.
+    ...) is `cause` and `__cause__`; `after_s` is how long after the phase started it was seen.
     """
 
     def __init__(
-        self, message: str, *, rank: int, role: str, phase: str, cause: BaseException
+        self,
+        message: str,
+        *,
+        rank: int,
+        role: str,
+        phase: str,
+        cause: BaseException,
+        after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.rank = rank
         self.role = role
         self.phase = phase
         self.cause = cause
+        self.after_s = after_s

@@ -81,8 +81,11 @@ def fire_faults(spec: WorkerSpec, phase: str) -> None:
 
 
 class TrainerWorker:
-    def __init__(self, spec: WorkerSpec, ledger: DeviceLedger, portal: BlockingPortal) -> None:
+    def __init__(
+        self, spec: WorkerSpec, ledger: DeviceLedger, portal: BlockingPortal, server: WorkerServer
+    ) -> None:
         self.spec = spec
+        self.server = server
         self.engine = SimulatedTrainer(spec.rank, spec.engine, ledger)
         self.portal = portal
         self.sender = WeightSender(spec.weight_endpoint, spec.transfer)
@@ -112,7 +115,8 @@ class TrainerWorker:
     def sync(self, params: dict[str, Any]) -> dict[str, Any]:
         self.engine.hold_staging()
         weights = list(self.engine.iter_weights())
-        report = self.portal.call(partial(self.sender.send, weights, version=self.engine.step))
+        with self.server.waiting_on_peer():
+            report = self.portal.call(partial(self.sender.send, weights, version=self.engine.step))
         self.engine.free_staging()
         self.engine.delay("sync")
         self.engine.offload_params()
@@ -127,11 +131,11 @@ class TrainerWorker:
 
 
 class RolloutWorker:
-    def __init__(self, spec: WorkerSpec, ledger: DeviceLedger, server: Callable[[], None]) -> None:
+    def __init__(self, spec: WorkerSpec, ledger: DeviceLedger, server: WorkerServer) -> None:
         self.spec = spec
         self.engine = SimulatedRollout(spec.rank, spec.engine, ledger)
         self.receiver = WeightReceiver(spec.weight_endpoint, spec.transfer)
-        self.report_progress = server
+        self.server = server
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
         return {
@@ -150,9 +154,10 @@ class RolloutWorker:
 
         def load(named: list[Any]) -> None:
             self.engine.load_weights(named)
-            self.report_progress()
+            self.server.report_progress()
 
-        report = self.receiver.receive(load, timeout_s=self.spec.transfer.ack_timeout_s)
+        with self.server.waiting_on_peer():
+            report = self.receiver.receive(load, timeout_s=self.spec.transfer.ack_timeout_s)
         self.engine.finish_weight_update(report.version)
         return {"version": report.version, "tensors": report.tensors}
 
@@ -188,9 +193,9 @@ def run(spec: WorkerSpec) -> None:
         worker: TrainerWorker | RolloutWorker
         if spec.role == "trainer":
             portal = stack.enter_context(start_blocking_portal())
-            worker = TrainerWorker(spec, ledger, portal)
+            worker = TrainerWorker(spec, ledger, portal, server)
         else:
-            worker = RolloutWorker(spec, ledger, server.report_progress)
+            worker = RolloutWorker(spec, ledger, server)
         stack.callback(worker.close)
         for name, handler in worker.handlers().items():
             handlers[name] = _with_faults(spec, name, handler)

@@ -1,11 +1,12 @@
 """The driver's end of the command lanes: one ROUTER per lane, every call with a deadline.
 
 `WorkerLanes.call` sends a command on the work lane and waits for its result, watching three
-things at once: the result, the worker's process (`worker_exited`, fed by `watch_process`, ends
-the wait at once with `WorkerDied`), and the worker's progress count from its heartbeats (no
-change for `stall_timeout_s` is `WorkerStalled`). The deadline is `CommandTimeout`. A command
-that raised in the worker comes back as `WorkerError` with the remote type and message.
-`WorkerLanes.control` uses the control lane, which the worker answers while its work runs.
+things at once: the result; the worker's process (`worker_exited`, fed by `watch_process`, ends
+the wait at once with `WorkerDied`); and the worker's progress count from its heartbeats (no
+change for `stall_timeout_s` is `WorkerStalled`, unless the worker says it is waiting on its
+peer, a wait that the weight channel's own deadlines bound). The deadline is `CommandTimeout`.
+A command that raised in the worker comes back as `WorkerError` with the remote type and
+message. `WorkerLanes.control` uses the control lane, answered while the work runs.
 """
 
 from __future__ import annotations
@@ -258,7 +259,7 @@ class WorkerLanes:
         elif isinstance(frame, frames.Heartbeat):
             worker = _worker_of(routing_id)
             liveness = self._workers.setdefault(worker, _Liveness())
-            if frame.progress != liveness.progress:
+            if frame.progress != liveness.progress or frame.waiting:
                 liveness.progress = frame.progress
                 liveness.progress_at = time.monotonic()
         else:

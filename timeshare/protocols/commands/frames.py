@@ -52,6 +52,7 @@ class Heartbeat(_Frame, frozen=True, tag="heartbeat"):
     busy: int | None  # id of the call on the work lane, if any
     command: str | None
     progress: int  # grows while the worker makes progress
+    waiting: bool = False  # blocked on its peer (weight channel), under that channel's deadlines
 
 
 ToWorker = Call

@@ -17,7 +17,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Any, TypeAlias
 
@@ -62,6 +63,7 @@ class WorkerServer:
         self._heartbeat_s = heartbeat_s
         self._endpoints = {"work": work_endpoint, "control": control_endpoint}
         self._progress = 0
+        self._waiting = False
         self._busy: frames.Call | None = None
         self._armed = False  # an abort signal may raise Aborted now
         self._stop = threading.Event()
@@ -71,6 +73,18 @@ class WorkerServer:
     def report_progress(self) -> None:
         """Called by the engine as it makes progress (a batch generated, a bucket loaded)."""
         self._progress += 1
+
+    @contextmanager
+    def waiting_on_peer(self) -> Iterator[None]:
+        """Mark a wait on the peer worker (whose own deadlines bound it): not a stall of ours.
+
+        Without this, a worker blocked on a hung peer would be blamed for the peer's stall.
+        """
+        self._waiting = True
+        try:
+            yield
+        finally:
+            self._waiting = False
 
     def serve(self) -> None:
         """Answer work calls until `shutdown` or until the driver (the parent process) is gone."""
@@ -187,6 +201,7 @@ class WorkerServer:
             None if busy is None else busy.id,
             None if busy is None else busy.command,
             self._progress,
+            self._waiting,
         )
 
     def _connect(self, lane: str) -> zmq.Socket[bytes]:
