@@ -1,0 +1,61 @@
+"""The memory fences matter: four ranks whose sizes fit only when every handoff is fenced.
+
+One rollout engine spans the four ranks' devices and its leader (rank 0) wakes and sleeps them
+all, as a tensor-parallel engine does. Per device: parameters 30, optimiser 40, staging 10,
+engine weights 35, KV cache 50, of 100 MiB. Fenced, no device ever holds more than 85. Rank 3
+is slow in TRAIN and SYNC, the leader slow in ROLLOUT; drop any one fence and the leader (or
+rank 3) allocates on a non-leader's device while the other side still holds memory there.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.daemon.jobs import assert_nothing_left, config, run
+from timeshare.daemon.driver import DriverConfig
+from timeshare.engines.simulated import SimulatedSpec
+from timeshare.errors import CycleFailed, WorkerError
+from timeshare.state import MEMORY_FENCES, Phase
+
+SLOW = {"train": {3: 0.5}, "sync": {3: 0.5}, "rollout": {0: 0.5}}
+
+
+def four_ranks(runtime_dir: Path, fences: frozenset[Phase]) -> DriverConfig:
+    engine = SimulatedSpec(engine_span=4, delays=SLOW)
+    return config(
+        runtime_dir,
+        ranks=4,
+        steps=2,
+        engine=engine,
+        fences=frozenset(p.value for p in fences),
+        stall_timeout_s=10.0,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_with_every_fence_the_cycle_runs_clean(runtime_dir: Path) -> None:
+    summary = await run(four_ranks(runtime_dir, MEMORY_FENCES))
+    assert (summary.lifecycle, summary.step) == ("stopped", 2)
+    assert_nothing_left(runtime_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.parametrize("dropped", [Phase.SYNC, Phase.RESUME, Phase.TRAIN], ids=str)
+async def test_without_any_one_fence_a_non_leader_device_runs_out(
+    runtime_dir: Path, dropped: Phase
+) -> None:
+    with pytest.raises(CycleFailed) as info:
+        await run(four_ranks(runtime_dir, MEMORY_FENCES - {dropped}))
+    cause = info.value.cause
+    assert isinstance(cause, WorkerError) and cause.remote_type == "SimulatedOOM"
+    # On a non-leader's device: rank 3 is the slow one, but on two cores ranks 1 and 2 can
+    # trail the leader too.
+    assert re.search(r"simulated OOM on device [123]:", cause.remote_message), cause
+    # The failing allocation is the one the dropped fence would have held back.
+    assert info.value.phase == dropped.value
+    assert_nothing_left(runtime_dir)
