@@ -1,0 +1,75 @@
+"""The worker process itself: abort on the control lane interrupts a hanging generate."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from tests.conftest import socket_files
+from timeshare.engines.worker import Fault, WorkerSpec
+from timeshare.errors import WorkerError
+from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
+from timeshare.protocols.store import JobStore
+
+ROLLOUT = WorkerId("rollout", 0)
+
+
+@pytest.mark.asyncio
+async def test_abort_interrupts_a_hanging_generate_within_a_second(runtime_dir: Path) -> None:
+    store = JobStore.host()
+    host, port = store.address
+    async with WorkerLanes.open(runtime_dir, stall_timeout_s=60.0) as lanes:
+        spec = WorkerSpec(
+            role="rollout",
+            rank=0,
+            world_size=1,
+            work_endpoint=lanes.work_endpoint,
+            control_endpoint=lanes.control_endpoint,
+            weight_endpoint=f"ipc://{runtime_dir}/w-rank0.sock",
+            store_host=host,
+            store_port=port,
+            checkpoint_dir=str(runtime_dir / "ckpt"),
+            faults=[Fault("rollout", 0, "rollout", "hang")],
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "timeshare.engines.worker",
+            msgspec.json.encode(spec).decode(),
+        ]
+        process = await anyio.to_thread.run_sync(lambda: subprocess.Popen(argv))
+        outcome: dict[str, Any] = {}
+
+        async def generate() -> None:
+            try:
+                await lanes.call(ROLLOUT, "rollout", deadline_s=60.0)
+            except WorkerError as exc:
+                outcome["error"], outcome["at"] = exc, time.monotonic()
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(watch_process, lanes, ROLLOUT, process)
+                await lanes.wait_ready([ROLLOUT], timeout_s=60.0)
+                async with anyio.create_task_group() as calls:
+                    calls.start_soon(generate)
+                    await anyio.sleep(0.5)
+                    status = await lanes.control(ROLLOUT, "status", timeout_s=5.0)
+                    assert status["busy"] == "rollout"
+                    asked = time.monotonic()
+                    assert await lanes.control(ROLLOUT, "abort", timeout_s=5.0) == "rollout"
+                assert outcome["error"].remote_type == "Aborted"
+                assert outcome["at"] - asked < 1.0
+                await lanes.call(ROLLOUT, "shutdown", deadline_s=10.0)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=10)
+    assert process.returncode == 0
+    assert socket_files(runtime_dir) == []
