@@ -10,6 +10,7 @@ import anyio
 import psutil
 
 from timeshare.daemon.driver import DriverConfig, RunSummary, run_cycle
+from timeshare.protocols.store import JobStore
 
 
 def config(runtime_dir: Path, **overrides: Any) -> DriverConfig:
@@ -26,9 +27,9 @@ def config(runtime_dir: Path, **overrides: Any) -> DriverConfig:
     return DriverConfig(**fields)
 
 
-async def run(cfg: DriverConfig) -> RunSummary:
+async def run(cfg: DriverConfig, store: JobStore | None = None) -> RunSummary:
     with anyio.fail_after(120):
-        return await run_cycle(cfg)
+        return await run_cycle(cfg, store)
 
 
 def processes_of(runtime_dir: Path) -> list[psutil.Process]:

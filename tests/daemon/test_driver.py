@@ -18,6 +18,7 @@ from tests.protocols.weights.peers import wait_until
 from timeshare.daemon.driver import prepare_runtime
 from timeshare.engines.worker import Fault
 from timeshare.errors import CycleFailed, WorkerDied, WorkerError, WorkerStalled
+from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.shm import process_start_time
 from timeshare.state import Phase
 
@@ -27,8 +28,16 @@ CAUSES = {"raise": WorkerError, "kill": WorkerDied, "hang": WorkerStalled}
 
 @pytest.mark.asyncio
 async def test_a_clean_run_of_two_ranks(runtime_dir: Path) -> None:
-    summary = await run(config(runtime_dir, ranks=2, steps=2))
+    store = JobStore.host()
+    summary = await run(config(runtime_dir, ranks=2, steps=2), store)
     assert (summary.lifecycle, summary.step, summary.reason) == ("stopped", 2, "completed 2 steps")
+    recorded = store.get("state", timeout_s=5.0)
+    assert recorded == {
+        "lifecycle": "stopped",
+        "step": 2,
+        "phases": ["rollout", "rollout"],
+        "reason": "completed 2 steps",
+    }
     # Bootstrap enters at SYNC: two steps are 3 SYNCs and 2 TRAINs per rank.
     assert len(summary.phase_seconds["sync"]) == 2 * 3
     assert len(summary.phase_seconds["train"]) == 2 * 2

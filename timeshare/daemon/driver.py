@@ -41,6 +41,7 @@ from timeshare.state import (
     Bootstrapped,
     Drained,
     Event,
+    JobState,
     Lifecycle,
     Phase,
     RankFinished,
@@ -85,6 +86,8 @@ class RunSummary:
     lifecycle: str
     step: int
     reason: str | None
+    cycle_seconds: float = 0.0  # from the end of bootstrap to the stop
+    first_step: int = 0  # the step the checkpoint held at bootstrap
     phase_seconds: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -100,11 +103,14 @@ class _Job:
     in_flight: int = 0
 
 
-async def run_cycle(config: DriverConfig) -> RunSummary:
-    """Run the job until the machine stops it; raise `CycleFailed` on the first failure."""
+async def run_cycle(config: DriverConfig, store: JobStore | None = None) -> RunSummary:
+    """Run the job until the machine stops it; raise `CycleFailed` on the first failure.
+
+    The job store is hosted here unless the caller hosts it (`store`).
+    """
     runtime = Path(config.runtime_dir)
     await anyio.to_thread.run_sync(prepare_runtime, runtime)
-    store = JobStore.host()
+    store = store or JobStore.host()
     processes: dict[WorkerId, subprocess.Popen[bytes]] = {}
     async with WorkerLanes.open(runtime, stall_timeout_s=config.stall_timeout_s) as lanes:
         try:
@@ -156,12 +162,14 @@ async def _drive(
     barriers = [
         Barrier(JobStore.connect(host, port), rank, config.ranks) for rank in range(config.ranks)
     ]
-    summary = RunSummary(lifecycle=state.lifecycle.value, step=step, reason=None)
+    summary = RunSummary(lifecycle=state.lifecycle.value, step=step, reason=None, first_step=step)
+    cycle_started = time.monotonic()
     job = _Job(config, lanes, store, barriers, send, summary, fences)
     failure: CycleFailed | None = None
     async with anyio.create_task_group() as group, receive:
         outcome = advance(state, Bootstrapped(step))
         state = outcome.state
+        await _record(store, state)
         _start(job, group, outcome.start)
         while state.lifecycle is not Lifecycle.STOPPED:
             if state.lifecycle is Lifecycle.DRAINING and job.in_flight == 0:
@@ -172,6 +180,8 @@ async def _drive(
                 failure = event
                 break
             outcome = advance(state, event)
+            if outcome.start or outcome.state.lifecycle is not state.lifecycle:
+                await _record(store, outcome.state)
             state = outcome.state
             _start(job, group, outcome.start)
         group.cancel_scope.cancel()
@@ -189,8 +199,21 @@ async def _drive(
         state.step,
         state.reason,
     )
+    summary.cycle_seconds = time.monotonic() - cycle_started
+    await _record(store, state)
     log.info("cycle.run.stopped", step=state.step, reason=state.reason)
     return summary
+
+
+async def _record(store: JobStore, state: JobState) -> None:
+    """Write where the job stands to the job store, for every node and for operators."""
+    record = {
+        "lifecycle": state.lifecycle.value,
+        "step": state.step,
+        "phases": [p.value for p in state.phases],
+        "reason": state.reason,
+    }
+    await anyio.to_thread.run_sync(store.put, "state", record)
 
 
 async def _bootstrap(config: DriverConfig, lanes: WorkerLanes) -> int:
