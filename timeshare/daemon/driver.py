@@ -180,10 +180,12 @@ async def _drive(
                 failure = event
                 break
             outcome = advance(state, event)
-            if outcome.start or outcome.state.lifecycle is not state.lifecycle:
-                await _record(store, outcome.state)
-            state = outcome.state
+            previous, state = state, outcome.state
             _start(job, group, outcome.start)
+            # Job-wide moves only (a fence passed, the lifecycle changed): a store write per
+            # rank and phase would put a round trip on every phase's path.
+            if len(outcome.start) == config.ranks or state.lifecycle is not previous.lifecycle:
+                await _record(store, state)
         group.cancel_scope.cancel()
     if failure is not None:
         log.error(

@@ -50,6 +50,7 @@ class SimulatedSpec(msgspec.Struct, frozen=True, kw_only=True):
     engine_span: int = 1  # ranks (devices) one rollout engine spans; its leader wakes them all
     tensors: int = 4
     tensor_numel: int = 1024
+    account_memory: bool = True  # off: no ledger at all (to measure orchestration alone)
     delays: dict[str, dict[int, float]] = {}  # phase -> rank -> seconds the phase takes
 
 
@@ -60,11 +61,14 @@ class SimulatedOOM(TimeshareError):
 class DeviceLedger:
     """Per-device memory accounts in the job store; atomic across processes."""
 
-    def __init__(self, store: JobStore, capacity_mb: float) -> None:
+    def __init__(self, store: JobStore, capacity_mb: float, *, enabled: bool = True) -> None:
         self.store = store
         self.capacity_kib = int(capacity_mb * KIB_PER_MB)
+        self.enabled = enabled
 
     def allocate(self, device: int, owner: str, mb: float) -> None:
+        if not self.enabled:
+            return
         amount = int(mb * KIB_PER_MB)
         used = self.store.add(f"ledger/{device}/used", amount)
         if used > self.capacity_kib:
@@ -78,12 +82,16 @@ class DeviceLedger:
     def release(self, device: int, owner: str) -> float:
         """Free everything `owner` holds on `device`; return the MiB freed."""
         held = self.held(device, owner)
+        if not held:
+            return 0.0
         amount = int(held * KIB_PER_MB)
         self.store.add(f"ledger/{device}/owner/{owner}", -amount)
         self.store.add(f"ledger/{device}/used", -amount)
         return held
 
     def held(self, device: int, owner: str) -> float:
+        if not self.enabled:
+            return 0.0
         return self.store.add(f"ledger/{device}/owner/{owner}", 0) / KIB_PER_MB
 
     def used(self, device: int) -> float:

@@ -179,7 +179,7 @@ class RolloutWorker:
 
 def run(spec: WorkerSpec) -> None:
     store = JobStore.connect(spec.store_host, spec.store_port, timeout_s=30.0)
-    ledger = DeviceLedger(store, spec.engine.sizes.device_mb)
+    ledger = DeviceLedger(store, spec.engine.sizes.device_mb, enabled=spec.engine.account_memory)
     handlers: dict[str, Callable[[dict[str, Any]], Any]] = {}
     server = WorkerServer(
         work_endpoint=spec.work_endpoint,

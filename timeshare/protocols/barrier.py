@@ -16,6 +16,7 @@ import anyio
 from timeshare.errors import CollectiveTimeout
 from timeshare.protocols.store import JobStore
 
+FIRST_POLL_S = 0.0005
 POLL_S = 0.02
 
 
@@ -52,11 +53,13 @@ class Barrier:
         blocking a thread for the whole wait, which a cancellation could not interrupt.
         """
         generation, keys = await anyio.to_thread.run_sync(self._arrive, name)
+        pause = FIRST_POLL_S
         with anyio.move_on_after(timeout_s):
             while True:
                 if await anyio.to_thread.run_sync(self._all_arrived, keys):
                     return generation
-                await anyio.sleep(POLL_S)
+                await anyio.sleep(pause)
+                pause = min(pause * 2, POLL_S)  # quick when ranks are close, cheap when not
         raise self._timeout(name, generation, keys, timeout_s)
 
     def _arrive(self, name: str) -> tuple[int, list[str]]:
