@@ -2,11 +2,13 @@
 
     python benchmarks/orchestration.py --ranks 2 4 --steps 30 --json runs/orchestration.json
 
-For each rank count, one run of --steps steps with real worker processes, real command lanes,
-the real weight channel (a few KiB of weights) and a real store barrier. Reports cycles per
-second and, per phase, the median and p99 of each (rank, phase) as the driver saw it: the
-time from starting both workers' commands to both results, i.e. what orchestration costs when
-the engines cost nothing. Target: under 2 ms per phase median on a 2-core machine.
+The job comes from --config (default examples/simulated.toml: memory accounting off, so the
+engines do no work at all); its runtime dirs are made temporary. For each rank count, one run of
+--steps steps with real worker processes, real command lanes, the real weight channel (a few KiB
+of weights) and a real store barrier. Reports cycles per second and, per phase, the median and
+p99 of each (rank, phase) as the driver saw it: the time from starting both workers' commands
+to both results, i.e. what orchestration costs when the engines cost nothing.
+Target: under 2 ms per phase median on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import structlog
 
-from timeshare.daemon.driver import DriverConfig, RunSummary, run_cycle
-from timeshare.engines.simulated import SimulatedSpec
+from timeshare.config import load_config
+from timeshare.daemon.driver import RunSummary, run_cycle
 from timeshare.state import Phase
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
@@ -34,16 +37,17 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
 
 
-async def one_run(ranks: int, steps: int) -> RunSummary:
+async def one_run(config_path: Path, ranks: int, steps: int) -> RunSummary:
     with tempfile.TemporaryDirectory(prefix="ts-orch-", dir="/tmp") as directory:
-        config = DriverConfig(
+        loaded = load_config(config_path, environ={})
+        job = msgspec.structs.replace(
+            loaded.config.job,
             runtime_dir=f"{directory}/run",
             checkpoint_dir=f"{directory}/checkpoints",
             ranks=ranks,
             steps=steps,
-            engine=SimulatedSpec(account_memory=False),  # the engines do no work at all
         )
-        return await run_cycle(config)
+        return await run_cycle(msgspec.structs.replace(loaded.config, job=job))
 
 
 def row(ranks: int, summary: RunSummary) -> dict[str, Any]:
@@ -80,11 +84,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--config", type=Path, default=Path("examples/simulated.toml"))
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    rows = [row(ranks, anyio.run(one_run, ranks, args.steps)) for ranks in args.ranks]
+    rows = [row(r, anyio.run(one_run, args.config, r, args.steps)) for r in args.ranks]
     print_table(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -155,3 +155,10 @@ class CycleFailed(TimeshareError):
         self.phase = phase
         self.cause = cause
         self.after_s = after_s
+
+
+class ConfigError(TimeshareError, ValueError):
+    """Raised for configuration that cannot work: names the key and where its value came from.
+
+    (A ValueError too, so that msgspec reports one raised while decoding with the key's path.)
+    """

@@ -7,29 +7,37 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import psutil
 
-from timeshare.daemon.driver import DriverConfig, RunSummary, run_cycle
+from timeshare.config import Config
+from timeshare.daemon.driver import RunSummary, run_cycle
 from timeshare.protocols.store import JobStore
+from timeshare.state import MEMORY_FENCES, Phase
 
 
-def config(runtime_dir: Path, **overrides: Any) -> DriverConfig:
-    fields: dict[str, Any] = {
-        "runtime_dir": str(runtime_dir / "run"),
-        "checkpoint_dir": str(runtime_dir / "checkpoints"),
-        "ranks": 1,
-        "steps": 1,
-        "phase_deadline_s": 10.0,
-        "stall_timeout_s": 1.5,
-        "barrier_timeout_s": 10.0,
-        **overrides,
+def config(runtime_dir: Path, **sections: dict[str, Any] | list[Any]) -> Config:
+    """A small, fast job in `runtime_dir`; `sections` override whole keys of each section."""
+    data: dict[str, Any] = {
+        "job": {
+            "runtime_dir": str(runtime_dir / "run"),
+            "checkpoint_dir": str(runtime_dir / "checkpoints"),
+            "ranks": 1,
+            "steps": 1,
+        },
+        "deadlines": {"phase_s": 12.0, "stall_s": 1.5, "barrier_s": 10.0},
+        "transfer": {"bucket_mb": 1.0, "ack_timeout_s": 10.0},
     }
-    return DriverConfig(**fields)
+    for name, value in sections.items():
+        data[name] = {**data.get(name, {}), **value} if isinstance(value, dict) else value
+    return msgspec.convert(data, Config)
 
 
-async def run(cfg: DriverConfig, store: JobStore | None = None) -> RunSummary:
+async def run(
+    cfg: Config, store: JobStore | None = None, fences: frozenset[Phase] = MEMORY_FENCES
+) -> RunSummary:
     with anyio.fail_after(120):
-        return await run_cycle(cfg, store)
+        return await run_cycle(cfg, store, fences=fences)
 
 
 def processes_of(runtime_dir: Path) -> list[psutil.Process]:

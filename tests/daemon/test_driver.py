@@ -16,7 +16,6 @@ import pytest
 from tests.daemon.jobs import assert_nothing_left, config, processes_of, run
 from tests.protocols.weights.peers import wait_until
 from timeshare.daemon.driver import prepare_runtime
-from timeshare.engines.worker import Fault
 from timeshare.errors import CycleFailed, WorkerDied, WorkerError, WorkerStalled
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.shm import process_start_time
@@ -29,7 +28,7 @@ CAUSES = {"raise": WorkerError, "kill": WorkerDied, "hang": WorkerStalled}
 @pytest.mark.asyncio
 async def test_a_clean_run_of_two_ranks(runtime_dir: Path) -> None:
     store = JobStore.host()
-    summary = await run(config(runtime_dir, ranks=2, steps=2), store)
+    summary = await run(config(runtime_dir, job={"ranks": 2, "steps": 2}), store)
     assert (summary.lifecycle, summary.step, summary.reason) == ("stopped", 2, "completed 2 steps")
     recorded = store.get("state", timeout_s=5.0)
     assert recorded == {
@@ -50,7 +49,7 @@ async def test_a_clean_run_of_two_ranks(runtime_dir: Path) -> None:
 @pytest.mark.parametrize("role", ["trainer", "rollout"])
 @pytest.mark.parametrize("phase", [p.value for p in Phase])
 async def test_fault_matrix(runtime_dir: Path, phase: str, role: str, kind: str) -> None:
-    cfg = config(runtime_dir, faults=[Fault(role, 0, phase, kind)])  # type: ignore[arg-type]
+    cfg = config(runtime_dir, faults=[{"role": role, "rank": 0, "phase": phase, "kind": kind}])
     with pytest.raises(CycleFailed) as info:
         await run(cfg)
     failed = info.value

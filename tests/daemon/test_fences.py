@@ -15,30 +15,26 @@ from pathlib import Path
 import pytest
 
 from tests.daemon.jobs import assert_nothing_left, config, run
-from timeshare.daemon.driver import DriverConfig
-from timeshare.engines.simulated import SimulatedSpec
+from timeshare.config import Config
 from timeshare.errors import CycleFailed, WorkerError
 from timeshare.state import MEMORY_FENCES, Phase
 
 SLOW = {"train": {3: 0.5}, "sync": {3: 0.5}, "rollout": {0: 0.5}}
 
 
-def four_ranks(runtime_dir: Path, fences: frozenset[Phase]) -> DriverConfig:
-    engine = SimulatedSpec(engine_span=4, delays=SLOW)
+def four_ranks(runtime_dir: Path) -> Config:
     return config(
         runtime_dir,
-        ranks=4,
-        steps=2,
-        engine=engine,
-        fences=frozenset(p.value for p in fences),
-        stall_timeout_s=10.0,
+        job={"ranks": 4, "steps": 2},
+        engine={"simulated": {"engine_span": 4, "delays": SLOW}},
+        deadlines={"stall_s": 10.0},
     )
 
 
 @pytest.mark.slow
 @pytest.mark.asyncio
 async def test_with_every_fence_the_cycle_runs_clean(runtime_dir: Path) -> None:
-    summary = await run(four_ranks(runtime_dir, MEMORY_FENCES))
+    summary = await run(four_ranks(runtime_dir), fences=MEMORY_FENCES)
     assert (summary.lifecycle, summary.step) == ("stopped", 2)
     assert_nothing_left(runtime_dir)
 
@@ -50,7 +46,7 @@ async def test_without_any_one_fence_a_non_leader_device_runs_out(
     runtime_dir: Path, dropped: Phase
 ) -> None:
     with pytest.raises(CycleFailed) as info:
-        await run(four_ranks(runtime_dir, MEMORY_FENCES - {dropped}))
+        await run(four_ranks(runtime_dir), fences=MEMORY_FENCES - {dropped})
     cause = info.value.cause
     assert isinstance(cause, WorkerError) and cause.remote_type == "SimulatedOOM"
     # On a non-leader's device: rank 3 is the slow one, but on two cores ranks 1 and 2 can

@@ -28,13 +28,13 @@ import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 
-from timeshare.engines.simulated import SimulatedSpec
-from timeshare.engines.worker import Fault, WorkerSpec
+from timeshare.config import Config
+from timeshare.engines.worker import WorkerSpec
 from timeshare.errors import CycleFailed, TimeshareError, WorkerFailure
 from timeshare.protocols.barrier import Barrier
 from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
 from timeshare.protocols.store import JobStore
-from timeshare.protocols.weights import TransferConfig, sweep_stale
+from timeshare.protocols.weights import sweep_stale
 from timeshare.protocols.weights.shm import process_start_time
 from timeshare.state import (
     MEMORY_FENCES,
@@ -64,23 +64,6 @@ PRIVATE_ENV = (
 )
 
 
-class DriverConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """What one run of the cycle needs (config.py will load it from TOML)."""
-
-    runtime_dir: str
-    checkpoint_dir: str
-    ranks: int = 2
-    steps: int = 2
-    phase_deadline_s: float = 30.0
-    stall_timeout_s: float = 10.0
-    barrier_timeout_s: float = 20.0
-    ready_timeout_s: float = 60.0
-    transfer: TransferConfig = TransferConfig(bucket_mb=1.0, ack_timeout_s=10.0)
-    engine: SimulatedSpec = SimulatedSpec()
-    faults: list[Fault] = []
-    fences: frozenset[str] = frozenset(p.value for p in MEMORY_FENCES)  # test-only: drop one
-
-
 @dataclass
 class RunSummary:
     lifecycle: str
@@ -93,7 +76,7 @@ class RunSummary:
 
 @dataclass
 class _Job:
-    config: DriverConfig
+    config: Config
     lanes: WorkerLanes
     store: JobStore
     barriers: list[Barrier]
@@ -103,18 +86,24 @@ class _Job:
     in_flight: int = 0
 
 
-async def run_cycle(config: DriverConfig, store: JobStore | None = None) -> RunSummary:
+async def run_cycle(
+    config: Config,
+    store: JobStore | None = None,
+    *,
+    fences: frozenset[Phase] = MEMORY_FENCES,
+) -> RunSummary:
     """Run the job until the machine stops it; raise `CycleFailed` on the first failure.
 
-    The job store is hosted here unless the caller hosts it (`store`).
+    The job store is hosted here unless the caller hosts it (`store`). `fences` is a test-only
+    switch: the proof that each memory fence matters drops one.
     """
-    runtime = Path(config.runtime_dir)
+    runtime = Path(config.job.runtime_dir)
     await anyio.to_thread.run_sync(prepare_runtime, runtime)
     store = store or JobStore.host()
     processes: dict[WorkerId, subprocess.Popen[bytes]] = {}
-    async with WorkerLanes.open(runtime, stall_timeout_s=config.stall_timeout_s) as lanes:
+    async with WorkerLanes.open(runtime, stall_timeout_s=config.deadlines.stall_s) as lanes:
         try:
-            outcome = await _run_with_workers(config, lanes, store, processes)
+            outcome = await _run_with_workers(config, lanes, store, processes, fences)
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(_clean_up, runtime, list(processes.values()))
@@ -124,35 +113,39 @@ async def run_cycle(config: DriverConfig, store: JobStore | None = None) -> RunS
 
 
 async def _run_with_workers(
-    config: DriverConfig,
+    config: Config,
     lanes: WorkerLanes,
     store: JobStore,
     processes: dict[WorkerId, subprocess.Popen[bytes]],
+    fences: frozenset[Phase],
 ) -> RunSummary | CycleFailed:
     """Spawn and watch every worker, run the cycle, shut the workers down if it ended well."""
     async with anyio.create_task_group() as watchers:
-        for rank in range(config.ranks):
+        for rank in range(config.job.ranks):
             for role in ROLES:
                 worker = WorkerId(role, rank)
                 lanes.expect(worker)
                 processes[worker] = await _spawn(config, lanes, store, worker)
                 watchers.start_soon(watch_process, lanes, worker, processes[worker])
-        _record_workers(Path(config.runtime_dir), processes)
-        outcome = await _drive(config, lanes, store, list(processes))
+        _record_workers(Path(config.job.runtime_dir), processes)
+        outcome = await _drive(config, lanes, store, list(processes), fences)
         if isinstance(outcome, RunSummary):
             for worker in processes:
-                await lanes.call(worker, "shutdown", deadline_s=config.phase_deadline_s)
+                await lanes.call(worker, "shutdown", deadline_s=config.deadlines.phase_s)
         watchers.cancel_scope.cancel()
     return outcome
 
 
 async def _drive(
-    config: DriverConfig, lanes: WorkerLanes, store: JobStore, workers: list[WorkerId]
+    config: Config,
+    lanes: WorkerLanes,
+    store: JobStore,
+    workers: list[WorkerId],
+    fences: frozenset[Phase],
 ) -> RunSummary | CycleFailed:
-    fences = frozenset(Phase(name) for name in config.fences)
-    state = initial_state(config.ranks, max_steps=config.steps, fences=fences)
+    state = initial_state(config.job.ranks, max_steps=config.job.steps, fences=fences)
     try:
-        await lanes.wait_ready(workers, timeout_s=config.ready_timeout_s)
+        await lanes.wait_ready(workers, timeout_s=config.deadlines.ready_s)
         step = await _bootstrap(config, lanes)
     except WorkerFailure as exc:
         return _failed(exc.rank, exc.role, "bootstrap", exc)
@@ -160,7 +153,8 @@ async def _drive(
     # One store connection per rank: blocking waits on one connection would queue behind each other.
     host, port = store.address
     barriers = [
-        Barrier(JobStore.connect(host, port), rank, config.ranks) for rank in range(config.ranks)
+        Barrier(JobStore.connect(host, port), rank, config.job.ranks)
+        for rank in range(config.job.ranks)
     ]
     summary = RunSummary(lifecycle=state.lifecycle.value, step=step, reason=None, first_step=step)
     cycle_started = time.monotonic()
@@ -184,7 +178,7 @@ async def _drive(
             _start(job, group, outcome.start)
             # Job-wide moves only (a fence passed, the lifecycle changed): a store write per
             # rank and phase would put a round trip on every phase's path.
-            if len(outcome.start) == config.ranks or state.lifecycle is not previous.lifecycle:
+            if len(outcome.start) == config.job.ranks or state.lifecycle is not previous.lifecycle:
                 await _record(store, state)
         group.cancel_scope.cancel()
     if failure is not None:
@@ -218,19 +212,19 @@ async def _record(store: JobStore, state: JobState) -> None:
     await anyio.to_thread.run_sync(store.put, "state", record)
 
 
-async def _bootstrap(config: DriverConfig, lanes: WorkerLanes) -> int:
+async def _bootstrap(config: Config, lanes: WorkerLanes) -> int:
     steps: list[int] = []
     async with anyio.create_task_group() as group:
-        for rank in range(config.ranks):
+        for rank in range(config.job.ranks):
             for role in ROLES:
                 group.start_soon(_bootstrap_one, config, lanes, WorkerId(role, rank), steps)
     return min(steps)
 
 
 async def _bootstrap_one(
-    config: DriverConfig, lanes: WorkerLanes, worker: WorkerId, steps: list[int]
+    config: Config, lanes: WorkerLanes, worker: WorkerId, steps: list[int]
 ) -> None:
-    result = await lanes.call(worker, "bootstrap", deadline_s=config.phase_deadline_s)
+    result = await lanes.call(worker, "bootstrap", deadline_s=config.deadlines.phase_s)
     if worker.role == "trainer":
         steps.append(int(result["step"]))
 
@@ -249,7 +243,7 @@ async def _run_phase(job: _Job, rank: int, phase: Phase) -> None:
 
     async def call(worker: WorkerId, group: TaskGroup) -> None:
         try:
-            deadline_s = job.config.phase_deadline_s
+            deadline_s = job.config.deadlines.phase_s
             results[worker.role] = await job.lanes.call(worker, phase.value, deadline_s=deadline_s)
         except WorkerFailure as exc:
             exc.phase = phase.value
@@ -279,7 +273,7 @@ async def _meet_at_barrier(
         # The store barrier is how the RESUME fence holds across nodes (the machine holds it
         # within this driver); the test-only switch that drops the fence drops both.
         if Phase.RESUME in job.fences:
-            await job.barriers[rank].wait("barrier", timeout_s=job.config.barrier_timeout_s)
+            await job.barriers[rank].wait("barrier", timeout_s=job.config.deadlines.barrier_s)
     except TimeshareError as exc:
         failure.append(_failed(rank, "trainer", Phase.BARRIER, exc))
 
@@ -301,21 +295,21 @@ def _failed(rank: int, role: str, phase: Phase | str, exc: BaseException) -> Cyc
 
 
 async def _spawn(
-    config: DriverConfig, lanes: WorkerLanes, store: JobStore, worker: WorkerId
+    config: Config, lanes: WorkerLanes, store: JobStore, worker: WorkerId
 ) -> subprocess.Popen[bytes]:
     host, port = store.address
     spec = WorkerSpec(
         role="trainer" if worker.role == "trainer" else "rollout",
         rank=worker.rank,
-        world_size=config.ranks,
+        world_size=config.job.ranks,
         work_endpoint=lanes.work_endpoint,
         control_endpoint=lanes.control_endpoint,
-        weight_endpoint=f"ipc://{config.runtime_dir}/w-rank{worker.rank}.sock",
+        weight_endpoint=f"ipc://{config.job.runtime_dir}/w-rank{worker.rank}.sock",
         store_host=host,
         store_port=port,
-        checkpoint_dir=f"{config.checkpoint_dir}/rank{worker.rank}",
+        checkpoint_dir=f"{config.job.checkpoint_dir}/rank{worker.rank}",
         transfer=config.transfer,
-        engine=config.engine,
+        engine=config.engine.simulated,
         faults=config.faults,
     )
     argv = [sys.executable, "-m", "timeshare.engines.worker", msgspec.json.encode(spec).decode()]

@@ -32,7 +32,7 @@ from timeshare.protocols.store import JobStore
 KIB_PER_MB = 1024
 
 
-class SimulatedSizes(msgspec.Struct, frozen=True, kw_only=True):
+class SimulatedSizes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """MiB each part takes on a simulated device."""
 
     device_mb: float = 100.0
@@ -43,7 +43,7 @@ class SimulatedSizes(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_mb: float = 50.0
 
 
-class SimulatedSpec(msgspec.Struct, frozen=True, kw_only=True):
+class SimulatedSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything the simulated engines of a job need; workers get it as JSON."""
 
     sizes: SimulatedSizes = SimulatedSizes()

@@ -39,7 +39,7 @@ Role = Literal["trainer", "rollout"]
 FaultKind = Literal["raise", "hang", "kill"]
 
 
-class Fault(msgspec.Struct, frozen=True):
+class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Make `role` of `rank` fail as `phase` starts."""
 
     role: str
@@ -48,7 +48,7 @@ class Fault(msgspec.Struct, frozen=True):
     kind: FaultKind
 
 
-class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     role: Role
     rank: int
     world_size: int

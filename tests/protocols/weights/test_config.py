@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from timeshare.errors import TransferError
+from timeshare.errors import ConfigError
 from timeshare.protocols.weights import TransferConfig, TransferReport
 
 
@@ -25,7 +25,7 @@ from timeshare.protocols.weights import TransferConfig, TransferReport
     ],
 )
 def test_bad_values_are_refused(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(TransferError, match=message):
+    with pytest.raises(ConfigError, match=message):
         TransferConfig(**kwargs)
 
 

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import msgspec
 
-from timeshare.errors import TransferError
+from timeshare.errors import ConfigError
 from timeshare.protocols.weights.staging import ALIGNMENT
 from timeshare.protocols.weights.transport import Transport
 
 MAX_PIPELINE_DEPTH = 2  # REQ/REP keeps one header in flight; deeper needs DEALER with credits
 
 
-class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
+class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a sender/receiver pair moves weights. Both sides of a pair should use the same one.
 
     bucket_mb: size of each staging buffer (MiB; fractions allowed).
@@ -41,23 +41,23 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         if not self.bucket_mb > 0:
-            raise TransferError(f"bucket_mb must be positive, got {self.bucket_mb}")
+            raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
         if self.bucket_bytes < ALIGNMENT:
-            raise TransferError(f"bucket_mb={self.bucket_mb} is smaller than {ALIGNMENT} bytes")
+            raise ConfigError(f"bucket_mb={self.bucket_mb} is smaller than {ALIGNMENT} bytes")
         if not 1 <= self.pipeline_depth <= MAX_PIPELINE_DEPTH:
-            raise TransferError(
+            raise ConfigError(
                 f"pipeline_depth must be 1 or {MAX_PIPELINE_DEPTH}, got {self.pipeline_depth}"
             )
         for key in ("ack_timeout_s", "finalize_timeout_s", "handshake_timeout_s"):
             if not getattr(self, key) > 0:
-                raise TransferError(f"{key} must be positive, got {getattr(self, key)}")
+                raise ConfigError(f"{key} must be positive, got {getattr(self, key)}")
         if self.begin_timeout_s < self.ack_timeout_s:
-            raise TransferError(
+            raise ConfigError(
                 f"begin_timeout_s ({self.begin_timeout_s}) must not be shorter than "
                 f"ack_timeout_s ({self.ack_timeout_s})"
             )
         if self.linger_s < 0:
-            raise TransferError(f"linger_s must not be negative, got {self.linger_s}")
+            raise ConfigError(f"linger_s must not be negative, got {self.linger_s}")
 
     @property
     def bucket_bytes(self) -> int:

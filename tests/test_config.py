@@ -1,0 +1,105 @@
+"""Configuration: TOML plus TIMESHARE_* overrides; every bad input is one error naming the key
+and where its value came from; deadlines must nest; `timeshare config show` and exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from timeshare.config import effective_lines, load_config
+from timeshare.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "simulated.toml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_example_loads_with_its_sources() -> None:
+    loaded = load_config(EXAMPLE, environ={})
+    assert loaded.config.job.steps == 30
+    assert loaded.config.engine.simulated.account_memory is False
+    assert loaded.source_of("job.steps") == f"file {EXAMPLE}"
+    assert loaded.source_of("transfer.linger_s") == "default"
+
+
+def test_environment_overrides_win_and_are_named(tmp_path: Path) -> None:
+    path = write(tmp_path, "[job]\nranks = 3\n")
+    env = {
+        "TIMESHARE_JOB__RANKS": "5",
+        "TIMESHARE_JOB__RUNTIME_DIR": "/tmp/ts-env",
+        "TIMESHARE_ENGINE__SIMULATED__ENGINE_SPAN": "5",
+        "UNRELATED": "x",
+    }
+    loaded = load_config(path, environ=env)
+    assert loaded.config.job.ranks == 5
+    assert loaded.config.job.runtime_dir == "/tmp/ts-env"  # a bare word is a string
+    assert loaded.config.engine.simulated.engine_span == 5
+    lines = effective_lines(loaded)
+    assert "job.ranks = 5  # env TIMESHARE_JOB__RANKS" in lines
+    assert 'job.runtime_dir = "/tmp/ts-env"  # env TIMESHARE_JOB__RUNTIME_DIR' in lines
+    assert "deadlines.phase_s = 30.0  # default" in lines
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "message"),
+    [
+        ("[job]\nrnks = 2\n", {}, r"job.rnks: Object contains unknown field `rnks` \(from file "),
+        ("[jobs]\nranks = 2\n", {}, r"jobs: Object contains unknown field `jobs` \(from file "),
+        ("[job]\nranks = 0\n", {}, r"job.ranks: Expected `int` >= 1 \(from file "),
+        ('[job]\nranks = "two"\n', {}, r"job.ranks: Expected `int`, got `str` \(from file "),
+        ("[engine.simulated]\nspan = 2\n", {}, r"engine.simulated.span: Object contains unknown"),
+        ("[transfer]\nbucket_mb = -1\n", {}, r"transfer: bucket_mb must be positive"),
+        ("", {"TIMESHARE_JOB__STEPS": "many"}, r"job.steps: .* \(from env TIMESHARE_JOB__STEPS\)"),
+        ("", {"TIMESHARE_JOB__NOPE": "1"}, r"job.nope: .*unknown field .*TIMESHARE_JOB__NOPE"),
+        ("", {"TIMESHARE_JOB": "1"}, r"TIMESHARE_JOB: expected TIMESHARE_<SECTION>__<KEY>"),
+        ("[job\n", {}, r"is not valid TOML"),
+    ],
+)
+def test_bad_input_is_one_error_naming_key_and_source(
+    tmp_path: Path, text: str, env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, text), environ=env)
+
+
+def test_deadlines_must_nest(tmp_path: Path) -> None:
+    path = write(tmp_path, "[deadlines]\nphase_s = 5.0\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={"TIMESHARE_DEADLINES__STALL_S": "8"})
+    assert str(info.value) == (
+        "deadlines.stall_s (8 s, from env TIMESHARE_DEADLINES__STALL_S) must be shorter than "
+        f"deadlines.phase_s (5 s, from file {path}), which it runs inside"
+    )
+
+
+def test_a_missing_file_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml", environ={})
+
+
+def test_config_show_prints_and_bad_config_exits_2(tmp_path: Path) -> None:
+    show = [sys.executable, "-m", "timeshare", "config", "show"]
+    good = subprocess.run(
+        [*show, str(EXAMPLE)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert good.returncode == 0
+    assert f"job.steps = 30  # file {EXAMPLE}" in good.stdout.splitlines()
+    bad = subprocess.run(
+        [*show, str(write(tmp_path, "[job]\nrnks = 1\n"))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert bad.stdout == ""
+    assert bad.stderr.startswith("timeshare: job.rnks: Object contains unknown field")
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -1,0 +1,218 @@
+"""The job's configuration: typed sections from a TOML file, plus environment overrides.
+
+    [job]        ranks, steps, runtime_dir, checkpoint_dir
+    [deadlines]  phase_s, stall_s, barrier_s, ready_s
+    [transfer]   the weight channel (TransferConfig)
+    [engine]     kind, and that engine's own section ([engine.simulated])
+    [[faults]]   injected faults, for drills
+
+`TIMESHARE_<SECTION>__<KEY>=value` overrides a key (nested keys join with `__`; the value is read
+as a TOML value, else as a string). An unknown key, a wrong type, a value out of range or
+deadlines that do not nest is one `ConfigError` naming the key and where its value came from.
+Every value reaches the code that uses it as an explicit argument; nothing reads globals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from timeshare.engines.simulated import SimulatedSpec
+from timeshare.engines.worker import Fault
+from timeshare.errors import ConfigError
+from timeshare.protocols.weights import TransferConfig
+
+ENV_PREFIX = "TIMESHARE_"
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+
+
+class JobSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    ranks: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 2
+    steps: Annotated[int, msgspec.Meta(ge=1)] = 2
+    runtime_dir: str = "/tmp/timeshare"  # noqa: S108 - a default; systemd gives RUNTIME_DIRECTORY
+    checkpoint_dir: str = "runs/checkpoints"
+
+
+class DeadlineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    phase_s: Positive = 30.0  # one phase's command on a worker
+    stall_s: Positive = 10.0  # a busy worker without progress
+    barrier_s: Positive = 20.0  # waiting for the other ranks at BARRIER
+    ready_s: Positive = 60.0  # workers up and connected
+
+
+class EngineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    kind: Literal["simulated"] = "simulated"
+    simulated: SimulatedSpec = SimulatedSpec()
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    job: JobSection = JobSection()
+    deadlines: DeadlineSection = DeadlineSection()
+    transfer: TransferConfig = TransferConfig(
+        bucket_mb=1.0, ack_timeout_s=10.0, finalize_timeout_s=20.0, handshake_timeout_s=20.0
+    )
+    engine: EngineSection = EngineSection()
+    faults: list[Fault] = []
+
+
+# (inner, outer): an inner deadline runs inside the outer one, so it must be shorter.
+NESTED_DEADLINES = [
+    ("deadlines.stall_s", "deadlines.phase_s"),
+    ("transfer.ack_timeout_s", "deadlines.phase_s"),
+    ("transfer.finalize_timeout_s", "deadlines.phase_s"),
+    ("transfer.handshake_timeout_s", "deadlines.phase_s"),
+]
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """The effective config and, for every key set by the file or the environment, its source."""
+
+    config: Config
+    sources: dict[str, str]
+
+    def source_of(self, key: str) -> str:
+        return self.sources.get(key, "default")
+
+
+def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> LoadedConfig:
+    """Read `path` (if any), apply TIMESHARE_* overrides, validate everything."""
+    environ = os.environ if environ is None else environ
+    data: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if path is not None:
+        data = _read_toml(path)
+        for key in _leaf_keys(data):
+            sources[key] = f"file {path}"
+    for name, raw in sorted(environ.items()):
+        if name.startswith(ENV_PREFIX):
+            key = _env_key(name)
+            _set(data, key, _env_value(raw))
+            sources[key] = f"env {name}"
+    config = _convert(data, sources)
+    _check_nesting(config, sources)
+    return LoadedConfig(config, sources)
+
+
+def effective_lines(loaded: LoadedConfig) -> list[str]:
+    """`key = value  # source` for every key of the effective config (`timeshare config show`)."""
+    values = msgspec.to_builtins(loaded.config)
+    lines = []
+    for key in _leaf_keys(values):
+        value = _get(values, key)
+        lines.append(f"{key} = {_toml_value(value)}  # {loaded.source_of(key)}")
+    return lines
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} does not exist") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+
+
+def _env_key(name: str) -> str:
+    parts = name.removeprefix(ENV_PREFIX).lower().split("__")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"env {name}: expected TIMESHARE_<SECTION>__<KEY>")
+    return ".".join(parts)
+
+
+def _env_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"value = {raw}")["value"]
+    except tomllib.TOMLDecodeError:
+        return raw  # a bare word: a string
+
+
+def _convert(data: dict[str, Any], sources: dict[str, str]) -> Config:
+    try:
+        return msgspec.convert(data, Config)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        key = _key_of(message)
+        where = sources.get(key) or _source_within(key, sources) or "default"
+        raise ConfigError(
+            f"{key or 'config'}: {message.split(' - at ', maxsplit=1)[0]} (from {where})"
+        ) from exc
+
+
+def _key_of(message: str) -> str:
+    """`job.rnks` from "Object contains unknown field `rnks` - at `$.job`", and the like."""
+    path = re.search(r" - at `\$\.?([^`]*)`", message)
+    base = path.group(1).replace("[...]", "") if path else ""
+    base = re.sub(r"\[\d+\]", "", base)
+    unknown = re.search(r"unknown field `([^`]+)`", message)
+    if unknown:
+        return f"{base}.{unknown.group(1)}" if base else unknown.group(1)
+    return base
+
+
+def _source_within(key: str, sources: dict[str, str]) -> str | None:
+    for known, source in sources.items():
+        if known.startswith(f"{key}.") or key.startswith(f"{known}."):
+            return source
+    return None
+
+
+def _check_nesting(config: Config, sources: dict[str, str]) -> None:
+    values = msgspec.to_builtins(config)
+    for inner, outer in NESTED_DEADLINES:
+        inner_s, outer_s = _get(values, inner), _get(values, outer)
+        if inner_s >= outer_s:
+            raise ConfigError(
+                f"{inner} ({inner_s:g} s, from {sources.get(inner, 'default')}) must be shorter "
+                f"than {outer} ({outer_s:g} s, from {sources.get(outer, 'default')}), "
+                "which it runs inside"
+            )
+
+
+# -- nested dicts --------------------------------------------------------------------------------
+
+
+def _leaf_keys(data: Mapping[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for name, value in data.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, Mapping) and value:
+            keys += _leaf_keys(value, f"{key}.")
+        else:
+            keys.append(key)
+    return keys
+
+
+def _get(data: Mapping[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        data = data[part]
+    return data
+
+
+def _set(data: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    for part in parents:
+        child = data.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{key}: {part} is a value, not a section")
+        data = child
+    data[leaf] = value
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return str(value)
+    return json.dumps(value)  # strings, and lists and tables, as TOML reads them
