@@ -128,6 +128,10 @@ class WorkerStalled(WorkerFailure):
     """Raised when a worker busy with a command made no progress for `stall_timeout_s`."""
 
 
+class WorkersNotReady(WorkerFailure):
+    """Raised when a worker did not connect both lanes within the start-up deadline."""
+
+
 class CommandTimeout(WorkerFailure):
     """Raised when a command did not finish within its deadline, progress or not."""
 

@@ -19,7 +19,7 @@ from timeshare.config import Config
 from timeshare.errors import CycleFailed, WorkerError
 from timeshare.state import MEMORY_FENCES, Phase
 
-SLOW = {"train": {3: 0.5}, "sync": {3: 0.5}, "rollout": {0: 0.5}}
+SLOW = {"train": {"3": 0.5}, "sync": {"3": 0.5}, "rollout": {"0": 0.5}}
 
 
 def four_ranks(runtime_dir: Path) -> Config:

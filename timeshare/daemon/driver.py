@@ -294,11 +294,12 @@ def _failed(rank: int, role: str, phase: Phase | str, exc: BaseException) -> Cyc
 # -- worker processes ------------------------------------------------------------------------
 
 
-async def _spawn(
-    config: Config, lanes: WorkerLanes, store: JobStore, worker: WorkerId
-) -> subprocess.Popen[bytes]:
-    host, port = store.address
-    spec = WorkerSpec(
+def worker_spec(
+    config: Config, worker: WorkerId, lanes: WorkerLanes, store_address: tuple[str, int]
+) -> WorkerSpec:
+    """What a worker process is told: its part of the config, its endpoints, the job store."""
+    host, port = store_address
+    return WorkerSpec(
         role="trainer" if worker.role == "trainer" else "rollout",
         rank=worker.rank,
         world_size=config.job.ranks,
@@ -312,6 +313,12 @@ async def _spawn(
         engine=config.engine.simulated,
         faults=config.faults,
     )
+
+
+async def _spawn(
+    config: Config, lanes: WorkerLanes, store: JobStore, worker: WorkerId
+) -> subprocess.Popen[bytes]:
+    spec = worker_spec(config, worker, lanes, store.address)
     argv = [sys.executable, "-m", "timeshare.engines.worker", msgspec.json.encode(spec).decode()]
     env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
     # Own session and process group: a kill of the group takes grandchildren too.

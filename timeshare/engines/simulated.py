@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -30,6 +30,7 @@ from timeshare.errors import TimeshareError
 from timeshare.protocols.store import JobStore
 
 KIB_PER_MB = 1024
+PROGRESS_STEP_S = 0.05
 
 
 class SimulatedSizes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -51,7 +52,8 @@ class SimulatedSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     tensors: int = 4
     tensor_numel: int = 1024
     account_memory: bool = True  # off: no ledger at all (to measure orchestration alone)
-    delays: dict[str, dict[int, float]] = {}  # phase -> rank -> seconds the phase takes
+    # phase -> rank (a string, as TOML keys are) -> seconds of (progressing) work
+    delays: dict[str, dict[str, float]] = {}
 
 
 class SimulatedOOM(TimeshareError):
@@ -106,6 +108,18 @@ def weights_of_step(step: int, spec: SimulatedSpec) -> dict[str, torch.Tensor]:
     }
 
 
+def simulate_work(spec: SimulatedSpec, phase: str, rank: int, progress: Callable[[], None]) -> None:
+    """Take the time `spec.delays` gives `phase` on `rank`, reporting progress as real work does."""
+    deadline = time.monotonic() + spec.delays.get(phase, {}).get(str(rank), 0.0)
+    while (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(left, PROGRESS_STEP_S))
+        progress()
+
+
+def _no_progress() -> None:
+    """What an engine reports progress to when nothing listens."""
+
+
 class SimulatedTrainer(TrainerEngine):
     """Rank `rank`'s trainer on device `rank`: parameters, optimiser state, staging."""
 
@@ -113,6 +127,7 @@ class SimulatedTrainer(TrainerEngine):
         self.rank = rank
         self.spec = spec
         self.ledger = ledger
+        self.progress: Callable[[], None] = _no_progress
         self.step = 0
         self.weights = weights_of_step(0, spec)
 
@@ -173,9 +188,7 @@ class SimulatedTrainer(TrainerEngine):
         return [sample.logprobs for sample in batch]
 
     def delay(self, phase: str) -> None:
-        seconds = self.spec.delays.get(phase, {}).get(self.rank, 0.0)
-        if seconds:
-            time.sleep(seconds)
+        simulate_work(self.spec, phase, self.rank, self.progress)
 
 
 class SimulatedRollout(RolloutEngine):
@@ -189,6 +202,7 @@ class SimulatedRollout(RolloutEngine):
         self.rank = rank
         self.spec = spec
         self.ledger = ledger
+        self.progress: Callable[[], None] = _no_progress
         self.leader = rank - rank % spec.engine_span
         self.devices = range(self.leader, self.leader + spec.engine_span)
         self.loaded: dict[str, torch.Tensor] = {}
@@ -231,6 +245,4 @@ class SimulatedRollout(RolloutEngine):
         return samples
 
     def delay(self, phase: str) -> None:
-        seconds = self.spec.delays.get(phase, {}).get(self.rank, 0.0)
-        if seconds:
-            time.sleep(seconds)
+        simulate_work(self.spec, phase, self.rank, self.progress)

@@ -87,6 +87,7 @@ class TrainerWorker:
         self.spec = spec
         self.server = server
         self.engine = SimulatedTrainer(spec.rank, spec.engine, ledger)
+        self.engine.progress = server.report_progress
         self.portal = portal
         self.sender = WeightSender(spec.weight_endpoint, spec.transfer)
 
@@ -134,6 +135,7 @@ class RolloutWorker:
     def __init__(self, spec: WorkerSpec, ledger: DeviceLedger, server: WorkerServer) -> None:
         self.spec = spec
         self.engine = SimulatedRollout(spec.rank, spec.engine, ledger)
+        self.engine.progress = server.report_progress
         self.receiver = WeightReceiver(spec.weight_endpoint, spec.transfer)
         self.server = server
 

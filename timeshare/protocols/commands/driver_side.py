@@ -29,10 +29,10 @@ import zmq.asyncio
 from timeshare.errors import (
     CommandTimeout,
     ProtocolError,
-    TimeshareError,
     WorkerDied,
     WorkerError,
     WorkerFailure,
+    WorkersNotReady,
     WorkerStalled,
 )
 from timeshare.protocols.commands import frames
@@ -128,8 +128,13 @@ class WorkerLanes:
                     self._raise_if_exited(worker, None)
                 await anyio.sleep(CHECK_S)
             return
-        late = [str(w) for w in workers if self._workers[w].lanes != set(LANES)]
-        raise TimeshareError(f"workers not ready within {timeout_s:g} s: {late}")
+        late = [w for w in workers if self._workers[w].lanes != set(LANES)]
+        raise WorkersNotReady(
+            f"workers not ready within {timeout_s:g} s: {', '.join(map(str, late))}",
+            rank=late[0].rank,
+            role=late[0].role,
+            command=None,
+        )
 
     def worker_exited(self, worker: WorkerId, returncode: int) -> None:
         """The worker's process is gone: every wait on it ends now."""

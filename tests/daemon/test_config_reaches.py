@@ -1,0 +1,158 @@
+"""Every config key reaches the code that uses it: set to a non-default value, seen where it acts.
+
+The [transfer], [engine.simulated] and [[faults]] sections reach each worker whole (their keys
+act inside the weight channel and the simulated engines, whose own tests set each one); the
+[job] and [deadlines] keys act in the driver and are observed in real runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from tests.daemon.jobs import assert_nothing_left, config, run
+from timeshare.config import Config
+from timeshare.daemon.driver import worker_spec
+from timeshare.errors import (
+    CollectiveTimeout,
+    CommandTimeout,
+    CycleFailed,
+    WorkersNotReady,
+    WorkerStalled,
+)
+from timeshare.protocols.commands import WorkerId, WorkerLanes
+from timeshare.protocols.store import JobStore
+
+NON_DEFAULT_SECTIONS: dict[str, Any] = {
+    "transfer": {
+        "bucket_mb": 3.0,
+        "pipeline_depth": 1,
+        "ack_timeout_s": 7.0,
+        "finalize_timeout_s": 8.0,
+        "handshake_timeout_s": 9.0,
+        "begin_timeout_s": 77.0,
+        "linger_s": 0.3,
+        "checksum": True,
+        "transport": "shm",
+    },
+    "engine": {
+        "simulated": {
+            "sizes": {
+                "device_mb": 1.0,
+                "params_mb": 2.0,
+                "optimizer_mb": 3.0,
+                "staging_mb": 4.0,
+                "weights_mb": 5.0,
+                "kv_cache_mb": 6.0,
+            },
+            "engine_span": 3,
+            "tensors": 7,
+            "tensor_numel": 8,
+            "delays": {"train": {"0": 0.1}},
+            "account_memory": False,
+        }
+    },
+    "faults": [{"role": "rollout", "rank": 2, "phase": "resume", "kind": "kill"}],
+}
+
+
+def leaves(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict) and data:
+        return {
+            k: v
+            for name, value in data.items()
+            for k, v in leaves(value, f"{prefix}{name}.").items()
+        }
+    return {prefix.rstrip("."): data}
+
+
+@pytest.mark.asyncio
+async def test_transfer_engine_and_faults_reach_every_worker_whole(runtime_dir: Path) -> None:
+    cfg = config(runtime_dir, job={"ranks": 3}, **NON_DEFAULT_SECTIONS)
+    defaults = leaves(msgspec.to_builtins(Config()))
+    chosen = leaves(msgspec.to_builtins(cfg))
+    for key in leaves(NON_DEFAULT_SECTIONS):
+        if not key.startswith("faults"):
+            assert chosen[key] != defaults.get(key), f"{key} is not set to a non-default value"
+    async with WorkerLanes.open(runtime_dir / "lanes", stall_timeout_s=1.0) as lanes:
+        for rank in range(3):
+            for role in ("trainer", "rollout"):
+                spec = worker_spec(cfg, WorkerId(role, rank), lanes, ("127.0.0.1", 1234))
+                assert spec.transfer == cfg.transfer
+                assert spec.engine == cfg.engine.simulated
+                assert spec.faults == cfg.faults
+                assert spec.world_size == 3
+                assert spec.checkpoint_dir == f"{cfg.job.checkpoint_dir}/rank{rank}"
+                assert spec.weight_endpoint == f"ipc://{cfg.job.runtime_dir}/w-rank{rank}.sock"
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_job_keys_act_in_a_real_run(runtime_dir: Path) -> None:
+    cfg = config(runtime_dir, job={"ranks": 3, "steps": 7})
+    for rank in range(3):  # a durable checkpoint of step 5: the run resumes from it
+        directory = Path(cfg.job.checkpoint_dir) / f"rank{rank}"
+        directory.mkdir(parents=True)
+        (directory / "trainer.json").write_text(json.dumps({"step": 5}))
+    store = JobStore.host()
+    summary = await run(cfg, store)
+    assert (summary.first_step, summary.step) == (5, 7)
+    assert len(store.get("state", timeout_s=5.0)["phases"]) == 3
+    assert stat.S_IMODE(os.stat(cfg.job.runtime_dir).st_mode) == 0o700
+    assert_nothing_left(runtime_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("sections", "cause", "message"),
+    [
+        (
+            {
+                "deadlines": {"phase_s": 2.0, "stall_s": 1.0},
+                "transfer": {
+                    "ack_timeout_s": 1.0,
+                    "finalize_timeout_s": 1.0,
+                    "handshake_timeout_s": 1.5,
+                },
+                "engine": {"simulated": {"delays": {"train": {"0": 5.0}}}},
+            },
+            CommandTimeout,
+            r"did not finish train within 2 s",
+        ),
+        (
+            {
+                "job": {"ranks": 2},
+                "deadlines": {"barrier_s": 0.5},
+                "engine": {"simulated": {"delays": {"barrier": {"1": 3.0}}}},
+            },
+            CollectiveTimeout,
+            r"timed out after 0.5 s on rank 0: ranks \[1\] did not arrive",
+        ),
+        ({"deadlines": {"ready_s": 0.2}}, WorkersNotReady, r"not ready within 0.2 s"),
+        (
+            {
+                "deadlines": {"stall_s": 1.2},
+                "faults": [{"role": "trainer", "rank": 0, "phase": "offload", "kind": "hang"}],
+            },
+            WorkerStalled,
+            r"made no progress in offload for 1.2 s",
+        ),
+    ],
+    ids=["phase_s", "barrier_s", "ready_s", "stall_s"],
+)
+async def test_deadline_keys_act_where_they_are_waited_on(
+    runtime_dir: Path, sections: dict[str, Any], cause: type[Exception], message: str
+) -> None:
+    with pytest.raises(CycleFailed) as info:
+        await run(config(runtime_dir, **sections))
+    assert isinstance(info.value.cause, cause)
+    assert re.search(message, str(info.value.cause)), info.value.cause
+    assert_nothing_left(runtime_dir)
