@@ -19,6 +19,7 @@ import sys
 import time
 from contextlib import suppress
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +42,13 @@ from timeshare.state import (
     Bootstrapped,
     Drained,
     Event,
+    InvalidTransition,
     JobState,
     Lifecycle,
     Phase,
     RankFinished,
+    Request,
+    Requested,
     advance,
     initial_state,
 )
@@ -52,6 +56,8 @@ from timeshare.state import (
 log = structlog.get_logger(__name__)
 
 ROLES = ("trainer", "rollout")
+COMMAND_POLL_S = 0.05
+COMMAND_READ_S = 5.0  # a command's generation is taken before its value is written
 WORKERS_FILE = "workers.json"
 # Variables of the service manager that must not reach workers.
 PRIVATE_ENV = (
@@ -144,6 +150,8 @@ async def _drive(
     fences: frozenset[Phase],
 ) -> RunSummary | CycleFailed:
     state = initial_state(config.job.ranks, max_steps=config.job.steps, fences=fences)
+    # Commands written from now on apply to this run (one written during start-up waits).
+    commands_seen = await anyio.to_thread.run_sync(store.add, "gen/command", 0)
     try:
         await lanes.wait_ready(workers, timeout_s=config.deadlines.ready_s)
         step = await _bootstrap(config, lanes)
@@ -165,6 +173,7 @@ async def _drive(
         state = outcome.state
         await _record(store, state)
         _start(job, group, outcome.start)
+        group.start_soon(_watch_commands, store, send, commands_seen)
         while state.lifecycle is not Lifecycle.STOPPED:
             if state.lifecycle is Lifecycle.DRAINING and job.in_flight == 0:
                 state = advance(state, Drained()).state
@@ -173,7 +182,13 @@ async def _drive(
             if isinstance(event, CycleFailed):
                 failure = event
                 break
-            outcome = advance(state, event)
+            try:
+                outcome = advance(state, event)
+            except InvalidTransition as exc:
+                if not isinstance(event, Requested):
+                    raise  # the driver itself broke a rule: a bug, not an input
+                log.warning("cycle.command.refused", error=str(exc))
+                continue
             previous, state = state, outcome.state
             _start(job, group, outcome.start)
             # Job-wide moves only (a fence passed, the lifecycle changed): a store write per
@@ -199,6 +214,31 @@ async def _drive(
     await _record(store, state)
     log.info("cycle.run.stopped", step=state.step, reason=state.reason)
     return summary
+
+
+async def _watch_commands(
+    store: JobStore, events: MemoryObjectSendStream[Event | CycleFailed], applied: int
+) -> None:
+    """Feed every command written to the job store (pause, resume, drain, stop) to the machine.
+
+    Commands carry generations, so every node applies each one once, in order; one that names
+    no request is logged and skipped.
+    """
+    while True:
+        latest = await anyio.to_thread.run_sync(store.add, "gen/command", 0)
+        for generation in range(applied + 1, latest + 1):
+            command = await anyio.to_thread.run_sync(
+                partial(store.command, generation, timeout_s=COMMAND_READ_S)
+            )
+            try:
+                request = Request(command["command"])
+            except ValueError:
+                log.warning("cycle.command.unknown", generation=generation, command=command)
+                continue
+            log.info("cycle.command.received", generation=generation, request=request.value)
+            await events.send(Requested(request))
+        applied = latest
+        await anyio.sleep(COMMAND_POLL_S)
 
 
 async def _record(store: JobStore, state: JobState) -> None:
