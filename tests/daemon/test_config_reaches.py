@@ -19,7 +19,7 @@ import pytest
 
 from tests.daemon.jobs import assert_nothing_left, config, run
 from timeshare.config import Config
-from timeshare.daemon.driver import worker_spec
+from timeshare.daemon.workers import worker_spec
 from timeshare.errors import (
     CollectiveTimeout,
     CommandTimeout,

@@ -15,7 +15,7 @@ import pytest
 
 from tests.daemon.jobs import assert_nothing_left, config, processes_of, run
 from tests.protocols.weights.peers import wait_until
-from timeshare.daemon.driver import prepare_runtime
+from timeshare.daemon.workers import prepare_runtime
 from timeshare.errors import CycleFailed, WorkerDied, WorkerError, WorkerStalled
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.shm import process_start_time

@@ -11,32 +11,24 @@ worker process group is killed and the runtime directory swept.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
-import sys
 import time
-from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 
 from timeshare.config import Config
-from timeshare.engines.worker import WorkerSpec
+from timeshare.daemon.workers import clean_up, prepare_runtime, record_workers, spawn
 from timeshare.errors import CycleFailed, TimeshareError, WorkerFailure
 from timeshare.protocols.barrier import Barrier
 from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
 from timeshare.protocols.store import JobStore
-from timeshare.protocols.weights import sweep_stale
-from timeshare.protocols.weights.shm import process_start_time
 from timeshare.state import (
     MEMORY_FENCES,
     Bootstrapped,
@@ -58,16 +50,6 @@ log = structlog.get_logger(__name__)
 ROLES = ("trainer", "rollout")
 COMMAND_POLL_S = 0.05
 COMMAND_READ_S = 5.0  # a command's generation is taken before its value is written
-WORKERS_FILE = "workers.json"
-# Variables of the service manager that must not reach workers.
-PRIVATE_ENV = (
-    "NOTIFY_SOCKET",
-    "WATCHDOG_PID",
-    "WATCHDOG_USEC",
-    "LISTEN_FDS",
-    "LISTEN_PID",
-    "LISTEN_FDNAMES",
-)
 
 
 @dataclass
@@ -112,7 +94,7 @@ async def run_cycle(
             outcome = await _run_with_workers(config, lanes, store, processes, fences)
         finally:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_clean_up, runtime, list(processes.values()))
+                await anyio.to_thread.run_sync(clean_up, runtime, list(processes.values()))
     if isinstance(outcome, CycleFailed):
         raise outcome
     return outcome
@@ -131,9 +113,9 @@ async def _run_with_workers(
             for role in ROLES:
                 worker = WorkerId(role, rank)
                 lanes.expect(worker)
-                processes[worker] = await _spawn(config, lanes, store, worker)
+                processes[worker] = await spawn(config, lanes, store, worker)
                 watchers.start_soon(watch_process, lanes, worker, processes[worker])
-        _record_workers(Path(config.job.runtime_dir), processes)
+        record_workers(Path(config.job.runtime_dir), processes)
         outcome = await _drive(config, lanes, store, list(processes), fences)
         if isinstance(outcome, RunSummary):
             for worker in processes:
@@ -329,80 +311,3 @@ def _failed(rank: int, role: str, phase: Phase | str, exc: BaseException) -> Cyc
     )
     failed.__cause__ = exc
     return failed
-
-
-# -- worker processes ------------------------------------------------------------------------
-
-
-def worker_spec(
-    config: Config, worker: WorkerId, lanes: WorkerLanes, store_address: tuple[str, int]
-) -> WorkerSpec:
-    """What a worker process is told: its part of the config, its endpoints, the job store."""
-    host, port = store_address
-    return WorkerSpec(
-        role="trainer" if worker.role == "trainer" else "rollout",
-        rank=worker.rank,
-        world_size=config.job.ranks,
-        work_endpoint=lanes.work_endpoint,
-        control_endpoint=lanes.control_endpoint,
-        weight_endpoint=f"ipc://{config.job.runtime_dir}/w-rank{worker.rank}.sock",
-        store_host=host,
-        store_port=port,
-        checkpoint_dir=f"{config.job.checkpoint_dir}/rank{worker.rank}",
-        transfer=config.transfer,
-        engine=config.engine.simulated,
-        faults=config.faults,
-    )
-
-
-async def _spawn(
-    config: Config, lanes: WorkerLanes, store: JobStore, worker: WorkerId
-) -> subprocess.Popen[bytes]:
-    spec = worker_spec(config, worker, lanes, store.address)
-    argv = [sys.executable, "-m", "timeshare.engines.worker", msgspec.json.encode(spec).decode()]
-    env = {k: v for k, v in os.environ.items() if k not in PRIVATE_ENV}
-    # Own session and process group: a kill of the group takes grandchildren too.
-    process = await anyio.to_thread.run_sync(
-        lambda: subprocess.Popen(argv, env=env, start_new_session=True)
-    )
-    log.info("driver.worker.spawned", role=worker.role, rank=worker.rank, pid=process.pid)
-    return process
-
-
-def _record_workers(runtime: Path, processes: dict[WorkerId, subprocess.Popen[bytes]]) -> None:
-    """Write the worker process groups so that a restarted driver can reap them."""
-    entries = [{"pgid": p.pid, "start": process_start_time(p.pid)} for p in processes.values()]
-    temporary = runtime / f"{WORKERS_FILE}.tmp"
-    temporary.write_text(json.dumps(entries))
-    temporary.replace(runtime / WORKERS_FILE)
-
-
-def _clean_up(runtime: Path, processes: list[subprocess.Popen[bytes]]) -> None:
-    """Kill every worker process group, then remove what the job left in the runtime dir."""
-    for process in processes:
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-    for process in processes:
-        with suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=10)
-    (runtime / WORKERS_FILE).unlink(missing_ok=True)
-    sweep_stale(runtime)
-
-
-def prepare_runtime(runtime: Path) -> list[int]:
-    """Make the runtime dir; kill the worker groups a killed predecessor recorded; sweep it."""
-    runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
-    killed: list[int] = []
-    record = runtime / WORKERS_FILE
-    if record.exists():
-        for entry in json.loads(record.read_text()):
-            pgid = int(entry["pgid"])
-            if entry.get("start") is not None and process_start_time(pgid) == entry["start"]:
-                with suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
-                    killed.append(pgid)
-        record.unlink()
-    sweep_stale(runtime)
-    if killed:
-        log.warning("driver.leftovers.reaped", process_groups=killed)
-    return killed
