@@ -80,6 +80,26 @@ def test_deadlines_must_nest(tmp_path: Path) -> None:
     )
 
 
+def test_per_command_deadlines(tmp_path: Path) -> None:
+    path = write(tmp_path, "[deadlines.commands]\nsync = 25.0\n")
+    deadlines = load_config(path, environ={}).config.deadlines
+    assert (deadlines.for_command("sync"), deadlines.for_command("train")) == (25.0, 30.0)
+    with pytest.raises(ConfigError, match=r"deadlines.commands.synch: no such command \(from env"):
+        load_config(path, environ={"TIMESHARE_DEADLINES__COMMANDS__SYNCH": "5"})
+    with pytest.raises(
+        ConfigError,
+        match=r"transfer.ack_timeout_s \(10 s, from default\) must be "
+        r"shorter than deadlines.commands.sync \(8 s, from env",
+    ):
+        load_config(
+            path,
+            environ={
+                "TIMESHARE_DEADLINES__COMMANDS__SYNC": "8",
+                "TIMESHARE_DEADLINES__STALL_S": "5",
+            },
+        )
+
+
 def test_a_missing_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml", environ={})

@@ -1,7 +1,7 @@
 """The job's configuration: typed sections from a TOML file, plus environment overrides.
 
     [job]        ranks, steps, runtime_dir, checkpoint_dir
-    [deadlines]  phase_s, stall_s, barrier_s, ready_s
+    [deadlines]  phase_s, stall_s, barrier_s, ready_s; [deadlines.commands] per command
     [transfer]   the weight channel (TransferConfig)
     [engine]     kind, and that engine's own section ([engine.simulated])
     [[faults]]   injected faults, for drills
@@ -29,6 +29,7 @@ from timeshare.engines.simulated import SimulatedSpec
 from timeshare.engines.worker import Fault
 from timeshare.errors import ConfigError
 from timeshare.protocols.weights import TransferConfig
+from timeshare.state import Phase
 
 ENV_PREFIX = "TIMESHARE_"
 Positive = Annotated[float, msgspec.Meta(gt=0)]
@@ -46,6 +47,11 @@ class DeadlineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     stall_s: Positive = 10.0  # a busy worker without progress
     barrier_s: Positive = 20.0  # waiting for the other ranks at BARRIER
     ready_s: Positive = 60.0  # workers up and connected
+    commands: dict[str, Positive] = {}  # per command (a phase, bootstrap, shutdown): not phase_s
+
+    def for_command(self, command: str) -> float:
+        """The deadline of one worker command."""
+        return self.commands.get(command, self.phase_s)
 
 
 class EngineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -63,12 +69,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     faults: list[Fault] = []
 
 
-# (inner, outer): an inner deadline runs inside the outer one, so it must be shorter.
+COMMANDS = frozenset({*(phase.value for phase in Phase), "bootstrap", "shutdown"})
+# (inner, command): an inner deadline runs inside that command's, so it must be shorter.
 NESTED_DEADLINES = [
-    ("deadlines.stall_s", "deadlines.phase_s"),
-    ("transfer.ack_timeout_s", "deadlines.phase_s"),
-    ("transfer.finalize_timeout_s", "deadlines.phase_s"),
-    ("transfer.handshake_timeout_s", "deadlines.phase_s"),
+    *(("deadlines.stall_s", command) for command in sorted(COMMANDS)),
+    ("transfer.ack_timeout_s", Phase.SYNC.value),
+    ("transfer.finalize_timeout_s", Phase.SYNC.value),
+    ("transfer.handshake_timeout_s", Phase.SYNC.value),
 ]
 
 
@@ -170,7 +177,16 @@ def _source_within(key: str, sources: dict[str, str]) -> str | None:
 
 def _check_nesting(config: Config, sources: dict[str, str]) -> None:
     values = msgspec.to_builtins(config)
-    for inner, outer in NESTED_DEADLINES:
+    for command in config.deadlines.commands:
+        if command not in COMMANDS:
+            key = f"deadlines.commands.{command}"
+            raise ConfigError(
+                f"{key}: no such command (from {sources.get(key, 'default')}); "
+                f"commands are {', '.join(sorted(COMMANDS))}"
+            )
+    for inner, command in NESTED_DEADLINES:
+        custom = command in config.deadlines.commands
+        outer = f"deadlines.commands.{command}" if custom else "deadlines.phase_s"
         inner_s, outer_s = _get(values, inner), _get(values, outer)
         if inner_s >= outer_s:
             raise ConfigError(

@@ -136,6 +136,14 @@ async def test_job_keys_act_in_a_real_run(runtime_dir: Path) -> None:
             CollectiveTimeout,
             r"timed out after 0.5 s on rank 0: ranks \[1\] did not arrive",
         ),
+        (
+            {
+                "deadlines": {"phase_s": 12.0, "stall_s": 1.0, "commands": {"offload": 2.5}},
+                "engine": {"simulated": {"delays": {"offload": {"0": 6.0}}}},
+            },
+            CommandTimeout,
+            r"did not finish offload within 2.5 s",
+        ),
         ({"deadlines": {"ready_s": 0.2}}, WorkersNotReady, r"not ready within 0.2 s"),
         (
             {
@@ -146,7 +154,7 @@ async def test_job_keys_act_in_a_real_run(runtime_dir: Path) -> None:
             r"made no progress in offload for 1.2 s",
         ),
     ],
-    ids=["phase_s", "barrier_s", "ready_s", "stall_s"],
+    ids=["phase_s", "barrier_s", "commands", "ready_s", "stall_s"],
 )
 async def test_deadline_keys_act_where_they_are_waited_on(
     runtime_dir: Path, sections: dict[str, Any], cause: type[Exception], message: str

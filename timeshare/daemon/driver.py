@@ -119,7 +119,8 @@ async def _run_with_workers(
         outcome = await _drive(config, lanes, store, list(processes), fences)
         if isinstance(outcome, RunSummary):
             for worker in processes:
-                await lanes.call(worker, "shutdown", deadline_s=config.deadlines.phase_s)
+                deadline_s = config.deadlines.for_command("shutdown")
+                await lanes.call(worker, "shutdown", deadline_s=deadline_s)
         watchers.cancel_scope.cancel()
     return outcome
 
@@ -246,7 +247,8 @@ async def _bootstrap(config: Config, lanes: WorkerLanes) -> int:
 async def _bootstrap_one(
     config: Config, lanes: WorkerLanes, worker: WorkerId, steps: list[int]
 ) -> None:
-    result = await lanes.call(worker, "bootstrap", deadline_s=config.deadlines.phase_s)
+    deadline_s = config.deadlines.for_command("bootstrap")
+    result = await lanes.call(worker, "bootstrap", deadline_s=deadline_s)
     if worker.role == "trainer":
         steps.append(int(result["step"]))
 
@@ -265,7 +267,7 @@ async def _run_phase(job: _Job, rank: int, phase: Phase) -> None:
 
     async def call(worker: WorkerId, group: TaskGroup) -> None:
         try:
-            deadline_s = job.config.deadlines.phase_s
+            deadline_s = job.config.deadlines.for_command(phase.value)
             results[worker.role] = await job.lanes.call(worker, phase.value, deadline_s=deadline_s)
         except WorkerFailure as exc:
             exc.phase = phase.value
