@@ -181,7 +181,16 @@ class WorkerLanes:
         try:
             frame = frames.encode(frames.Call(call_id, command, params))
             try:
-                await self._sockets[lane].send_multipart([worker.routing_id, frame])
+                # Bounded like the rest of the call: a worker that stopped reading fills the queue.
+                with anyio.fail_after(deadline_s):
+                    await self._sockets[lane].send_multipart([worker.routing_id, frame])
+            except TimeoutError as exc:
+                raise CommandTimeout(
+                    f"{worker} did not take {command} within {deadline_s:g} s",
+                    rank=worker.rank,
+                    role=worker.role,
+                    command=command,
+                ) from exc
             except zmq.ZMQError as exc:  # ROUTER_MANDATORY: nobody with that id is connected
                 raise WorkerFailure(
                     f"{worker} is not connected on the {lane} lane: {exc}",
