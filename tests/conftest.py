@@ -43,3 +43,15 @@ def no_leaked_staging() -> Iterator[None]:
     yield
     leaked = staging_segments() - before
     assert not leaked, f"staging segments left in /dev/shm: {sorted(leaked)}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` need a CUDA device; without one they are skipped, saying so."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
