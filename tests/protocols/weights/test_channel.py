@@ -219,3 +219,38 @@ async def test_receive_async_delivers_and_stops_promptly_when_cancelled(runtime_
             assert time.monotonic() - started < 2.0
             with pytest.raises(SessionClosed, match="cancelled"):
                 receiver.receive(keep)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "weights",
+    [
+        {"exact": torch.arange(2 * 65536, dtype=torch.float32)},  # two full 0.25 MiB buckets
+        {},  # nothing at all
+        {"small": torch.ones(3)},  # the last bucket carries the totals
+    ],
+    ids=["last-bucket-full", "empty", "last-bucket-partial"],
+)
+async def test_every_way_a_transfer_can_end(runtime_dir: Path, weights: dict[str, Any]) -> None:
+    cfg = TransferConfig(**SMALL)
+    got: dict[str, torch.Tensor] = {}
+    reports = []
+
+    def receive() -> None:
+        with WeightReceiver(endpoint(runtime_dir), cfg) as receiver:
+            for _ in range(2):
+                reports.append(
+                    receiver.receive(lambda items: got.update((n, t.clone()) for n, t in items))
+                )
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    with WeightSender(endpoint(runtime_dir), cfg) as sender:
+        for version in range(2):
+            sent = await sender.send(weights, version=version)
+    thread.join(timeout=30)
+    assert [r.version for r in reports] == [0, 1]
+    assert reports[-1].tensors == sent.tensors == len(weights)
+    assert reports[-1].bytes == sent.bytes
+    for name, tensor in weights.items():
+        assert torch.equal(got[name], tensor)

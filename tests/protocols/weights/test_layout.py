@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from timeshare.errors import ProtocolError, TransferError
-from timeshare.protocols.weights.frames import TensorPiece
+from timeshare.protocols.weights.frames import TensorPiece, Totals
 from timeshare.protocols.weights.layout import DTYPES, Assembler, BucketPlanner, align, pack
 
 BUCKET = 4096
@@ -30,7 +30,7 @@ def round_trip(
         pack(bucket, staging)
         for name, tensor in assembler.unpack([p.piece for p in bucket.pieces], staging):
             out[name] = tensor.clone()
-    assembler.check_complete(planner.tensors, planner.bytes)
+    assembler.check_complete(Totals(planner.tensors, planner.bytes))
     return out, len(buckets)
 
 
@@ -136,7 +136,7 @@ def test_assembler_names_duplicates_extras_and_missing() -> None:
     with pytest.raises(TransferError, match="unexpected weight 'c'"):
         assembler.unpack([TensorPiece("c", "float32", (4,), 64, 16, 0, 16)], staging)
     with pytest.raises(TransferError, match=r"missing from the transfer: \['b'\]"):
-        assembler.check_complete(1, 16)
+        assembler.check_complete(Totals(1, 16))
 
 
 def test_planner_refuses_bad_values() -> None:

@@ -6,7 +6,10 @@ weight version and a sequence number, and every reply repeats them. Requests go 
 
     Offer     -> Ack(step="mapped")      staging described; receiver maps it
     Bucket    -> Ack(step="bucket")      receiver consumed the bucket and dropped every view
+    Bucket(last=totals) -> Ack(step="released")   the last bucket, consumed, and every tensor
+                                         of the transfer delivered (saves a round trip)
     Release   -> Ack(step="released")    every tensor delivered; sender may recycle staging
+                                         (when the last bucket could not say so)
     Finalize  -> Ack(step="finalized")   receiver's post-processing done, device fenced
     Abort     -> Ack(step="aborted")     sender gave up on this transfer (session ends)
     Goodbye   -> Ack(step="goodbye")     sender closes the session
@@ -45,6 +48,13 @@ class TensorPiece(msgspec.Struct, frozen=True, array_like=True):
     total: int  # bytes of the whole tensor
 
 
+class Totals(msgspec.Struct, frozen=True, array_like=True):
+    """What a whole transfer carried: checked by the receiver before it answers RELEASED."""
+
+    tensors: int
+    nbytes: int
+
+
 class Offer(_Frame, frozen=True, tag="offer"):
     protocol: int
     session: int
@@ -60,6 +70,7 @@ class Bucket(_Frame, frozen=True, tag="bucket"):
     buffer: int  # which staging buffer holds it
     pieces: list[TensorPiece]
     checksum: int | None = None  # crc32 of the bytes used, when enabled
+    last: Totals | None = None  # set on the transfer's last bucket: its ACK is RELEASED
 
 
 class Release(_Frame, frozen=True, tag="release"):

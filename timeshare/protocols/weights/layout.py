@@ -17,7 +17,7 @@ from typing import Any, cast
 import torch
 
 from timeshare.errors import ProtocolError, TransferError
-from timeshare.protocols.weights.frames import TensorPiece
+from timeshare.protocols.weights.frames import TensorPiece, Totals
 from timeshare.protocols.weights.staging import ALIGNMENT
 
 _DTYPE_NAMES = [
@@ -172,8 +172,9 @@ class Assembler:
                     out.append((piece.name, done))
         return out
 
-    def check_complete(self, tensors: int, nbytes: int) -> None:
+    def check_complete(self, totals: Totals) -> None:
         """At the end of a transfer: nothing half-built, and counts and names as announced."""
+        tensors, nbytes = totals.tensors, totals.nbytes
         if self._partial:
             raise TransferError(f"transfer ended with tensors incomplete: {sorted(self._partial)}")
         if len(self.delivered) != tensors or self.bytes != nbytes:

@@ -155,29 +155,36 @@ class WeightReceiver:
         version = getattr(frame, "version", 0)
         assembler = Assembler(expected)
         buckets = 0
-        while isinstance(frame, frames.Bucket):
+        released = False
+        while isinstance(frame, frames.Bucket) and not released:
             self._check_bucket(frame, version, buckets)
-            self._reply_to(frame, partial(self._load, frame, assembler, on_bucket), step="bucket")
+            load = partial(self._load, frame, assembler, on_bucket)
+            released = frame.last is not None
+            self._reply_to(frame, load, step="released" if released else "bucket")
             buckets += 1
-            frame = self._next_request("bucket", self.config.ack_timeout_s, bucket=buckets)
-        if not isinstance(frame, frames.Release):
-            self._fail(
-                frame, ProtocolError(f"expected a bucket or release, got {type(frame).__name__}")
-            )
-        release = frame
-        self._check_version(release, version)
-        self._reply_to(
-            release,
-            lambda: assembler.check_complete(release.tensors, release.nbytes),
-            step="released",
-        )
-        frame = self._next_request("finalize", self.config.ack_timeout_s)
+            if released:
+                frame = self._next_request("finalize", self.config.ack_timeout_s)
+            else:
+                frame = self._next_request("bucket", self.config.ack_timeout_s, bucket=buckets)
+        if not released:
+            frame = self._release(frame, version, assembler)
         if not isinstance(frame, frames.Finalize):
             self._fail(frame, ProtocolError(f"expected finalize, got {type(frame).__name__}"))
         self._check_version(frame, version)
         self._reply_to(frame, lambda: self._finalize(finalize), step="finalized")
         seconds = time.perf_counter() - started
         return TransferReport(version, assembler.bytes, len(assembler.delivered), buckets, seconds)
+
+    def _release(self, frame: frames.Request, version: int, assembler: Assembler) -> frames.Request:
+        """The Release request of a transfer whose last bucket did not carry the totals."""
+        if not isinstance(frame, frames.Release):
+            self._fail(
+                frame, ProtocolError(f"expected a bucket or release, got {type(frame).__name__}")
+            )
+        self._check_version(frame, version)
+        totals = frames.Totals(frame.tensors, frame.nbytes)
+        self._reply_to(frame, partial(assembler.check_complete, totals), step="released")
+        return self._next_request("finalize", self.config.ack_timeout_s)
 
     def _map_staging(self, offer: frames.Offer) -> None:
         if offer.staging.buffer_bytes <= 0 or not offer.staging.names:
@@ -198,6 +205,8 @@ class WeightReceiver:
         finally:
             tensors.clear()
             del base
+        if bucket.last is not None:
+            assembler.check_complete(bucket.last)
         kept = views_alive(storage)
         if kept:
             raise TransferError(

@@ -142,16 +142,27 @@ class WeightSender:
             for bucket in planner.add(name, tensor):
                 in_flight = await self._send_bucket(bucket, index, version, free, in_flight)
                 index += 1
-        for bucket in planner.finish():
-            in_flight = await self._send_bucket(bucket, index, version, free, in_flight)
+        # The iteration is over: a bucket still to send is the last, and says the totals, so that
+        # its ACK is RELEASED and no Release round trip is needed.
+        totals = frames.Totals(planner.tensors, planner.bytes)
+        last = list(planner.finish())
+        for bucket in last:
+            in_flight = await self._send_bucket(
+                bucket, index, version, free, in_flight, last=totals
+            )
             index += 1
-        if in_flight is not None:
-            await self._await_bucket_ack(in_flight, version)
-        seq = self._next_seq()
-        release = frames.Release(
-            PROTOCOL_VERSION, self._session, version, seq, planner.tensors, planner.bytes
-        )
-        await self._request(release, "released", self.config.ack_timeout_s)
+        if last:
+            assert in_flight is not None
+            limit_s = self.config.ack_timeout_s
+            await self._await_ack(in_flight.seq, version, "released", limit_s, bucket=index - 1)
+        else:
+            if in_flight is not None:
+                await self._await_bucket_ack(in_flight, version)
+            seq = self._next_seq()
+            release = frames.Release(
+                PROTOCOL_VERSION, self._session, version, seq, totals.tensors, totals.nbytes
+            )
+            await self._request(release, "released", self.config.ack_timeout_s)
         seq = self._next_seq()
         finalize = frames.Finalize(PROTOCOL_VERSION, self._session, version, seq)
         await self._request(finalize, "finalized", self.config.finalize_timeout_s)
@@ -174,6 +185,8 @@ class WeightSender:
         version: int,
         free: deque[int],
         in_flight: InFlight | None,
+        *,
+        last: frames.Totals | None = None,
     ) -> InFlight:
         """Pack `bucket` into a free buffer, then send its header once the previous one is ACKed."""
         assert self._staging is not None
@@ -188,7 +201,7 @@ class WeightSender:
         seq = self._next_seq()
         pieces = [p.piece for p in bucket.pieces]
         header = frames.Bucket(
-            PROTOCOL_VERSION, self._session, version, seq, index, buffer, pieces, checksum
+            PROTOCOL_VERSION, self._session, version, seq, index, buffer, pieces, checksum, last
         )
         await self._send(header, "bucket", seq, bucket=index)
         return InFlight(seq, buffer, index)
