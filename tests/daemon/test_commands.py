@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +29,28 @@ async def wait_for_state(
             await anyio.sleep(0.05)
 
 
-@pytest.mark.slow
-@pytest.mark.asyncio
-async def test_pause_resume_and_drain_through_the_store(runtime_dir: Path) -> None:
+@asynccontextmanager
+async def running_job(
+    runtime_dir: Path, **job: int
+) -> AsyncIterator[tuple[JobStore, JobStore, list[RunSummary]]]:
+    """A long job running in the background: its store, an operator's connection, its summary."""
     store = JobStore.host()
     operator = JobStore.connect(*store.address)
     result: list[RunSummary] = []
 
-    async def job() -> None:
-        result.append(await run(config(runtime_dir, job={"ranks": 2, "steps": 10_000}), store))
+    async def job_task() -> None:
+        result.append(await run(config(runtime_dir, job={"steps": 10_000, **job}), store))
 
     async with anyio.create_task_group() as group:
-        group.start_soon(job)
+        group.start_soon(job_task)
         await wait_for_state(store, "running")
+        yield store, operator, result
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_pause_resume_and_drain_through_the_store(runtime_dir: Path) -> None:
+    async with running_job(runtime_dir, ranks=2) as (store, operator, result):
         operator.record_command("pause")
         operator.record_command("pause")  # repeating a command is harmless
         paused = await wait_for_state(store, "paused")
@@ -58,16 +69,7 @@ async def test_pause_resume_and_drain_through_the_store(runtime_dir: Path) -> No
 
 @pytest.mark.asyncio
 async def test_stop_ends_the_run_at_once(runtime_dir: Path) -> None:
-    store = JobStore.host()
-    operator = JobStore.connect(*store.address)
-    result: list[RunSummary] = []
-
-    async def job() -> None:
-        result.append(await run(config(runtime_dir, job={"steps": 10_000}), store))
-
-    async with anyio.create_task_group() as group:
-        group.start_soon(job)
-        await wait_for_state(store, "running")
+    async with running_job(runtime_dir) as (_, operator, result):
         operator.record_command("stop")
     [summary] = result
     assert (summary.lifecycle, summary.reason) == ("stopped", "stop requested")

@@ -87,7 +87,8 @@ async def run_cycle(
     """
     runtime = Path(config.job.runtime_dir)
     await anyio.to_thread.run_sync(prepare_runtime, runtime)
-    store = store or JobStore.host()
+    if store is None:
+        store = await anyio.to_thread.run_sync(JobStore.host)
     processes: dict[WorkerId, subprocess.Popen[bytes]] = {}
     async with WorkerLanes.open(runtime, stall_timeout_s=config.deadlines.stall_s) as lanes:
         try:
@@ -142,11 +143,11 @@ async def _drive(
         return _failed(exc.rank, exc.role, "bootstrap", exc)
     send, receive = anyio.create_memory_object_stream[Event | CycleFailed](max_buffer_size=1000)
     # One store connection per rank: blocking waits on one connection would queue behind each other.
-    host, port = store.address
-    barriers = [
-        Barrier(JobStore.connect(host, port), rank, config.job.ranks)
-        for rank in range(config.job.ranks)
+    connections = [
+        await anyio.to_thread.run_sync(JobStore.connect, *store.address)
+        for _ in range(config.job.ranks)
     ]
+    barriers = [Barrier(c, rank, config.job.ranks) for rank, c in enumerate(connections)]
     summary = RunSummary(lifecycle=state.lifecycle.value, step=step, reason=None, first_step=step)
     cycle_started = time.monotonic()
     job = _Job(config, lanes, store, barriers, send, summary, fences)

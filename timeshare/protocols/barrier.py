@@ -60,7 +60,8 @@ class Barrier:
                     return generation
                 await anyio.sleep(pause)
                 pause = min(pause * 2, POLL_S)  # quick when ranks are close, cheap when not
-        raise self._timeout(name, generation, keys, timeout_s)
+        # Naming the missing ranks asks the store once per rank: in a thread too.
+        raise await anyio.to_thread.run_sync(self._timeout, name, generation, keys, timeout_s)
 
     def _arrive(self, name: str) -> tuple[int, list[str]]:
         self._generations[name] += 1

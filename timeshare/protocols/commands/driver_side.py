@@ -95,6 +95,8 @@ class WorkerLanes:
     async def open(cls, runtime_dir: Path, *, stall_timeout_s: float) -> AsyncIterator[WorkerLanes]:
         lanes = cls(runtime_dir, stall_timeout_s=stall_timeout_s)
         try:
+            # Clearing a stale socket file probes it with a connect: not on the event loop.
+            await anyio.to_thread.run_sync(lanes._prepare_endpoints)
             lanes._bind()
             async with anyio.create_task_group() as group:
                 for lane in LANES:
@@ -240,9 +242,12 @@ class WorkerLanes:
 
     # -- sockets ------------------------------------------------------------------------------
 
+    def _prepare_endpoints(self) -> None:
+        for endpoint in self.endpoints.values():
+            endpoint.prepare_bind()
+
     def _bind(self) -> None:
         for lane, endpoint in self.endpoints.items():
-            endpoint.prepare_bind()
             socket = self._context.socket(zmq.ROUTER)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone worker is an error
