@@ -17,6 +17,7 @@ from timeshare.errors import CollectiveTimeout
 from timeshare.protocols.store import JobStore
 
 FIRST_POLL_S = 0.0005
+QUICK_POLLS_S = 0.005  # ranks that finish a phase together arrive within this: poll fast
 POLL_S = 0.02
 
 
@@ -53,13 +54,14 @@ class Barrier:
         blocking a thread for the whole wait, which a cancellation could not interrupt.
         """
         generation, keys = await anyio.to_thread.run_sync(self._arrive, name)
+        quick_until = anyio.current_time() + QUICK_POLLS_S
         pause = FIRST_POLL_S
         with anyio.move_on_after(timeout_s):
-            while True:
-                if await anyio.to_thread.run_sync(self._all_arrived, keys):
-                    return generation
+            while not await anyio.to_thread.run_sync(self.store.has_all, keys):
                 await anyio.sleep(pause)
-                pause = min(pause * 2, POLL_S)  # quick when ranks are close, cheap when not
+                if anyio.current_time() > quick_until:  # quick when ranks are close, cheap when not
+                    pause = min(pause * 2, POLL_S)
+            return generation
         # Naming the missing ranks asks the store once per rank: in a thread too.
         raise await anyio.to_thread.run_sync(self._timeout, name, generation, keys, timeout_s)
 
@@ -70,9 +72,6 @@ class Barrier:
         if generation > 1:  # our arrival at the previous generation is no longer read by anyone
             self.store.delete(_key(name, generation - 1, self.rank))
         return generation, [_key(name, generation, r) for r in range(self.world_size)]
-
-    def _all_arrived(self, keys: list[str]) -> bool:
-        return all(self.store.has(key) for key in keys)
 
     def _timeout(
         self, name: str, generation: int, keys: list[str], timeout_s: float

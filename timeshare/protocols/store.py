@@ -81,6 +81,10 @@ class JobStore:
     def has(self, key: str) -> bool:
         return bool(self._store.check([PREFIX + key]))
 
+    def has_all(self, keys: list[str]) -> bool:
+        """Whether every key is set: one round trip, however many keys."""
+        return bool(self._store.check([PREFIX + k for k in keys]))
+
     def delete(self, key: str) -> None:
         self._store.delete_key(PREFIX + key)
 
