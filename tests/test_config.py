@@ -7,9 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from timeshare.config import effective_lines, load_config
+from timeshare.config import Config, effective_lines, load_config
 from timeshare.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,3 +124,10 @@ def test_config_show_prints_and_bad_config_exits_2(tmp_path: Path) -> None:
     assert bad.stdout == ""
     assert bad.stderr.startswith("timeshare: job.rnks: Object contains unknown field")
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_section_given_in_part_keeps_the_job_defaults_for_the_rest(tmp_path: Path) -> None:
+    transfer = load_config(write(tmp_path, "[transfer]\nbucket_mb = 2.0\n"), environ={})
+    assert transfer.config.transfer == msgspec.structs.replace(Config().transfer, bucket_mb=2.0)
+    assert transfer.source_of("transfer.bucket_mb").startswith("file ")
+    assert transfer.source_of("transfer.begin_timeout_s") == "default"

@@ -63,7 +63,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     job: JobSection = JobSection()
     deadlines: DeadlineSection = DeadlineSection()
     transfer: TransferConfig = TransferConfig(
-        bucket_mb=1.0, ack_timeout_s=10.0, finalize_timeout_s=20.0, handshake_timeout_s=20.0
+        bucket_mb=1.0,
+        ack_timeout_s=10.0,
+        finalize_timeout_s=20.0,
+        handshake_timeout_s=20.0,
+        begin_timeout_s=20.0,
     )
     engine: EngineSection = EngineSection()
     faults: list[Fault] = []
@@ -76,6 +80,7 @@ NESTED_DEADLINES = [
     ("transfer.ack_timeout_s", Phase.SYNC.value),
     ("transfer.finalize_timeout_s", Phase.SYNC.value),
     ("transfer.handshake_timeout_s", Phase.SYNC.value),
+    ("transfer.begin_timeout_s", Phase.SYNC.value),
 ]
 
 
@@ -104,7 +109,9 @@ def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> 
             key = _env_key(name)
             _set(data, key, _env_value(raw))
             sources[key] = f"env {name}"
-    config = _convert(data, sources)
+    # A section given in part keeps the job's defaults for the rest (a [transfer] that sets only
+    # bucket_mb keeps the SYNC-nested timeouts, not the channel's standalone ones).
+    config = _convert(_merged(msgspec.to_builtins(Config()), data), sources)
     _check_nesting(config, sources)
     return LoadedConfig(config, sources)
 
@@ -208,6 +215,18 @@ def _leaf_keys(data: Mapping[str, Any], prefix: str = "") -> list[str]:
         else:
             keys.append(key)
     return keys
+
+
+def _merged(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """`given` over `defaults`, table by table (a value that is not a table replaces)."""
+    merged = dict(defaults)
+    for name, value in given.items():
+        default = merged.get(name)
+        if isinstance(value, Mapping) and isinstance(default, Mapping):
+            merged[name] = _merged(default, value)
+        else:
+            merged[name] = value
+    return merged
 
 
 def _get(data: Mapping[str, Any], key: str) -> Any:
