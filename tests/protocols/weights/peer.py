@@ -103,6 +103,7 @@ def run_receiver(args: dict[str, Any]) -> None:
                 bytes=report.bytes,
                 tensors=report.tensors,
                 buckets=report.buckets,
+                checksummed=report.checksummed,
                 digests=loader.digests,
             )
 

@@ -45,10 +45,13 @@ async def test_every_dtype_and_shape_arrives_bit_identical(
                 assert report.tensors == len(weights)
                 assert report.bytes == sum(t.numel() * t.element_size() for t in weights.values())
                 assert report.buckets > report.bytes // (256 * 1024)  # big tensors were split
+                assert report.checksummed == (report.buckets if checksum else 0)
+                assert sender.staging_buffers == depth
                 event = peer.next_event()
                 assert event["event"] == "received", event
                 assert event["version"] == version
                 assert event["digests"] == expected_digests("all_dtypes")
+                assert event["checksummed"] == report.checksummed
         assert peer.wait() == 0
     assert socket_files(runtime_dir) == []
 

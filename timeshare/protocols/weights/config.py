@@ -67,13 +67,18 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 @dataclass(frozen=True)
 class TransferReport:
-    """What one transfer moved and how fast (seconds from the first bucket to FINALIZED)."""
+    """What one transfer moved and how fast (seconds from the first bucket to FINALIZED).
+
+    `checksummed`: buckets that carried a crc32 (the sender) or whose crc32 was checked (the
+    receiver).
+    """
 
     version: int
     bytes: int
     tensors: int
     buckets: int
     seconds: float
+    checksummed: int = 0
 
     @property
     def gbps(self) -> float:

@@ -154,7 +154,7 @@ class WeightReceiver:
             self._fail(frame, ProtocolError(f"{type(frame).__name__} before the handshake"))
         version = getattr(frame, "version", 0)
         assembler = Assembler(expected)
-        buckets = 0
+        buckets = checksummed = 0
         released = False
         while isinstance(frame, frames.Bucket) and not released:
             self._check_bucket(frame, version, buckets)
@@ -162,6 +162,7 @@ class WeightReceiver:
             released = frame.last is not None
             self._reply_to(frame, load, step="released" if released else "bucket")
             buckets += 1
+            checksummed += frame.checksum is not None
             if released:
                 frame = self._next_request("finalize", self.config.ack_timeout_s)
             else:
@@ -173,7 +174,8 @@ class WeightReceiver:
         self._check_version(frame, version)
         self._reply_to(frame, lambda: self._finalize(finalize), step="finalized")
         seconds = time.perf_counter() - started
-        return TransferReport(version, assembler.bytes, len(assembler.delivered), buckets, seconds)
+        delivered = len(assembler.delivered)
+        return TransferReport(version, assembler.bytes, delivered, buckets, seconds, checksummed)
 
     def _release(self, frame: frames.Request, version: int, assembler: Assembler) -> frames.Request:
         """The Release request of a transfer whose last bucket did not carry the totals."""

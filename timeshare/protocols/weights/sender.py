@@ -68,6 +68,7 @@ class WeightSender:
         self._session = secrets.randbits(63)
         self._seq = 0
         self._staging: Staging | None = None
+        self._checksummed = 0  # buckets of the current transfer that carry a crc32
         self._busy = False
         self._closed_because: str | None = None
         self.endpoint.prepare_bind()
@@ -129,6 +130,11 @@ class WeightSender:
     def session(self) -> int:
         return self._session
 
+    @property
+    def staging_buffers(self) -> int:
+        """How many staging buffers the session holds (0 before the first transfer)."""
+        return len(self._staging.buffers) if self._staging is not None else 0
+
     # -- one transfer -----------------------------------------------------------------------
 
     async def _transfer(self, weights: NamedTensors, version: int) -> TransferReport:
@@ -138,6 +144,7 @@ class WeightSender:
         free = deque(range(len(staging.buffers)))
         in_flight: InFlight | None = None  # the header awaiting its ACK
         index = 0
+        self._checksummed = 0
         async for name, tensor in _pairs(weights):
             for bucket in planner.add(name, tensor):
                 in_flight = await self._send_bucket(bucket, index, version, free, in_flight)
@@ -167,7 +174,9 @@ class WeightSender:
         finalize = frames.Finalize(PROTOCOL_VERSION, self._session, version, seq)
         await self._request(finalize, "finalized", self.config.finalize_timeout_s)
         seconds = time.perf_counter() - started
-        report = TransferReport(version, planner.bytes, planner.tensors, index, seconds)
+        report = TransferReport(
+            version, planner.bytes, planner.tensors, index, seconds, self._checksummed
+        )
         log.debug(
             "sync.transfer.finalized",
             endpoint=self.endpoint.url,
@@ -196,6 +205,7 @@ class WeightSender:
             in_flight = None
         buffer = free.popleft()
         checksum = await self._pack(bucket, self._staging.buffers[buffer])
+        self._checksummed += checksum is not None
         if in_flight is not None:
             free.append(await self._await_bucket_ack(in_flight, version))
         seq = self._next_seq()
