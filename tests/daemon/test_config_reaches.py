@@ -1,8 +1,11 @@
 """Every config key reaches the code that uses it: set to a non-default value, seen where it acts.
 
-The [transfer], [engine.simulated] and [[faults]] sections reach each worker whole (their keys
-act inside the weight channel and the simulated engines, whose own tests set each one); the
-[job] and [deadlines] keys act in the driver and are observed in real runs.
+The [transfer], [engine.simulated] and [[faults]] sections reach each worker whole. In real runs:
+[job] and [deadlines] keys act in the driver; the transfer's bucket size, pipeline depth,
+checksum and its handshake / ack / begin timeouts act in the workers' weight channel; the
+simulated engine's tensor count and size shape what moves; faults fire where and when they say
+(the fault matrix and the fence tests cover kinds, roles, phases, sizes and engine_span).
+finalize_timeout_s, linger_s and transport act inside the channel and are observed by its tests.
 """
 
 from __future__ import annotations
@@ -21,14 +24,17 @@ from tests.daemon.jobs import assert_nothing_left, config, run
 from timeshare.config import Config
 from timeshare.daemon.workers import worker_spec
 from timeshare.errors import (
+    AckTimeout,
     CollectiveTimeout,
     CommandTimeout,
     CycleFailed,
+    WorkerError,
     WorkersNotReady,
     WorkerStalled,
 )
 from timeshare.protocols.commands import WorkerId, WorkerLanes
 from timeshare.protocols.store import JobStore
+from timeshare.state import Phase
 
 NON_DEFAULT_SECTIONS: dict[str, Any] = {
     "transfer": {
@@ -163,4 +169,78 @@ async def test_deadline_keys_act_where_they_are_waited_on(
         await run(config(runtime_dir, **sections))
     assert isinstance(info.value.cause, cause)
     assert re.search(message, str(info.value.cause)), info.value.cause
+    assert_nothing_left(runtime_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_transfer_and_engine_keys_act_in_a_real_run(runtime_dir: Path) -> None:
+    # 3 tensors of 128 KiB in 256 KiB buckets: two buckets (one at the default 1 MiB).
+    cfg = config(
+        runtime_dir,
+        job={"ranks": 2, "steps": 2},
+        transfer={"bucket_mb": 0.25, "pipeline_depth": 1, "checksum": True},
+        engine={"simulated": {"tensors": 3, "tensor_numel": 32768, "account_memory": False}},
+    )
+    summary = await run(cfg)
+    syncs = [r for r in summary.records if r.phase is Phase.SYNC]
+    assert sorted((r.step, r.rank) for r in syncs) == [(s, r) for s in range(3) for r in range(2)]
+    for record in syncs:
+        trainer, rollout = record.results["trainer"], record.results["rollout"]
+        assert trainer["staging_buffers"] == 1
+        for side in (trainer, rollout):
+            assert (side["tensors"], side["bytes"]) == (3, 3 * 32768 * 4)
+            assert side["buckets"] == side["checksummed"] == 2
+            assert side["version"] == record.step
+    assert_nothing_left(runtime_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("fault", "transfer", "role", "message"),
+    [
+        # The rollout never maps staging: the trainer's handshake ends.
+        (
+            {"role": "rollout", "phase": "sync", "step": 0},
+            {"handshake_timeout_s": 1.5},
+            "trainer",
+            r"no answer in phase mapped .* waiting 1.5 s",
+        ),
+        # After the handshake (step 0), the rollout never takes step 1's first bucket.
+        (
+            {"role": "rollout", "phase": "sync", "step": 1},
+            {"ack_timeout_s": 1.25},
+            "trainer",
+            r"no answer in phase (bucket|released) .* waiting 1.25 s",
+        ),
+        # The trainer never begins: the rollout's wait for the first frame ends.
+        (
+            {"role": "trainer", "phase": "sync", "step": 0},
+            {"begin_timeout_s": 1.75, "ack_timeout_s": 1.0},
+            "rollout",
+            r"begin .*within 1.75 s",
+        ),
+    ],
+    ids=["handshake_timeout_s", "ack_timeout_s", "begin_timeout_s"],
+)
+async def test_transfer_timeouts_act_in_the_workers(
+    runtime_dir: Path, fault: dict[str, Any], transfer: dict[str, float], role: str, message: str
+) -> None:
+    cfg = config(
+        runtime_dir,
+        job={"steps": 2},
+        # A hung worker reports no progress: the stall deadline must not end the run first.
+        deadlines={"phase_s": 12.0, "stall_s": 8.0},
+        transfer=transfer,
+        faults=[{**fault, "rank": 0, "kind": "hang"}],
+    )
+    with pytest.raises(CycleFailed) as info:
+        await run(cfg)
+    failed = info.value
+    assert (failed.role, failed.phase, failed.rank) == (role, "sync", 0), failed
+    assert isinstance(failed.cause, WorkerError), failed.cause
+    assert failed.cause.remote_type == AckTimeout.__name__
+    assert re.search(message, failed.cause.remote_message), failed.cause.remote_message
+    assert failed.after_s is not None and failed.after_s < 6.0
     assert_nothing_left(runtime_dir)

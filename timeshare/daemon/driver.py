@@ -52,6 +52,17 @@ COMMAND_POLL_S = 0.05
 COMMAND_READ_S = 5.0  # a command's generation is taken before its value is written
 
 
+@dataclass(frozen=True)
+class PhaseRecord:
+    """One rank's run of one phase: how long it took and what each worker returned."""
+
+    step: int
+    rank: int
+    phase: Phase
+    seconds: float
+    results: dict[str, Any]  # role -> the worker's result
+
+
 @dataclass
 class RunSummary:
     lifecycle: str
@@ -60,6 +71,7 @@ class RunSummary:
     cycle_seconds: float = 0.0  # from the end of bootstrap to the stop
     first_step: int = 0  # the step the checkpoint held at bootstrap
     phase_seconds: dict[str, list[float]] = field(default_factory=dict)
+    records: list[PhaseRecord] = field(default_factory=list)  # in the order phases ended
 
 
 @dataclass
@@ -156,7 +168,7 @@ async def _drive(
         outcome = advance(state, Bootstrapped(step))
         state = outcome.state
         await _record(store, state)
-        _start(job, group, outcome.start)
+        _start(job, group, outcome.start, state.step)
         group.start_soon(_watch_commands, store, send, commands_seen)
         while state.lifecycle is not Lifecycle.STOPPED:
             if state.lifecycle is Lifecycle.DRAINING and job.in_flight == 0:
@@ -174,7 +186,7 @@ async def _drive(
                 log.warning("cycle.command.refused", error=str(exc))
                 continue
             previous, state = state, outcome.state
-            _start(job, group, outcome.start)
+            _start(job, group, outcome.start, state.step)
             # Job-wide moves only (a fence passed, the lifecycle changed): a store write per
             # rank and phase would put a round trip on every phase's path.
             if len(outcome.start) == config.job.ranks or state.lifecycle is not previous.lifecycle:
@@ -254,14 +266,17 @@ async def _bootstrap_one(
         steps.append(int(result["step"]))
 
 
-def _start(job: _Job, group: TaskGroup, starts: tuple[tuple[int, Phase], ...]) -> None:
+def _start(job: _Job, group: TaskGroup, starts: tuple[tuple[int, Phase], ...], step: int) -> None:
     for rank, phase in starts:
         job.in_flight += 1
-        group.start_soon(_run_phase, job, rank, phase)
+        group.start_soon(_run_phase, job, rank, phase, step)
 
 
-async def _run_phase(job: _Job, rank: int, phase: Phase) -> None:
-    """Both workers of `rank` run `phase`; the first failure is reported as CycleFailed."""
+async def _run_phase(job: _Job, rank: int, phase: Phase, step: int) -> None:
+    """Both workers of `rank` run `phase` of `step`; the first failure is reported as CycleFailed.
+
+    `step` is the job's step as the phase starts (TRAIN of step s makes weight version s).
+    """
     started = time.monotonic()
     failure: list[CycleFailed] = []
     results: dict[str, Any] = {}
@@ -269,7 +284,9 @@ async def _run_phase(job: _Job, rank: int, phase: Phase) -> None:
     async def call(worker: WorkerId, group: TaskGroup) -> None:
         try:
             deadline_s = job.config.deadlines.for_command(phase.value)
-            results[worker.role] = await job.lanes.call(worker, phase.value, deadline_s=deadline_s)
+            results[worker.role] = await job.lanes.call(
+                worker, phase.value, {"step": step}, deadline_s=deadline_s
+            )
         except WorkerFailure as exc:
             exc.phase = phase.value
             failure.append(_failed(worker.rank, worker.role, phase, exc))
@@ -283,6 +300,8 @@ async def _run_phase(job: _Job, rank: int, phase: Phase) -> None:
     job.in_flight -= 1
     elapsed = time.monotonic() - started
     job.summary.phase_seconds.setdefault(phase.value, []).append(elapsed)
+    if not failure:
+        job.summary.records.append(PhaseRecord(step, rank, phase, elapsed, results))
     for failed in failure:
         failed.after_s = elapsed
     await job.events.send(failure[0] if failure else RankFinished(rank, phase))

@@ -33,19 +33,25 @@ from timeshare.engines.simulated import (
 )
 from timeshare.protocols.commands import WorkerServer
 from timeshare.protocols.store import JobStore
-from timeshare.protocols.weights import TransferConfig, WeightReceiver, WeightSender
+from timeshare.protocols.weights import (
+    TransferConfig,
+    TransferReport,
+    WeightReceiver,
+    WeightSender,
+)
 
 Role = Literal["trainer", "rollout"]
 FaultKind = Literal["raise", "hang", "kill"]
 
 
 class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Make `role` of `rank` fail as `phase` starts."""
+    """Make `role` of `rank` fail as `phase` (of `step`, or of any step) starts."""
 
     role: str
     rank: int
     phase: str
     kind: FaultKind
+    step: int | None = None
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -69,15 +75,29 @@ class SimulatedFault(Exception):
     """Raised by an injected `raise` fault."""
 
 
-def fire_faults(spec: WorkerSpec, phase: str) -> None:
+def fire_faults(spec: WorkerSpec, phase: str, step: int | None) -> None:
     for fault in spec.faults:
         if (fault.role, fault.rank, fault.phase) != (spec.role, spec.rank, phase):
+            continue
+        if fault.step is not None and fault.step != step:
             continue
         if fault.kind == "raise":
             raise SimulatedFault(f"injected fault in {phase}")
         if fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         threading.Event().wait()  # hang: no progress until aborted or killed
+
+
+def transfer_result(report: TransferReport) -> dict[str, Any]:
+    """A transfer's report as a SYNC command's result."""
+    return {
+        "version": report.version,
+        "bytes": report.bytes,
+        "tensors": report.tensors,
+        "buckets": report.buckets,
+        "seconds": report.seconds,
+        "checksummed": report.checksummed,
+    }
 
 
 class TrainerWorker:
@@ -121,7 +141,7 @@ class TrainerWorker:
         self.engine.free_staging()
         self.engine.delay("sync")
         self.engine.offload_params()
-        return {"bytes": report.bytes, "seconds": report.seconds, "version": report.version}
+        return {**transfer_result(report), "staging_buffers": self.sender.staging_buffers}
 
     def barrier(self, params: dict[str, Any]) -> dict[str, float]:
         self.engine.delay("barrier")
@@ -159,9 +179,9 @@ class RolloutWorker:
             self.server.report_progress()
 
         with self.server.waiting_on_peer():
-            report = self.receiver.receive(load, timeout_s=self.spec.transfer.ack_timeout_s)
+            report = self.receiver.receive(load)  # within the config's begin_timeout_s
         self.engine.finish_weight_update(report.version)
-        return {"version": report.version, "tensors": report.tensors}
+        return transfer_result(report)
 
     def resume(self, params: dict[str, Any]) -> None:
         self.engine.wake({"kv_cache"})
@@ -208,7 +228,7 @@ def _with_faults(
     spec: WorkerSpec, phase: str, handler: Callable[[dict[str, Any]], Any]
 ) -> Callable[[dict[str, Any]], Any]:
     def run_phase(params: dict[str, Any]) -> Any:
-        fire_faults(spec, phase)
+        fire_faults(spec, phase, params.get("step"))
         return handler(params)
 
     return run_phase
