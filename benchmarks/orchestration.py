@@ -7,7 +7,9 @@ engines do no work at all); its runtime dirs are made temporary. For each rank c
 --steps steps with real worker processes, real command lanes, the real weight channel (a few KiB
 of weights) and a real store barrier. Reports cycles per second and, per phase, the median and
 p99 of each (rank, phase) as the driver saw it: the time from starting both workers' commands
-to both results, i.e. what orchestration costs when the engines cost nothing.
+to both results, i.e. what orchestration costs when the engines cost nothing. SYNC carries a real
+weight transfer (two round trips of the channel); the row "sync-xfer" is SYNC less the trainer's
+own transfer time, the part that is lane calls and worker code.
 Target: under 2 ms per phase median on a 2-core machine.
 """
 
@@ -52,13 +54,19 @@ async def one_run(config_path: Path, ranks: int, steps: int) -> RunSummary:
 
 def row(ranks: int, summary: RunSummary) -> dict[str, Any]:
     cycles = summary.step - summary.first_step
+    seconds = {phase.value: summary.phase_seconds[phase.value] for phase in Phase}
+    seconds["sync-xfer"] = [
+        r.seconds - float(r.results["trainer"]["seconds"])
+        for r in summary.records
+        if r.phase is Phase.SYNC
+    ]
     phases = {
-        phase.value: {
-            "median_ms": statistics.median(summary.phase_seconds[phase.value]) * 1000,
-            "p99_ms": p99(summary.phase_seconds[phase.value]) * 1000,
-            "samples": len(summary.phase_seconds[phase.value]),
+        name: {
+            "median_ms": statistics.median(values) * 1000,
+            "p99_ms": p99(values) * 1000,
+            "samples": len(values),
         }
-        for phase in Phase
+        for name, values in seconds.items()
     }
     return {
         "ranks": ranks,
