@@ -3,8 +3,9 @@
     [job]        ranks, steps, runtime_dir, checkpoint_dir
     [deadlines]  phase_s, stall_s, barrier_s, ready_s; [deadlines.commands] per command
     [transfer]   the weight channel (TransferConfig)
-    [engine]     kind, and that engine's own section ([engine.simulated])
+    [engine]     kind, and that engine's own section ([engine.simulated], [engine.torch_ref])
     [[faults]]   injected faults, for drills
+    [log]        level, and a file for JSON lines
 
 `TIMESHARE_<SECTION>__<KEY>=value` overrides a key (nested keys join with `__`; the value is read
 as a TOML value, else as a string). An unknown key, a wrong type, a value out of range or
@@ -25,7 +26,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from timeshare.engines.simulated import SimulatedSpec
+from timeshare.engines.spec import EngineSpec
 from timeshare.engines.worker import Fault
 from timeshare.errors import ConfigError
 from timeshare.protocols.weights import TransferConfig
@@ -54,9 +55,9 @@ class DeadlineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         return self.commands.get(command, self.phase_s)
 
 
-class EngineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    kind: Literal["simulated"] = "simulated"
-    simulated: SimulatedSpec = SimulatedSpec()
+class LogSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    file: str = ""  # structlog JSON lines of the run and its workers; "" for none
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -69,8 +70,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         handshake_timeout_s=20.0,
         begin_timeout_s=20.0,
     )
-    engine: EngineSection = EngineSection()
+    engine: EngineSpec = EngineSpec()
     faults: list[Fault] = []
+    log: LogSection = LogSection()
 
 
 COMMANDS = frozenset({*(phase.value for phase in Phase), "bootstrap", "shutdown"})

@@ -1,9 +1,12 @@
 """`timeshare`: the command line.
 
+    timeshare run CONFIG [--summary PATH] [--ranks N] [--steps N]
+                                    run the cycle in the foreground
     timeshare config show CONFIG    the effective config, each key with where it came from
     timeshare state diagram         the phase machine's table as a Mermaid diagram
 
-Exit codes: 0 done, 2 bad input (an unusable config names the key and its source).
+Exit codes: 0 done, 1 the run failed (the error names rank, role and phase), 2 bad input (an
+unusable config names the key and its source), 128 + signal number when stopped by a signal.
 """
 
 from __future__ import annotations
@@ -13,10 +16,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from timeshare.config import effective_lines, load_config
-from timeshare.errors import ConfigError
+import anyio
+import msgspec
+
+from timeshare import logs
+from timeshare.config import Config, effective_lines, load_config
+from timeshare.daemon.foreground import Interrupted, run_foreground
+from timeshare.errors import ConfigError, CycleFailed
 from timeshare.state.diagram import mermaid
 
+EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 
 
@@ -27,15 +36,54 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write("\n".join(effective_lines(load_config(args.config))) + "\n")
         elif args.command == "state":
             sys.stdout.write(mermaid())
+        elif args.command == "run":
+            return _run(_with_overrides(load_config(args.config).config, args), args.summary)
     except ConfigError as exc:
         print(f"timeshare: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
 
 
+def _with_overrides(config: Config, args: argparse.Namespace) -> Config:
+    job = config.job
+    try:
+        if args.ranks is not None:
+            job = msgspec.structs.replace(job, ranks=args.ranks)
+        if args.steps is not None:
+            job = msgspec.structs.replace(job, steps=args.steps)
+        # Validated as the file's values are: out of range is a ConfigError naming the flag.
+        job = msgspec.convert(msgspec.to_builtins(job), type(job))
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"--ranks/--steps: {exc}") from exc
+    return msgspec.structs.replace(config, job=job)
+
+
+def _run(config: Config, summary: Path | None) -> int:
+    logs.configure(config.log.level, config.log.file)
+    try:
+        result = anyio.run(run_foreground, config, summary)
+    except CycleFailed as failed:
+        print(f"timeshare run: {failed}", file=sys.stderr)
+        return EXIT_FAILED
+    except Interrupted as interrupted:
+        print(f"timeshare run: {interrupted}", file=sys.stderr)
+        return 128 + interrupted.signum
+    print(
+        f"timeshare run: {result.lifecycle} at step {result.step} "
+        f"({result.step - result.first_step} steps this run)"
+        + (f"; summary in {summary}" if summary else "")
+    )
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="timeshare", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run the cycle in the foreground")
+    run.add_argument("config", type=Path)
+    run.add_argument("--summary", type=Path, help="write per-step figures to this JSON file")
+    run.add_argument("--ranks", type=int, help="override job.ranks")
+    run.add_argument("--steps", type=int, help="override job.steps")
     config = commands.add_parser("config", help="the job's configuration")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     show = config_commands.add_parser("show", help="print the effective config and its sources")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -59,8 +60,12 @@ class PhaseRecord:
     step: int
     rank: int
     phase: Phase
+    started: float  # time.monotonic() as the phase started
     seconds: float
     results: dict[str, Any]  # role -> the worker's result
+
+
+PhaseObserver = Callable[[PhaseRecord], None]
 
 
 @dataclass
@@ -83,7 +88,10 @@ class _Job:
     events: MemoryObjectSendStream[Event | CycleFailed]
     summary: RunSummary
     fences: frozenset[Phase]
+    observer: PhaseObserver | None = None
     in_flight: int = 0
+    # rank -> the samples its last ROLLOUT produced: the input of its next TRAIN
+    batches: dict[int, list[Any]] = field(default_factory=dict)
 
 
 async def run_cycle(
@@ -91,11 +99,13 @@ async def run_cycle(
     store: JobStore | None = None,
     *,
     fences: frozenset[Phase] = MEMORY_FENCES,
+    observer: PhaseObserver | None = None,
 ) -> RunSummary:
     """Run the job until the machine stops it; raise `CycleFailed` on the first failure.
 
-    The job store is hosted here unless the caller hosts it (`store`). `fences` is a test-only
-    switch: the proof that each memory fence matters drops one.
+    The job store is hosted here unless the caller hosts it (`store`). `observer` is called
+    with every phase that ended well (a front end's progress and summary). `fences` is a
+    test-only switch: the proof that each memory fence matters drops one.
     """
     runtime = Path(config.job.runtime_dir)
     await anyio.to_thread.run_sync(prepare_runtime, runtime)
@@ -104,7 +114,9 @@ async def run_cycle(
     processes: dict[WorkerId, subprocess.Popen[bytes]] = {}
     async with WorkerLanes.open(runtime, stall_timeout_s=config.deadlines.stall_s) as lanes:
         try:
-            outcome = await _run_with_workers(config, lanes, store, processes, fences)
+            outcome = await _run_with_workers(
+                config, lanes, store, processes, fences=fences, observer=observer
+            )
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(clean_up, runtime, list(processes.values()))
@@ -118,7 +130,9 @@ async def _run_with_workers(
     lanes: WorkerLanes,
     store: JobStore,
     processes: dict[WorkerId, subprocess.Popen[bytes]],
+    *,
     fences: frozenset[Phase],
+    observer: PhaseObserver | None,
 ) -> RunSummary | CycleFailed:
     """Spawn and watch every worker, run the cycle, shut the workers down if it ended well."""
     async with anyio.create_task_group() as watchers:
@@ -129,7 +143,9 @@ async def _run_with_workers(
                 processes[worker] = await spawn(config, lanes, store, worker)
                 watchers.start_soon(watch_process, lanes, worker, processes[worker])
         record_workers(Path(config.job.runtime_dir), processes)
-        outcome = await _drive(config, lanes, store, list(processes), fences)
+        outcome = await _drive(
+            config, lanes, store, list(processes), fences=fences, observer=observer
+        )
         if isinstance(outcome, RunSummary):
             for worker in processes:
                 deadline_s = config.deadlines.for_command("shutdown")
@@ -143,7 +159,9 @@ async def _drive(
     lanes: WorkerLanes,
     store: JobStore,
     workers: list[WorkerId],
+    *,
     fences: frozenset[Phase],
+    observer: PhaseObserver | None,
 ) -> RunSummary | CycleFailed:
     state = initial_state(config.job.ranks, max_steps=config.job.steps, fences=fences)
     # Commands written from now on apply to this run (one written during start-up waits).
@@ -162,7 +180,7 @@ async def _drive(
     barriers = [Barrier(c, rank, config.job.ranks) for rank, c in enumerate(connections)]
     summary = RunSummary(lifecycle=state.lifecycle.value, step=step, reason=None, first_step=step)
     cycle_started = time.monotonic()
-    job = _Job(config, lanes, store, barriers, send, summary, fences)
+    job = _Job(config, lanes, store, barriers, send, summary, fences, observer)
     failure: CycleFailed | None = None
     async with anyio.create_task_group() as group, receive:
         outcome = advance(state, Bootstrapped(step))
@@ -282,10 +300,13 @@ async def _run_phase(job: _Job, rank: int, phase: Phase, step: int) -> None:
     results: dict[str, Any] = {}
 
     async def call(worker: WorkerId, group: TaskGroup) -> None:
+        params: dict[str, Any] = {"step": step}
+        if phase is Phase.TRAIN and worker.role == "trainer":
+            params["batch"] = job.batches.pop(rank, [])
         try:
             deadline_s = job.config.deadlines.for_command(phase.value)
             results[worker.role] = await job.lanes.call(
-                worker, phase.value, {"step": step}, deadline_s=deadline_s
+                worker, phase.value, params, deadline_s=deadline_s
             )
         except WorkerFailure as exc:
             exc.phase = phase.value
@@ -301,7 +322,12 @@ async def _run_phase(job: _Job, rank: int, phase: Phase, step: int) -> None:
     elapsed = time.monotonic() - started
     job.summary.phase_seconds.setdefault(phase.value, []).append(elapsed)
     if not failure:
-        job.summary.records.append(PhaseRecord(step, rank, phase, elapsed, results))
+        if phase is Phase.ROLLOUT:
+            job.batches[rank] = results["rollout"].pop("samples", [])
+        record = PhaseRecord(step, rank, phase, started, elapsed, results)
+        job.summary.records.append(record)
+        if job.observer is not None:
+            job.observer(record)
     for failed in failure:
         failed.after_s = elapsed
     await job.events.send(failure[0] if failure else RankFinished(rank, phase))

@@ -57,8 +57,11 @@ def worker_spec(
         store_port=port,
         checkpoint_dir=f"{config.job.checkpoint_dir}/rank{worker.rank}",
         transfer=config.transfer,
-        engine=config.engine.simulated,
+        engine=config.engine,
         faults=config.faults,
+        collective_timeout_s=config.deadlines.phase_s,
+        log_file=config.log.file,
+        log_level=config.log.level,
     )
 
 

@@ -9,8 +9,9 @@ carries the weight version that produced it.
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,16 @@ from typing import Any
 import torch
 
 from timeshare.errors import TimeshareError
+
+
+def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over every (name, dtype, shape, bytes), by name: equal iff the weights are equal."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named, key=lambda item: item[0]):
+        data = tensor.detach().contiguous().cpu()
+        digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
+        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 class UnsupportedInput(TimeshareError):
@@ -58,10 +69,14 @@ class RolloutRequest:
 
 @dataclass(frozen=True)
 class RolloutSample:
+    """One completion: its tokens and their logprobs, and the weight version that sampled it."""
+
     request_id: str
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     weight_version: int
+    prompt_tokens: tuple[int, ...] = ()
+    reward: float | None = None  # set by the task once the completion is scored
 
 
 def refuse_unsupported(request: RolloutRequest, supported: set[str], engine: str) -> None:
@@ -74,7 +89,14 @@ def refuse_unsupported(request: RolloutRequest, supported: set[str], engine: str
 
 
 class TrainerEngine(ABC):
-    """The trainer side of one rank."""
+    """The trainer side of one rank. `step` is the weight version its parameters hold."""
+
+    step: int = 0
+
+    def bootstrap(self, directory: Path) -> int:
+        """Load the last committed checkpoint with the parameters ready to send; return its step."""
+        self.load_checkpoint(directory)
+        return self.step
 
     @abstractmethod
     def train_step(self, batch: list[RolloutSample]) -> dict[str, float]:
@@ -107,6 +129,19 @@ class TrainerEngine(ABC):
     def logprobs(self, batch: list[RolloutSample]) -> list[tuple[float, ...]]:
         """The trainer's logprobs of the sampled tokens (to compare with the rollout's)."""
 
+    @abstractmethod
+    def held_mb(self) -> float:
+        """Device memory the trainer still holds (must be 0 once the rollout may wake)."""
+
+    def prepare_sync(self) -> None:  # noqa: B027 - an optional hook
+        """Before the weights go out (e.g. reserve staging)."""
+
+    def finish_sync(self) -> None:  # noqa: B027 - an optional hook
+        """After the weights went out, before `offload_params`."""
+
+    def close(self) -> None:  # noqa: B027 - an optional hook
+        """The worker is shutting down (e.g. leave a process group)."""
+
 
 class RolloutEngine(ABC):
     """The rollout side of one rank (one shard of an engine that may span several devices)."""
@@ -134,6 +169,10 @@ class RolloutEngine(ABC):
     @abstractmethod
     def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
         """Sample every request; raises `WeightsTorn` while no whole version is loaded."""
+
+    @abstractmethod
+    def digest(self) -> str:
+        """`weights_digest` of the weights loaded (compared with the trainer's after SYNC)."""
 
     def begin_weight_update(self) -> None:
         """A transfer starts: until it finishes, the weights are torn."""

@@ -25,6 +25,7 @@ from timeshare.engines.base import (
     RolloutSample,
     TrainerEngine,
     refuse_unsupported,
+    weights_digest,
 )
 from timeshare.errors import TimeshareError
 from timeshare.protocols.store import JobStore
@@ -151,6 +152,18 @@ class SimulatedTrainer(TrainerEngine):
         self.delay("offload")
         self.ledger.release(self.rank, self._owner("optimizer"))
 
+    def bootstrap(self, directory: Path) -> int:
+        self.load_checkpoint(directory)
+        self.hold_params()
+        return self.step
+
+    def prepare_sync(self) -> None:
+        self.hold_staging()
+
+    def finish_sync(self) -> None:
+        self.free_staging()
+        self.delay("sync")
+
     def hold_params(self) -> None:
         """The parameters are on the device (bootstrap: the checkpoint was just loaded)."""
         if self.ledger.held(self.rank, self._owner("params")) == 0:
@@ -169,6 +182,7 @@ class SimulatedTrainer(TrainerEngine):
         self.ledger.release(self.rank, self._owner("params"))
 
     def held_mb(self) -> float:
+        self.delay("barrier")  # the simulated work of BARRIER is while the release is checked
         return sum(
             self.ledger.held(self.rank, self._owner(p)) for p in ("params", "optimizer", "staging")
         )
@@ -233,6 +247,9 @@ class SimulatedRollout(RolloutEngine):
     def finish_weight_update(self, version: int) -> None:
         self.weight_version = version
         self.torn = False
+
+    def digest(self) -> str:
+        return weights_digest(self.loaded.items())
 
     def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
         version = self.check_whole()

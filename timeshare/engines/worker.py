@@ -11,10 +11,12 @@ drills) fire as a phase starts: raise, hang (no progress: the driver sees a stal
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from functools import partial
@@ -22,15 +24,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+import structlog
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from timeshare.engines.base import RolloutRequest, SamplingParams
-from timeshare.engines.simulated import (
-    DeviceLedger,
-    SimulatedRollout,
-    SimulatedSpec,
-    SimulatedTrainer,
+from timeshare import logs
+from timeshare.engines.base import (
+    RolloutEngine,
+    RolloutSample,
+    TrainerEngine,
+    weights_digest,
 )
+from timeshare.engines.pairs import EnginePair, Workload
+from timeshare.engines.spec import EngineSpec
 from timeshare.protocols.commands import WorkerServer
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import (
@@ -65,10 +70,13 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     store_port: int
     checkpoint_dir: str
     transfer: TransferConfig = TransferConfig(bucket_mb=1.0)
-    engine: SimulatedSpec = SimulatedSpec()
+    engine: EngineSpec = EngineSpec()
     faults: list[Fault] = []
     heartbeat_s: float = 0.2
-    rollout_batch: int = 4
+    rollout_batch: int = 4  # requests per ROLLOUT of the simulated engine
+    collective_timeout_s: float = 30.0  # the trainers' gloo group, for data-parallel engines
+    log_file: str = ""
+    log_level: str = "info"
 
 
 class SimulatedFault(Exception):
@@ -102,12 +110,15 @@ def transfer_result(report: TransferReport) -> dict[str, Any]:
 
 class TrainerWorker:
     def __init__(
-        self, spec: WorkerSpec, ledger: DeviceLedger, portal: BlockingPortal, server: WorkerServer
+        self,
+        spec: WorkerSpec,
+        engine: TrainerEngine,
+        portal: BlockingPortal,
+        server: WorkerServer,
     ) -> None:
         self.spec = spec
         self.server = server
-        self.engine = SimulatedTrainer(spec.rank, spec.engine, ledger)
-        self.engine.progress = server.report_progress
+        self.engine = engine
         self.portal = portal
         self.sender = WeightSender(spec.weight_endpoint, spec.transfer)
 
@@ -123,39 +134,46 @@ class TrainerWorker:
         }
 
     def bootstrap(self, params: dict[str, Any]) -> dict[str, Any]:
-        self.engine.load_checkpoint(Path(self.spec.checkpoint_dir))
-        self.engine.hold_params()
-        return {"step": self.engine.step}
+        return {"step": self.engine.bootstrap(Path(self.spec.checkpoint_dir))}
 
     def train(self, params: dict[str, Any]) -> dict[str, float]:
-        return self.engine.train_step([])
+        batch = msgspec.convert(params.get("batch", []), list[RolloutSample])
+        return self.engine.train_step(batch)
 
     def offload(self, params: dict[str, Any]) -> None:
         self.engine.offload()
 
     def sync(self, params: dict[str, Any]) -> dict[str, Any]:
-        self.engine.hold_staging()
+        self.engine.prepare_sync()
         weights = list(self.engine.iter_weights())
         with self.server.waiting_on_peer():
             report = self.portal.call(partial(self.sender.send, weights, version=self.engine.step))
-        self.engine.free_staging()
-        self.engine.delay("sync")
+        digest = weights_digest(iter(weights))
+        self.engine.finish_sync()
         self.engine.offload_params()
-        return {**transfer_result(report), "staging_buffers": self.sender.staging_buffers}
+        return {
+            **transfer_result(report),
+            "staging_buffers": self.sender.staging_buffers,
+            "digest": digest,
+        }
 
     def barrier(self, params: dict[str, Any]) -> dict[str, float]:
-        self.engine.delay("barrier")
         return {"held_mb": self.engine.held_mb()}
 
     def close(self) -> None:
-        self.sender.close()
+        try:
+            self.sender.close()
+        finally:
+            self.engine.close()
 
 
 class RolloutWorker:
-    def __init__(self, spec: WorkerSpec, ledger: DeviceLedger, server: WorkerServer) -> None:
+    def __init__(
+        self, spec: WorkerSpec, engine: RolloutEngine, workload: Workload, server: WorkerServer
+    ) -> None:
         self.spec = spec
-        self.engine = SimulatedRollout(spec.rank, spec.engine, ledger)
-        self.engine.progress = server.report_progress
+        self.engine = engine
+        self.workload = workload
         self.receiver = WeightReceiver(spec.weight_endpoint, spec.transfer)
         self.server = server
 
@@ -181,27 +199,35 @@ class RolloutWorker:
         with self.server.waiting_on_peer():
             report = self.receiver.receive(load)  # within the config's begin_timeout_s
         self.engine.finish_weight_update(report.version)
-        return transfer_result(report)
+        return {**transfer_result(report), "digest": self.engine.digest()}
 
     def resume(self, params: dict[str, Any]) -> None:
         self.engine.wake({"kv_cache"})
 
     def rollout(self, params: dict[str, Any]) -> dict[str, Any]:
-        requests = [
-            RolloutRequest(f"r{self.spec.rank}-{i}", (1, 2, 3), SamplingParams(max_tokens=4))
-            for i in range(self.spec.rollout_batch)
-        ]
+        step = int(params.get("step", 0))
+        requests = self.workload.requests(self.spec.rank, step)
         samples = self.engine.generate(requests)
+        scored = [
+            dataclasses.replace(sample, reward=self.workload.score(request, sample))
+            for request, sample in zip(requests, samples, strict=True)
+        ]
         self.engine.sleep()
-        return {"samples": len(samples), "version": samples[0].weight_version if samples else None}
+        rewards = [s.reward for s in scored if s.reward is not None]
+        return {
+            "samples": msgspec.to_builtins(scored),
+            "version": scored[0].weight_version if scored else None,
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        }
 
     def close(self) -> None:
         self.receiver.close()
 
 
 def run(spec: WorkerSpec) -> None:
+    logs.configure(spec.log_level, spec.log_file)
+    structlog.contextvars.bind_contextvars(rank=spec.rank, role=spec.role)
     store = JobStore.connect(spec.store_host, spec.store_port, timeout_s=30.0)
-    ledger = DeviceLedger(store, spec.engine.sizes.device_mb, enabled=spec.engine.account_memory)
     handlers: dict[str, Callable[[dict[str, Any]], Any]] = {}
     server = WorkerServer(
         work_endpoint=spec.work_endpoint,
@@ -213,23 +239,34 @@ def run(spec: WorkerSpec) -> None:
     )
     with ExitStack() as stack:
         worker: TrainerWorker | RolloutWorker
+        pair = EnginePair(spec.engine, spec.rank, spec.world_size, store)
         if spec.role == "trainer":
             portal = stack.enter_context(start_blocking_portal())
-            worker = TrainerWorker(spec, ledger, portal, server)
+            trainer = pair.trainer(spec.collective_timeout_s)
+            worker = TrainerWorker(spec, trainer, portal, server)
         else:
-            worker = RolloutWorker(spec, ledger, server)
+            worker = RolloutWorker(spec, pair.rollout(), pair.workload(), server)
         stack.callback(worker.close)
         for name, handler in worker.handlers().items():
-            handlers[name] = _with_faults(spec, name, handler)
+            handlers[name] = _phase_handler(spec, name, handler)
         server.serve()
 
 
-def _with_faults(
+def _phase_handler(
     spec: WorkerSpec, phase: str, handler: Callable[[dict[str, Any]], Any]
 ) -> Callable[[dict[str, Any]], Any]:
+    """Fire the faults injected for this phase, run it, and say how long the engine worked."""
+
     def run_phase(params: dict[str, Any]) -> Any:
+        structlog.contextvars.bind_contextvars(phase=phase, step=params.get("step"))
         fire_faults(spec, phase, params.get("step"))
-        return handler(params)
+        started = time.perf_counter()
+        result = handler(params)
+        if result is None:
+            result = {}
+        if isinstance(result, dict):
+            result["engine_s"] = time.perf_counter() - started
+        return result
 
     return run_phase
 

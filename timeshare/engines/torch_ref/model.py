@@ -1,0 +1,249 @@
+"""A small causal LM of the Llama architecture, built offline: from a config and a seed, or from
+a local checkpoint directory (`config.json` in the transformers layout plus a state dict).
+
+Parameter names follow transformers' Llama (`model.layers.0.self_attn.q_proj.weight`, ...), so a
+checkpoint written by one loads in the other. The same module serves the trainer (a full causal
+forward) and the rollout engine (prefill, then one token at a time against a preallocated KV
+cache the engine owns).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from timeshare.errors import ConfigError
+
+STATE_DICT_FILES = ("pytorch_model.bin", "model.pt")
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The keys of a transformers LlamaConfig that this model uses."""
+
+    vocab_size: int = 16
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    max_position_embeddings: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_json(cls, path: Path) -> ModelConfig:
+        """Read a transformers `config.json`, keeping the keys this model uses."""
+        data = json.loads(path.read_text())
+        fields = set(cls.__struct_fields__)
+        try:
+            return msgspec.convert({k: v for k, v in data.items() if k in fields}, cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of `x` [batch, heads, seq, head_dim] at `positions` [seq]."""
+    half = x.shape[-1] // 2
+    inv_freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float32) / half)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
+class KVCache:
+    """Preallocated keys and values per layer: [layers, batch, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, config: ModelConfig, batch: int, max_len: int) -> None:
+        shape = (config.num_hidden_layers, batch, config.num_key_value_heads, max_len)
+        self.keys = torch.zeros(*shape, config.head_dim)
+        self.values = torch.zeros(*shape, config.head_dim)
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer = layer
+        heads, kv_heads, head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        c = self.config
+        q = self.q_proj(x).view(batch, seq, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
+        if cache is not None:
+            start = cache.length
+            cache.keys[self.layer, :batch, :, start : start + seq] = k
+            cache.values[self.layer, :batch, :, start : start + seq] = v
+            k = cache.keys[self.layer, :batch, :, : start + seq]
+            v = cache.values[self.layer, :batch, :, : start + seq]
+        groups = c.num_attention_heads // c.num_key_value_heads
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        # Query i sits at position (kv_len - seq + i) and sees keys up to there.
+        kv_len = k.shape[2]
+        visible = torch.ones(seq, kv_len, dtype=torch.bool).tril(diagonal=kv_len - seq)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return projected
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return down
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache)
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab] of `tokens` [batch, seq] (continuing `cache` if given)."""
+        start = cache.length if cache is not None else 0
+        positions = torch.arange(start, start + tokens.shape[1])
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x, positions, cache)
+        if cache is not None:
+            cache.length += tokens.shape[1]
+        logits: torch.Tensor = self.lm_head(self.model.norm(x))
+        return logits
+
+
+def init_model(config: ModelConfig, seed: int) -> CausalLM:
+    """Random initialisation from `seed`: the same weights on every rank and every run."""
+    generator = torch.Generator().manual_seed(seed)
+    model = CausalLM(config)
+    std = 1.0 / math.sqrt(config.hidden_size)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                parameter.fill_(1.0)
+            else:
+                parameter.normal_(0.0, std, generator=generator)
+    return model
+
+
+def load_pretrained(directory: Path) -> CausalLM:
+    """A model from a local directory: `config.json` plus a state dict (no hub, no pickle code)."""
+    config = ModelConfig.from_json(directory / "config.json")
+    model = CausalLM(config)
+    for name in STATE_DICT_FILES:
+        if (directory / name).exists():
+            state = torch.load(directory / name, map_location="cpu", weights_only=True)
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            if config.tie_word_embeddings:
+                missing = [m for m in missing if m != "lm_head.weight"]
+            if missing or unexpected:
+                raise ConfigError(
+                    f"{directory / name}: missing {sorted(missing)}, "
+                    f"unexpected {sorted(unexpected)}"
+                )
+            return model
+    raise ConfigError(f"{directory} has config.json but no {' or '.join(STATE_DICT_FILES)}")
+
+
+def save_pretrained(model: CausalLM, directory: Path) -> None:
+    """Write `config.json` and `pytorch_model.bin` (the layout `load_pretrained` reads)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(msgspec.to_builtins(model.config), indent=2))
+    torch.save(model.state_dict(), directory / "pytorch_model.bin")
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log p(token) under softmax(logits / temperature): what both trainer and rollout report."""
+    return (
+        torch.log_softmax(logits.float() / temperature, dim=-1)
+        .gather(-1, tokens.unsqueeze(-1))
+        .squeeze(-1)
+    )

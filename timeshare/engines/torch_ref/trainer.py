@@ -1,0 +1,282 @@
+"""The reference trainer: GRPO with AdamW on the small causal LM, data-parallel over gloo.
+
+"Device" state is what the engine computes with (parameters, optimiser state); `offload` and
+`offload_params` move it to a separate host store and drop it, `onload` brings it back bit for
+bit. On a CPU machine both live in host memory, so the bytes dropped are what the log reports as
+freed. Every rank starts from the same weights and all-reduces its gradients, so the ranks stay
+identical; each samples its own prompts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from timeshare.engines.base import RolloutSample, TrainerEngine, weights_digest
+from timeshare.engines.torch_ref import checkpoint
+from timeshare.engines.torch_ref.grpo import clipped_loss, group_advantages
+from timeshare.engines.torch_ref.model import CausalLM, init_model, load_pretrained, token_logprobs
+from timeshare.engines.torch_ref.spec import TorchRefSpec
+from timeshare.errors import TimeshareError
+from timeshare.protocols.store import JobStore
+
+log = structlog.get_logger(__name__)
+MB = 2**20
+
+
+class OffPolicy(TimeshareError):
+    """A sample in the batch was produced by weights other than the ones being trained."""
+
+
+def initial_model(spec: TorchRefSpec) -> CausalLM:
+    if spec.model_dir:
+        return load_pretrained(Path(spec.model_dir))
+    return init_model(spec.model, spec.seed)
+
+
+class TorchRefTrainer(TrainerEngine):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        spec: TorchRefSpec,
+        *,
+        store: JobStore | None = None,
+        collective_timeout_s: float = 30.0,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.spec = spec
+        self.store = store
+        self.collective_timeout_s = collective_timeout_s
+        self.model = initial_model(spec)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.99)
+        )
+        self.reference = initial_model(spec) if spec.kl_coef > 0 else None
+        self.step = 0
+        self.host_params: dict[str, torch.Tensor] | None = None  # set while params are offloaded
+        self.host_optimizer: dict[int, dict[str, Any]] | None = None
+        self.checkpoint_dir: Path | None = None
+        self.committed: int | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def bootstrap(self, directory: Path) -> int:
+        if self.world_size > 1 and not dist.is_initialized():
+            assert self.store is not None, "a data-parallel trainer needs the job store"
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore("torch_ref/trainers/", self.store.raw),  # type: ignore[attr-defined]
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(seconds=self.collective_timeout_s),
+            )
+        self.load_checkpoint(directory)
+        self.offload()  # the optimiser waits in the host store until TRAIN
+        return self.step
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def onload(self) -> None:
+        if self.host_params is not None:
+            for name, parameter in self.model.named_parameters():
+                parameter.data = self.host_params[name].clone()
+            self.host_params = None
+        if self.host_optimizer is not None:
+            params = list(self.model.parameters())
+            for index, state in self.host_optimizer.items():
+                self.optimizer.state[params[index]] = {k: _clone(v) for k, v in state.items()}
+            self.host_optimizer = None
+
+    def offload(self) -> None:
+        """Optimiser state and gradients to the host store; their device copies dropped."""
+        freed = 0
+        params = list(self.model.parameters())
+        store: dict[int, dict[str, Any]] = {}
+        for index, parameter in enumerate(params):
+            state = self.optimizer.state.pop(parameter, None)
+            if state:
+                store[index] = {k: _clone(v) for k, v in state.items()}
+                freed += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
+            if parameter.grad is not None:
+                freed += parameter.grad.nbytes
+                parameter.grad = None
+        self.host_optimizer = store if self.host_optimizer is None else self.host_optimizer | store
+        log.info("trainer.offload", rank=self.rank, freed_mb=round(freed / MB, 3))
+
+    def offload_params(self) -> None:
+        freed = 0
+        host: dict[str, torch.Tensor] = {}
+        for name, parameter in self.model.named_parameters():
+            host[name] = parameter.data.clone()
+            freed += parameter.data.nbytes
+            parameter.data = torch.empty(0)
+        self.host_params = host
+        log.info("trainer.offload_params", rank=self.rank, freed_mb=round(freed / MB, 3))
+
+    def held_mb(self) -> float:
+        held = sum(p.data.nbytes for p in self.model.parameters())
+        held += sum(
+            v.nbytes
+            for state in self.optimizer.state.values()
+            for v in state.values()
+            if isinstance(v, torch.Tensor)
+        )
+        return held / MB
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, parameter in self.model.named_parameters():
+            yield name, parameter.detach()
+
+    def digest(self) -> str:
+        return weights_digest(self.iter_weights())
+
+    # -- training ------------------------------------------------------------------------------
+
+    def logprobs(self, batch: list[RolloutSample]) -> list[tuple[float, ...]]:
+        with torch.no_grad():
+            prompts, completions, _ = _tensors(batch)
+            values = self._logprobs(self.model, prompts, completions)
+        return [tuple(row) for row in values.tolist()]
+
+    def train_step(self, batch: list[RolloutSample]) -> dict[str, float]:
+        self._check_on_policy(batch)
+        self.onload()
+        prompts, completions, sampled = _tensors(batch)
+        rewards = torch.tensor([float(s.reward or 0.0) for s in batch])
+        with torch.no_grad():
+            old = self._logprobs(self.model, prompts, completions)
+            ref = None
+            if self.reference is not None:
+                ref = self._logprobs(self.reference, prompts, completions)
+        advantages = group_advantages(rewards, self.spec.group_size)
+        metrics: dict[str, float] = {}
+        size = len(batch) // self.spec.minibatches
+        for start in range(0, len(batch), size):
+            part = slice(start, start + size)
+            new = self._logprobs(self.model, prompts[part], completions[part])
+            loss, metrics = clipped_loss(
+                new,
+                old[part],
+                advantages[part],
+                clip_low=self.spec.clip_ratio_low,
+                clip_high=self.spec.clip_ratio_high,
+                ref_logprobs=None if ref is None else ref[part],
+                kl_coef=self.spec.kl_coef,
+            )
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # type: ignore[no-untyped-call]
+            self._average_gradients()
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self._save()
+        return {
+            **metrics,
+            "step": float(self.step),
+            "loss": float(loss.detach()),
+            "reward_mean": float(rewards.mean()),
+            "logprob_max_abs_diff": float((old - sampled).abs().max()),
+            "samples": float(len(batch)),
+            "committed": float(self.step),
+        }
+
+    def _logprobs(
+        self, model: CausalLM, prompts: torch.Tensor, completions: torch.Tensor
+    ) -> torch.Tensor:
+        tokens = torch.cat((prompts, completions), dim=1)
+        logits = model(tokens[:, :-1])[:, prompts.shape[1] - 1 :]
+        return token_logprobs(logits, completions, self.spec.temperature)
+
+    def _average_gradients(self) -> None:
+        if self.world_size == 1:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def _check_on_policy(self, batch: list[RolloutSample]) -> None:
+        stale = {s.weight_version for s in batch} - {self.step}
+        if stale:
+            raise OffPolicy(
+                f"rank {self.rank} trains from weight version {self.step} but the batch has "
+                f"samples of versions {sorted(stale)}"
+            )
+        if len(batch) % self.spec.group_size:
+            raise TimeshareError(
+                f"a batch of {len(batch)} samples is not whole groups of {self.spec.group_size}"
+            )
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: Path) -> None:
+        was_offloaded = self.host_params is not None
+        self.onload()
+        state = {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+            "data_position": self.step,  # prompts are a function of (seed, rank, step)
+        }
+        checkpoint.write(directory, self.step, state)
+        if was_offloaded:
+            self.offload_params()
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """The newest step that every rank holds durably, or the initial model at step 0."""
+        self.checkpoint_dir = directory
+        step = checkpoint.committed_step(directory.parent, self.world_size)
+        if step is None:
+            self.step = 0
+            return
+        state = checkpoint.read(directory, step)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        self.step = int(state["step"])
+        self.committed = self.step
+        log.info("trainer.checkpoint.loaded", rank=self.rank, step=self.step)
+
+    def _save(self) -> None:
+        if self.checkpoint_dir is not None:
+            self.save_checkpoint(self.checkpoint_dir)
+            self.committed = self.step
+
+
+def _clone(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _tensors(batch: list[RolloutSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts, completions and the rollout's logprobs as [batch, tokens] tensors."""
+    if not batch:
+        raise TimeshareError("an empty batch: the rollout produced no samples")
+    shapes = {(len(s.prompt_tokens), len(s.tokens)) for s in batch}
+    if len(shapes) != 1:
+        raise TimeshareError(f"samples of differing lengths (prompt, completion): {sorted(shapes)}")
+    prompts = torch.tensor([s.prompt_tokens for s in batch], dtype=torch.long)
+    completions = torch.tensor([s.tokens for s in batch], dtype=torch.long)
+    sampled = torch.tensor([s.logprobs for s in batch], dtype=torch.float32)
+    if not math.isfinite(float(sampled.sum())):
+        raise TimeshareError("the rollout reported non-finite logprobs")
+    return prompts, completions, sampled
