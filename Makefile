@@ -1,3 +1,5 @@
+# make demo: create .venv if needed, then the main job (GRPO on a small LM, examples/tiny-grpo.toml)
+#            from scratch, with its per-step summary in runs/tiny-grpo/summary.json.
 # make test: create .venv if needed, then ruff, mypy --strict and pytest.
 # make bench: the weight-channel benchmark.
 # TORCH_SPEC picks the torch build (default: the CPU build of 2.13.0; a GPU user sets their own).
@@ -7,13 +9,17 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest bench clean
+.PHONY: demo test lint typecheck pytest bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+demo: $(STAMP)
+	rm -rf runs/tiny-grpo
+	$(VENV)/bin/timeshare run examples/tiny-grpo.toml --summary runs/tiny-grpo/summary.json
 
 test: lint typecheck pytest
 

@@ -92,7 +92,7 @@ async def test_transfer_engine_and_faults_reach_every_worker_whole(runtime_dir: 
             for role in ("trainer", "rollout"):
                 spec = worker_spec(cfg, WorkerId(role, rank), lanes, ("127.0.0.1", 1234))
                 assert spec.transfer == cfg.transfer
-                assert spec.engine == cfg.engine.simulated
+                assert spec.engine == cfg.engine
                 assert spec.faults == cfg.faults
                 assert spec.world_size == 3
                 assert spec.checkpoint_dir == f"{cfg.job.checkpoint_dir}/rank{rank}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,10 +88,19 @@ def refuse_unsupported(request: RolloutRequest, supported: set[str], engine: str
         )
 
 
+def no_progress() -> None:
+    """What an engine reports progress to when nothing listens."""
+
+
 class TrainerEngine(ABC):
-    """The trainer side of one rank. `step` is the weight version its parameters hold."""
+    """The trainer side of one rank. `step` is the weight version its parameters hold.
+
+    Long work calls `progress()` now and then: the worker sets it to its heartbeat, and a
+    worker that stops calling it is stalled.
+    """
 
     step: int = 0
+    progress: Callable[[], None] = staticmethod(no_progress)
 
     def bootstrap(self, directory: Path) -> int:
         """Load the last committed checkpoint with the parameters ready to send; return its step."""
@@ -147,6 +156,7 @@ class RolloutEngine(ABC):
     """The rollout side of one rank (one shard of an engine that may span several devices)."""
 
     def __init__(self) -> None:
+        self.progress: Callable[[], None] = no_progress
         self.weight_version: int | None = None
         self.torn = True  # no whole weight version loaded yet
 

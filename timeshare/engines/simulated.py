@@ -117,10 +117,6 @@ def simulate_work(spec: SimulatedSpec, phase: str, rank: int, progress: Callable
         progress()
 
 
-def _no_progress() -> None:
-    """What an engine reports progress to when nothing listens."""
-
-
 class SimulatedTrainer(TrainerEngine):
     """Rank `rank`'s trainer on device `rank`: parameters, optimiser state, staging."""
 
@@ -128,7 +124,6 @@ class SimulatedTrainer(TrainerEngine):
         self.rank = rank
         self.spec = spec
         self.ledger = ledger
-        self.progress: Callable[[], None] = _no_progress
         self.step = 0
         self.weights = weights_of_step(0, spec)
 
@@ -216,7 +211,6 @@ class SimulatedRollout(RolloutEngine):
         self.rank = rank
         self.spec = spec
         self.ledger = ledger
-        self.progress: Callable[[], None] = _no_progress
         self.leader = rank - rank % spec.engine_span
         self.devices = range(self.leader, self.leader + spec.engine_span)
         self.loaded: dict[str, torch.Tensor] = {}

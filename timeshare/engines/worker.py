@@ -119,6 +119,7 @@ class TrainerWorker:
         self.spec = spec
         self.server = server
         self.engine = engine
+        self.engine.progress = server.report_progress
         self.portal = portal
         self.sender = WeightSender(spec.weight_endpoint, spec.transfer)
 
@@ -173,6 +174,7 @@ class RolloutWorker:
     ) -> None:
         self.spec = spec
         self.engine = engine
+        self.engine.progress = server.report_progress
         self.workload = workload
         self.receiver = WeightReceiver(spec.weight_endpoint, spec.transfer)
         self.server = server

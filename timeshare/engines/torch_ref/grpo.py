@@ -39,7 +39,7 @@ def clipped_loss(
     unclipped = ratio * advantage
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantage
     loss = -torch.min(unclipped, clipped).mean()
-    metrics = {"clip_fraction": float((unclipped != clipped).float().mean())}
+    metrics = {"clip_fraction": float((clipped < unclipped).float().mean())}  # clip in force
     if ref_logprobs is not None and kl_coef > 0:
         log_ratio = ref_logprobs - logprobs
         kl = (torch.exp(log_ratio) - log_ratio - 1.0).mean()

@@ -169,6 +169,7 @@ class TorchRefRollout(RolloutEngine):
                 token = _sample_top_p(logits / temperature, top_p, generator)
                 chosen.append(token)
                 chosen_logprobs.append(token_logprobs(logits, token, temperature))
+                self.progress()
                 if position + 1 < max_tokens:
                     logits = self.model(token.unsqueeze(1), self.cache)[:, -1]
         return (

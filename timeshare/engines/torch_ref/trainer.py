@@ -182,6 +182,7 @@ class TorchRefTrainer(TrainerEngine):
             loss.backward()  # type: ignore[no-untyped-call]
             self._average_gradients()
             self.optimizer.step()
+            self.progress()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self._save()

@@ -1,0 +1,158 @@
+"""`timeshare run` with the reference engine: real processes end to end, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.daemon.jobs import assert_nothing_left
+
+TINY = """
+[job]
+ranks = 2
+steps = {steps}
+runtime_dir = "{root}/run"
+checkpoint_dir = "{root}/checkpoints"
+
+[deadlines]
+phase_s = 30.0
+stall_s = 10.0
+ready_s = 90.0
+
+[transfer]
+bucket_mb = 0.0625
+checksum = true
+
+[engine]
+kind = "torch_ref"
+
+[engine.torch_ref]
+prompts_per_rank = 2
+group_size = 4
+completion_tokens = 4
+kv_cache_len = 16
+
+[engine.torch_ref.model]
+hidden_size = 32
+intermediate_size = 64
+max_position_embeddings = 16
+
+[log]
+file = "{root}/log.jsonl"
+{extra}
+"""
+
+
+def write_config(root: Path, steps: int, extra: str = "") -> Path:
+    path = root / "job.toml"
+    path.write_text(TINY.format(root=root, steps=steps, extra=extra))
+    return path
+
+
+def timeshare_run(
+    config: Path, summary: Path, timeout_s: float = 150.0
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "timeshare", "run", str(config), "--summary", str(summary)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def steps_of(summary: Path) -> list[dict[str, Any]]:
+    if not summary.exists():
+        return []
+    steps: list[dict[str, Any]] = json.loads(summary.read_text())["steps"]
+    return steps
+
+
+@pytest.mark.slow
+def test_a_run_writes_every_figure_of_every_step(runtime_dir: Path) -> None:
+    summary = runtime_dir / "summary.json"
+    done = timeshare_run(write_config(runtime_dir, steps=3), summary)
+    assert done.returncode == 0, done.stderr
+    assert "stopped at step 3" in done.stdout
+    data = json.loads(summary.read_text())
+    assert data["ranks"] == 2
+    steps = data["steps"]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for entry in steps:
+        assert entry["weight_version"] == entry["step"]
+        assert entry["sample_version"] == entry["step"] - 1  # on policy
+        assert entry["weights_match"] and entry["ranks_agree"]
+        assert entry["logprob_max_abs_diff"] < 1e-4
+        assert 0.0 <= entry["reward_mean"] <= 1.0
+        assert set(entry["phases"]) == {"train", "offload", "sync", "barrier", "resume", "rollout"}
+        assert [r["rank"] for r in entry["per_rank"]] == [0, 1]
+        assert 0.0 <= entry["bubble_s"] < entry["step_s"]
+        assert entry["sync"]["bytes"] > 0 and entry["sync"]["gbps"] > 0
+        assert entry["committed_step"] == entry["step"]
+    events = [json.loads(line) for line in (runtime_dir / "log.jsonl").read_text().splitlines()]
+    assert {e.get("role") for e in events} >= {"trainer", "rollout"}
+    assert any(e["event"] == "trainer.offload" and e["freed_mb"] > 0 for e in events)
+    assert_nothing_left(runtime_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["rollout", "sync"])
+def test_a_rollout_killed_mid_phase_stops_the_run_naming_it(runtime_dir: Path, phase: str) -> None:
+    fault = f'[[faults]]\nrole = "rollout"\nrank = 1\nphase = "{phase}"\nkind = "kill"\nstep = 2\n'
+    summary = runtime_dir / "summary.json"
+    started = time.monotonic()
+    done = timeshare_run(write_config(runtime_dir, steps=4, extra=fault), summary)
+    assert done.returncode == 1, done.stderr
+    assert f"rollout rank 1 failed in phase {phase}" in done.stderr
+    assert "WorkerDied" in done.stderr
+    assert time.monotonic() - started < 90.0
+    assert [s["step"] for s in steps_of(summary)] == [1]  # step 2 never completed
+    assert_nothing_left(runtime_dir)
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_from_its_committed_step(runtime_dir: Path, tmp_path: Path) -> None:
+    # The same job uninterrupted, for the reward curve the resumed run must continue.
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    assert timeshare_run(write_config(reference, steps=5), reference / "s.json").returncode == 0
+    expected = [(s["step"], s["reward_mean"]) for s in steps_of(reference / "s.json")]
+
+    config, summary = write_config(runtime_dir, steps=5), runtime_dir / "summary.json"
+    argv = [sys.executable, "-m", "timeshare", "run", str(config), "--summary", str(summary)]
+    first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(steps_of(summary)) < 2 and time.monotonic() < deadline and first.poll() is None:
+        time.sleep(0.05)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(timeout=10)
+    before = steps_of(summary)
+    assert 2 <= len(before) < 5, before
+
+    done = timeshare_run(config, summary)
+    assert done.returncode == 0, done.stderr
+    steps = steps_of(summary)
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]  # no committed step twice, none lost
+    versions = [s["weight_version"] for s in steps]
+    assert versions == sorted(set(versions))
+    assert [(s["step"], s["reward_mean"]) for s in steps] == expected
+    resumed = int(done.stdout.split("(")[1].split()[0])
+    assert resumed == 5 - len(before) or resumed == 5 - len(before) + 1
+    assert_nothing_left(runtime_dir)
+
+
+def test_a_bad_config_is_one_line_and_exit_2(runtime_dir: Path) -> None:
+    config = write_config(runtime_dir, steps=2, extra="[engine.torch_ref.modle]\nx = 1\n")
+    done = timeshare_run(config, runtime_dir / "summary.json", timeout_s=60)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1
+    assert "engine.torch_ref.modle" in done.stderr
+    assert not (runtime_dir / "run").exists()

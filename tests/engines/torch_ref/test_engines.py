@@ -1,0 +1,225 @@
+"""The reference engines in one process: model, GRPO, offload, checkpoints, rollout memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from timeshare.engines.base import (
+    RolloutRequest,
+    RolloutSample,
+    SamplingParams,
+    WeightsTorn,
+    weights_digest,
+)
+from timeshare.engines.pairs import TaskWorkload
+from timeshare.engines.torch_ref import checkpoint
+from timeshare.engines.torch_ref.grpo import clipped_loss, group_advantages
+from timeshare.engines.torch_ref.model import (
+    KVCache,
+    ModelConfig,
+    init_model,
+    load_pretrained,
+    save_pretrained,
+)
+from timeshare.engines.torch_ref.rollout import EngineAsleep, TorchRefRollout
+from timeshare.engines.torch_ref.spec import TorchRefSpec
+from timeshare.engines.torch_ref.task import BOS, SEP, RepeatDigit
+from timeshare.engines.torch_ref.trainer import OffPolicy, TorchRefTrainer
+from timeshare.errors import ConfigError
+
+SPEC = TorchRefSpec(prompts_per_rank=2, group_size=4, completion_tokens=5, kv_cache_len=16)
+
+
+def rollout_with(trainer: TorchRefTrainer, spec: TorchRefSpec = SPEC) -> TorchRefRollout:
+    engine = TorchRefRollout(0, spec, spec.model)
+    engine.begin_weight_update()
+    engine.wake({"weights"})
+    engine.load_weights(list(trainer.iter_weights()))
+    engine.finish_weight_update(trainer.step)
+    engine.wake({"kv_cache"})
+    return engine
+
+
+def scored_batch(trainer: TorchRefTrainer, step: int = 0) -> list[RolloutSample]:
+    workload = TaskWorkload(SPEC)
+    requests = workload.requests(0, step)
+    engine = rollout_with(trainer)
+    samples = engine.generate(requests)
+    return [
+        dataclasses.replace(s, reward=workload.score(r, s))
+        for r, s in zip(requests, samples, strict=True)
+    ]
+
+
+def test_the_kv_cache_decode_matches_the_full_forward() -> None:
+    config = ModelConfig(num_key_value_heads=2)  # grouped-query attention too
+    model = init_model(config, seed=3)
+    tokens = torch.randint(0, config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = model(tokens)
+        cache = KVCache(config, batch=3, max_len=16)
+        steps = [model(tokens[:, :4], cache)]
+        steps += [model(tokens[:, i : i + 1], cache) for i in range(4, 9)]
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
+
+
+def test_init_is_a_function_of_the_seed_and_checkpoints_round_trip(tmp_path: Path) -> None:
+    a, b, c = (init_model(ModelConfig(), seed) for seed in (0, 0, 1))
+    assert weights_digest(a.named_parameters()) == weights_digest(b.named_parameters())
+    assert weights_digest(a.named_parameters()) != weights_digest(c.named_parameters())
+    save_pretrained(a, tmp_path / "ckpt")
+    loaded = load_pretrained(tmp_path / "ckpt")
+    assert weights_digest(loaded.named_parameters()) == weights_digest(a.named_parameters())
+    (tmp_path / "ckpt" / "pytorch_model.bin").unlink()
+    with pytest.raises(ConfigError, match=r"no pytorch_model\.bin"):
+        load_pretrained(tmp_path / "ckpt")
+
+
+def test_bad_engine_settings_are_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match="vocab_size"):
+        TorchRefSpec(model=ModelConfig(vocab_size=8))
+    with pytest.raises(ConfigError, match="kv_cache_len"):
+        TorchRefSpec(completion_tokens=20, kv_cache_len=16)
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        ModelConfig(hidden_size=64, num_attention_heads=5)
+
+
+def test_task_reward_and_advantages() -> None:
+    task = RepeatDigit(4)
+    assert task.reward((BOS, 7, SEP), (7, 7, 1, 7)) == 0.75
+    assert task.prompts(0, 1, 5, 3) == task.prompts(0, 1, 5, 3)
+    assert task.prompts(0, 1, 5, 3) != task.prompts(0, 1, 6, 3)
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.2]), 2)
+    assert advantages[0] > 0 > advantages[1]
+    assert torch.equal(advantages[2:], torch.zeros(4))  # equal rewards teach nothing
+    logprobs = torch.zeros(2, 3)
+    loss, metrics = clipped_loss(
+        logprobs + 1.0, logprobs, torch.tensor([1.0, -1.0]), clip_low=0.2, clip_high=0.28
+    )
+    assert metrics["clip_fraction"] == 0.5  # the positive advantage's ratio e is clipped at 1.28
+    assert loss.item() == pytest.approx(-(1.28 - math.e) / 2, rel=1e-5)
+
+
+def test_trainer_and_rollout_logprobs_agree_and_training_raises_the_reward() -> None:
+    trainer = TorchRefTrainer(0, 1, SPEC)
+    batch = scored_batch(trainer)
+    assert {s.weight_version for s in batch} == {0}
+    recomputed = trainer.logprobs(batch)
+    diff = max(
+        abs(a - b)
+        for s, r in zip(batch, recomputed, strict=True)
+        for a, b in zip(s.logprobs, r, strict=True)
+    )
+    assert diff < 1e-4
+    metrics = trainer.train_step(batch)
+    assert metrics["step"] == 1.0 and metrics["logprob_max_abs_diff"] < 1e-4
+    with pytest.raises(OffPolicy, match=r"trains from weight version 1 .* versions \[0\]"):
+        trainer.train_step(batch)
+
+
+def test_offload_and_onload_are_bit_identical() -> None:
+    trainer = TorchRefTrainer(0, 1, SPEC)
+    trainer.train_step(scored_batch(trainer))  # AdamW state exists now
+    params = {n: t.clone() for n, t in trainer.iter_weights()}
+    state = {
+        (i, k): v.clone()
+        for i, s in enumerate(trainer.optimizer.state.values())
+        for k, v in s.items()
+    }
+    trainer.offload()
+    trainer.offload_params()
+    assert trainer.held_mb() == 0.0
+    trainer.onload()
+    assert trainer.held_mb() > 0
+    for name, tensor in trainer.iter_weights():
+        assert torch.equal(tensor, params[name]), name
+    restored = {
+        (i, k): v for i, s in enumerate(trainer.optimizer.state.values()) for k, v in s.items()
+    }
+    assert restored.keys() == state.keys()
+    for key, value in state.items():
+        assert torch.equal(restored[key], value), key
+
+
+def test_rollout_allocates_on_wake_frees_on_sleep_and_refuses_torn_weights() -> None:
+    trainer = TorchRefTrainer(0, 1, SPEC)
+    engine = TorchRefRollout(0, SPEC, SPEC.model)
+    requests = TaskWorkload(SPEC).requests(0, 0)
+    assert engine.held_mb() == 0.0
+    with pytest.raises(EngineAsleep):
+        engine.wake({"kv_cache"})
+    engine.begin_weight_update()
+    engine.wake({"weights"})
+    weights_mb = engine.held_mb()
+    assert weights_mb == pytest.approx(sum(t.nbytes for _, t in trainer.iter_weights()) / 2**20)
+    engine.wake({"kv_cache"})
+    assert engine.held_mb() > weights_mb
+    named = list(trainer.iter_weights())
+    engine.load_weights(named[:3])
+    with pytest.raises(WeightsTorn):
+        engine.generate(requests)  # mid-transfer
+    engine.load_weights(named[3:])
+    engine.finish_weight_update(0)
+    assert engine.digest() == weights_digest(named)
+    assert len(engine.generate(requests)) == len(requests)
+    engine.sleep()
+    assert engine.held_mb() == 0.0
+    with pytest.raises(WeightsTorn):
+        engine.generate(requests)
+    bad = RolloutRequest("img", (BOS, 1, SEP), SamplingParams(max_tokens=2), images=("x",))
+    fresh = rollout_with(trainer)
+    with pytest.raises(Exception, match="cannot honour images"):
+        fresh.generate([bad])
+
+
+def test_sampling_is_seeded_and_top_p_narrows_it() -> None:
+    trainer = TorchRefTrainer(0, 1, SPEC)
+    engine = rollout_with(trainer)
+    requests = TaskWorkload(SPEC).requests(0, 4)
+    first = engine.generate(requests)
+    assert engine.generate(requests) == first
+    narrow = [
+        RolloutRequest(r.request_id, r.prompt_tokens, SamplingParams(5, 1.0, 1e-6, seed=1))
+        for r in requests
+    ]
+    greedy = engine.generate(narrow)
+    assert len({s.tokens for s in greedy[:4]}) == 1  # one prompt, top-p ~0: one completion
+
+
+def test_checkpoints_are_atomic_and_committed_only_when_every_rank_has_them(
+    tmp_path: Path,
+) -> None:
+    job = tmp_path / "checkpoints"
+    for rank in range(2):
+        checkpoint.write(job / f"rank{rank}", 1, {"step": 1})
+    checkpoint.write(job / "rank0", 2, {"step": 2})
+    assert checkpoint.committed_step(job, 2) == 1  # rank 1 has not written step 2
+    (job / "rank1" / ".step-00000002.tmp-999999").mkdir()  # a writer that died mid-write
+    assert checkpoint.committed_step(job, 2) == 1
+    for step in range(2, 7):
+        checkpoint.write(job / "rank1", step, {"step": step})
+    assert checkpoint.durable_steps(job / "rank1") == {4, 5, 6}  # the newest KEEP
+    assert not (job / "rank1" / ".step-00000002.tmp-999999").exists()
+    assert checkpoint.read(job / "rank1", 6) == {"step": 6}
+
+
+def test_a_trainer_resumes_from_the_committed_step(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints" / "rank0"
+    trainer = TorchRefTrainer(0, 1, SPEC)
+    assert trainer.bootstrap(directory) == 0
+    trainer.train_step(scored_batch(trainer, 0))
+    trainer.train_step(scored_batch(trainer, 1))
+    digest = weights_digest(trainer.iter_weights())
+    again = TorchRefTrainer(0, 1, SPEC)
+    assert again.bootstrap(directory) == 2
+    assert weights_digest(again.iter_weights()) == digest
+    again.onload()
+    assert (
+        again.optimizer.state_dict()["state"].keys()
+        == trainer.optimizer.state_dict()["state"].keys()
+    )
