@@ -18,8 +18,12 @@ import structlog
 
 from timeshare.errors import ConfigError
 
-LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
-LEVELS["error"] = logging.ERROR
+LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+}
 
 
 def configure(level: str = "info", file: str = "", *, stderr_level: str = "warning") -> None:

@@ -56,7 +56,7 @@ class TaskWorkload:
     spec: TorchRefSpec
 
     def requests(self, rank: int, step: int) -> list[RolloutRequest]:
-        task = RepeatDigit(self.spec.completion_tokens)
+        task = self.task
         sampling = SamplingParams(
             max_tokens=self.spec.completion_tokens,
             temperature=self.spec.temperature,
@@ -71,7 +71,11 @@ class TaskWorkload:
         ]
 
     def score(self, request: RolloutRequest, sample: RolloutSample) -> float | None:
-        return RepeatDigit(self.spec.completion_tokens).reward(request.prompt_tokens, sample.tokens)
+        return self.task.reward(request.prompt_tokens, sample.tokens)
+
+    @property
+    def task(self) -> RepeatDigit:
+        return RepeatDigit(self.spec.completion_tokens)
 
 
 @dataclass(frozen=True)

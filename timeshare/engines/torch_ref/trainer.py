@@ -65,7 +65,6 @@ class TorchRefTrainer(TrainerEngine):
         self.host_params: dict[str, torch.Tensor] | None = None  # set while params are offloaded
         self.host_optimizer: dict[int, dict[str, Any]] | None = None
         self.checkpoint_dir: Path | None = None
-        self.committed: int | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -255,13 +254,11 @@ class TorchRefTrainer(TrainerEngine):
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])
-        self.committed = self.step
         log.info("trainer.checkpoint.loaded", rank=self.rank, step=self.step)
 
     def _save(self) -> None:
         if self.checkpoint_dir is not None:
             self.save_checkpoint(self.checkpoint_dir)
-            self.committed = self.step
 
 
 def _clone(value: Any) -> Any:
