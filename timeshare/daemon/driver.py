@@ -65,7 +65,16 @@ class PhaseRecord:
     results: dict[str, Any]  # role -> the worker's result
 
 
-PhaseObserver = Callable[[PhaseRecord], None]
+@dataclass(frozen=True)
+class BootstrapRecord:
+    """One rank's workers loaded the last committed checkpoint (of `step`)."""
+
+    step: int
+    rank: int
+    results: dict[str, Any]  # role -> the worker's bootstrap result
+
+
+PhaseObserver = Callable[[PhaseRecord | BootstrapRecord], None]
 
 
 @dataclass
@@ -168,7 +177,7 @@ async def _drive(
     commands_seen = await anyio.to_thread.run_sync(store.add, "gen/command", 0)
     try:
         await lanes.wait_ready(workers, timeout_s=config.deadlines.ready_s)
-        step = await _bootstrap(config, lanes)
+        step = await _bootstrap(config, lanes, observer)
     except WorkerFailure as exc:
         return _failed(exc.rank, exc.role, "bootstrap", exc)
     send, receive = anyio.create_memory_object_stream[Event | CycleFailed](max_buffer_size=1000)
@@ -266,22 +275,26 @@ async def _record(store: JobStore, state: JobState) -> None:
     await anyio.to_thread.run_sync(store.put, "state", record)
 
 
-async def _bootstrap(config: Config, lanes: WorkerLanes) -> int:
-    steps: list[int] = []
+async def _bootstrap(config: Config, lanes: WorkerLanes, observer: PhaseObserver | None) -> int:
+    """Every worker loads the last committed checkpoint; return its step (the trainers')."""
+    results: dict[WorkerId, Any] = {}
     async with anyio.create_task_group() as group:
         for rank in range(config.job.ranks):
             for role in ROLES:
-                group.start_soon(_bootstrap_one, config, lanes, WorkerId(role, rank), steps)
-    return min(steps)
+                group.start_soon(_bootstrap_one, config, lanes, WorkerId(role, rank), results)
+    step = min(int(result["step"]) for w, result in results.items() if w.role == "trainer")
+    if observer is not None:
+        for rank in range(config.job.ranks):
+            by_role = {role: results[WorkerId(role, rank)] for role in ROLES}
+            observer(BootstrapRecord(step, rank, by_role))
+    return step
 
 
 async def _bootstrap_one(
-    config: Config, lanes: WorkerLanes, worker: WorkerId, steps: list[int]
+    config: Config, lanes: WorkerLanes, worker: WorkerId, results: dict[WorkerId, Any]
 ) -> None:
     deadline_s = config.deadlines.for_command("bootstrap")
-    result = await lanes.call(worker, "bootstrap", deadline_s=deadline_s)
-    if worker.role == "trainer":
-        steps.append(int(result["step"]))
+    results[worker] = await lanes.call(worker, "bootstrap", deadline_s=deadline_s)
 
 
 def _start(job: _Job, group: TaskGroup, starts: tuple[tuple[int, Phase], ...], step: int) -> None:

@@ -16,7 +16,7 @@ from typing import Any, TextIO
 import anyio
 
 from timeshare.config import Config
-from timeshare.daemon.driver import PhaseRecord, RunSummary, run_cycle
+from timeshare.daemon.driver import BootstrapRecord, PhaseRecord, RunSummary, run_cycle
 from timeshare.daemon.steps import StepLog, SummaryFile
 
 
@@ -67,7 +67,6 @@ class Progress:
 async def run_foreground(config: Config, summary_path: Path | None) -> RunSummary:
     progress = Progress(config.job.steps, sys.stdout, sys.stdout.isatty())
     summary = SummaryFile(summary_path, config.job.ranks) if summary_path else None
-    started: list[int] = []
 
     def on_step(entry: dict[str, Any]) -> None:
         if summary is not None:
@@ -76,14 +75,17 @@ async def run_foreground(config: Config, summary_path: Path | None) -> RunSummar
 
     steps = StepLog(config.job.ranks, on_step)
 
-    def observe(record: PhaseRecord) -> None:
-        if not started:  # the bootstrap step: the committed step this run resumes from
-            started.append(record.step)
-            if summary is not None:
-                summary.resume_from(record.step)
-                summary.write()
-        steps.add(record)
-        progress.phase(record)
+    def observe(record: PhaseRecord | BootstrapRecord) -> None:
+        if isinstance(record, PhaseRecord):
+            steps.add(record)
+            progress.phase(record)
+            return
+        # Bootstrapped at the committed step: keep what the summary says up to it, and finish
+        # that step here if a crash cut it short after its TRAIN.
+        if summary is not None and record.rank == 0:
+            summary.resume_from(record.step)
+        if summary is None or not summary.has(record.step):
+            steps.resume(record)
 
     try:
         async with anyio.create_task_group() as group:

@@ -6,18 +6,23 @@ phase (slowest rank) and per rank, the reward of the samples trained on, the syn
 rate, whether every rollout holds exactly the trainer's weights, the largest difference between
 trainer and rollout logprobs of the sampled tokens, and the bubble: the part of a rank's step
 spent in no engine call and no transfer (fence waits and orchestration), averaged over ranks.
+
+A run killed after TRAIN k was committed but before step k ended resumes at k and runs the rest
+of step k as its bootstrap; the TRAIN it does not repeat comes from the checkpoint (the entry
+says `"resumed": true`), so step k still has its entry.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from timeshare.daemon.driver import PhaseRecord
+from timeshare.daemon.driver import BootstrapRecord, PhaseRecord
 from timeshare.state import Phase
 
 PHASES = [phase.value for phase in Phase]
@@ -32,6 +37,25 @@ class StepLog:
         self.steps: list[dict[str, Any]] = []
         self._pending: dict[int, list[PhaseRecord]] = defaultdict(list)
         self.current: PhaseRecord | None = None
+
+    def resume(self, record: BootstrapRecord) -> None:
+        """Step `record.step` was trained before a crash and ends in this run: seed its TRAIN
+        (from the checkpoint's metrics) and OFFLOAD (done again by the bootstrap) for the rank.
+
+        Nothing to seed at step 0, or when the engine keeps no metrics in its checkpoints.
+        """
+        train = record.results["trainer"].get("train")
+        if not train:
+            return
+        now = time.monotonic()
+        seconds = float(train.get("train_s", 0.0))
+        resumed = {**train, "engine_s": seconds, "resumed": True}
+        self._pending[record.step] += [
+            PhaseRecord(
+                record.step, record.rank, Phase.TRAIN, now - seconds, seconds, {"trainer": resumed}
+            ),
+            PhaseRecord(record.step, record.rank, Phase.OFFLOAD, now, 0.0, {"trainer": {}}),
+        ]
 
     def add(self, record: PhaseRecord) -> None:
         self.current = record
@@ -75,6 +99,7 @@ def step_entry(step: int, records: list[PhaseRecord], ranks: int) -> dict[str, A
         "ranks_agree": len({s["trainer"]["digest"] for s in syncs}) == 1,
         "logprob_max_abs_diff": max(float(t["logprob_max_abs_diff"]) for t in trains),
         "committed_step": min(int(t["committed"]) for t in trains),
+        "resumed": any(t.get("resumed", False) for t in trains),
     }
 
 
@@ -113,6 +138,10 @@ class SummaryFile:
         if self.path.exists():
             previous = json.loads(self.path.read_text())
             self.steps = [s for s in previous.get("steps", []) if s["step"] <= committed]
+        self.write()
+
+    def has(self, step: int) -> bool:
+        return any(s["step"] == step for s in self.steps)
 
     def append(self, entry: dict[str, Any]) -> None:
         self.steps.append(entry)

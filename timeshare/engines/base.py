@@ -101,6 +101,9 @@ class TrainerEngine(ABC):
 
     step: int = 0
     progress: Callable[[], None] = staticmethod(no_progress)
+    # The metrics of the TRAIN that made `step`, kept in its checkpoint (None: not known), so
+    # that a run resumed after a crash mid-step can still report that step whole.
+    last_train: dict[str, float] | None = None
 
     def bootstrap(self, directory: Path) -> int:
         """Load the last committed checkpoint with the parameters ready to send; return its step."""

@@ -135,7 +135,8 @@ class TrainerWorker:
         }
 
     def bootstrap(self, params: dict[str, Any]) -> dict[str, Any]:
-        return {"step": self.engine.bootstrap(Path(self.spec.checkpoint_dir))}
+        step = self.engine.bootstrap(Path(self.spec.checkpoint_dir))
+        return {"step": step, "train": self.engine.last_train}
 
     def train(self, params: dict[str, Any]) -> dict[str, float]:
         batch = msgspec.convert(params.get("batch", []), list[RolloutSample])

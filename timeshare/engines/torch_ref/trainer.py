@@ -10,6 +10,7 @@ identical; each samples its own prompts.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -153,6 +154,7 @@ class TorchRefTrainer(TrainerEngine):
         return [tuple(row) for row in values.tolist()]
 
     def train_step(self, batch: list[RolloutSample]) -> dict[str, float]:
+        started = time.perf_counter()
         self._check_on_policy(batch)
         self.onload()
         prompts, completions, sampled = _tensors(batch)
@@ -184,8 +186,7 @@ class TorchRefTrainer(TrainerEngine):
             self.progress()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self._save()
-        return {
+        self.last_train = {
             **metrics,
             "step": float(self.step),
             "loss": float(loss.detach()),
@@ -193,7 +194,10 @@ class TorchRefTrainer(TrainerEngine):
             "logprob_max_abs_diff": float((old - sampled).abs().max()),
             "samples": float(len(batch)),
             "committed": float(self.step),
+            "train_s": time.perf_counter() - started,
         }
+        self._save()  # the step is committed (durable) before TRAIN reports it done
+        return self.last_train
 
     def _logprobs(
         self, model: CausalLM, prompts: torch.Tensor, completions: torch.Tensor
@@ -237,6 +241,7 @@ class TorchRefTrainer(TrainerEngine):
             "optimizer": self.optimizer.state_dict(),
             "rng": torch.get_rng_state(),
             "data_position": self.step,  # prompts are a function of (seed, rank, step)
+            "train": self.last_train,
         }
         checkpoint.write(directory, self.step, state)
         if was_offloaded:
@@ -254,6 +259,7 @@ class TorchRefTrainer(TrainerEngine):
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])
+        self.last_train = state.get("train")
         log.info("trainer.checkpoint.loaded", rank=self.rank, step=self.step)
 
     def _save(self) -> None:
