@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -74,7 +74,8 @@ class BootstrapRecord:
     results: dict[str, Any]  # role -> the worker's bootstrap result
 
 
-PhaseObserver = Callable[[PhaseRecord | BootstrapRecord], None]
+# Awaited by the driver, one record at a time per rank: it must not block the event loop.
+PhaseObserver = Callable[[PhaseRecord | BootstrapRecord], Awaitable[None]]
 
 
 @dataclass
@@ -286,7 +287,7 @@ async def _bootstrap(config: Config, lanes: WorkerLanes, observer: PhaseObserver
     if observer is not None:
         for rank in range(config.job.ranks):
             by_role = {role: results[WorkerId(role, rank)] for role in ROLES}
-            observer(BootstrapRecord(step, rank, by_role))
+            await observer(BootstrapRecord(step, rank, by_role))
     return step
 
 
@@ -340,7 +341,7 @@ async def _run_phase(job: _Job, rank: int, phase: Phase, step: int) -> None:
         record = PhaseRecord(step, rank, phase, started, elapsed, results)
         job.summary.records.append(record)
         if job.observer is not None:
-            job.observer(record)
+            await job.observer(record)
     for failed in failure:
         failed.after_s = elapsed
     await job.events.send(failure[0] if failure else RankFinished(rank, phase))

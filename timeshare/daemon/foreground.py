@@ -68,22 +68,24 @@ async def run_foreground(config: Config, summary_path: Path | None) -> RunSummar
     progress = Progress(config.job.steps, sys.stdout, sys.stdout.isatty())
     summary = SummaryFile(summary_path, config.job.ranks) if summary_path else None
 
-    def on_step(entry: dict[str, Any]) -> None:
-        if summary is not None:
-            summary.append(entry)
-        progress.step(entry)
+    steps = StepLog(config.job.ranks)
+    writing = anyio.Lock()  # one summary write at a time (ranks finish phases concurrently)
 
-    steps = StepLog(config.job.ranks, on_step)
-
-    def observe(record: PhaseRecord | BootstrapRecord) -> None:
+    async def observe(record: PhaseRecord | BootstrapRecord) -> None:
         if isinstance(record, PhaseRecord):
-            steps.add(record)
             progress.phase(record)
+            entry = steps.add(record)
+            if entry is not None:
+                if summary is not None:
+                    async with writing:  # fsync: off the event loop
+                        await anyio.to_thread.run_sync(summary.append, entry)
+                progress.step(entry)
             return
         # Bootstrapped at the committed step: keep what the summary says up to it, and finish
         # that step here if a crash cut it short after its TRAIN.
         if summary is not None and record.rank == 0:
-            summary.resume_from(record.step)
+            async with writing:
+                await anyio.to_thread.run_sync(summary.resume_from, record.step)
         if summary is None or not summary.has(record.step):
             steps.resume(record)
 

@@ -18,7 +18,6 @@ import json
 import os
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +30,9 @@ PHASES = [phase.value for phase in Phase]
 class StepLog:
     """Collects phase records; a step is complete when every rank has run all six phases."""
 
-    def __init__(self, ranks: int, on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(self, ranks: int) -> None:
         self.ranks = ranks
-        self.on_step = on_step
-        self.steps: list[dict[str, Any]] = []
         self._pending: dict[int, list[PhaseRecord]] = defaultdict(list)
-        self.current: PhaseRecord | None = None
 
     def resume(self, record: BootstrapRecord) -> None:
         """Step `record.step` was trained before a crash and ends in this run: seed its TRAIN
@@ -57,17 +53,15 @@ class StepLog:
             PhaseRecord(record.step, record.rank, Phase.OFFLOAD, now, 0.0, {"trainer": {}}),
         ]
 
-    def add(self, record: PhaseRecord) -> None:
-        self.current = record
+    def add(self, record: PhaseRecord) -> dict[str, Any] | None:
+        """Take one phase record; return the step's entry if this record completed the step."""
         if record.phase is Phase.TRAIN or record.step in self._pending:
             self._pending[record.step].append(record)
         records = self._pending.get(record.step, [])
-        if len(records) == self.ranks * len(PHASES):
-            entry = step_entry(record.step, records, self.ranks)
-            del self._pending[record.step]
-            self.steps.append(entry)
-            if self.on_step is not None:
-                self.on_step(entry)
+        if len(records) < self.ranks * len(PHASES):
+            return None
+        del self._pending[record.step]
+        return step_entry(record.step, records, self.ranks)
 
 
 def step_entry(step: int, records: list[PhaseRecord], ranks: int) -> dict[str, Any]:

@@ -197,7 +197,7 @@ class TorchRefTrainer(TrainerEngine):
             "train_s": time.perf_counter() - started,
         }
         self._save()  # the step is committed (durable) before TRAIN reports it done
-        return self.last_train
+        return dict(self.last_train)  # a copy: the caller may add to it
 
     def _logprobs(
         self, model: CausalLM, prompts: torch.Tensor, completions: torch.Tensor
