@@ -24,6 +24,7 @@ from timeshare.state import (
     RankFinished,
     Request,
     Requested,
+    StepsChanged,
     advance,
     initial_state,
 )
@@ -77,6 +78,7 @@ def sample_events(state: JobState) -> list[Event]:
         Bootstrapped(step=3),
         RankFinished(0, first.phase),
         *(Requested(r) for r in Request),
+        StepsChanged(9),
         Drained(),
         Failed("worker 1 died"),
     ]
@@ -207,6 +209,32 @@ def test_the_job_drains_after_max_steps() -> None:
     assert state.reason == "completed 2 steps" and state.step == 2
 
 
+def test_a_reload_moves_the_step_limit_checked_at_the_next_boundary() -> None:
+    state = advance(initial_state(1, max_steps=2), Bootstrapped(0)).state
+    state = advance(state, StepsChanged(1)).state
+    assert state.max_steps == 1 and state.lifecycle is Lifecycle.RUNNING
+    for phase in (Phase.SYNC, Phase.BARRIER, Phase.RESUME, Phase.ROLLOUT):
+        state = advance(state, RankFinished(0, phase)).state
+    assert state.step == 1  # step 1 started before the limit could be checked
+    for phase in (Phase.TRAIN, Phase.OFFLOAD, Phase.SYNC, Phase.BARRIER, Phase.RESUME):
+        state = advance(state, RankFinished(0, phase)).state
+    state = advance(state, RankFinished(0, Phase.ROLLOUT)).state
+    assert state.lifecycle is Lifecycle.DRAINING and state.reason == "completed 1 steps"
+    with pytest.raises(InvalidTransition, match="at least one step"):
+        advance(state, StepsChanged(0))
+
+
+def test_a_job_paused_at_its_new_limit_drains_on_resume() -> None:
+    state = advance(initial_state(1, max_steps=5), Bootstrapped(3)).state
+    state = advance(state, Requested(Request.PAUSE)).state
+    for phase in (Phase.SYNC, Phase.BARRIER, Phase.RESUME, Phase.ROLLOUT):
+        state = advance(state, RankFinished(0, phase)).state
+    assert state.lifecycle is Lifecycle.PAUSED and state.step == 3
+    state = advance(state, StepsChanged(3)).state
+    outcome = advance(state, Requested(Request.RESUME))
+    assert outcome.state.lifecycle is Lifecycle.DRAINING and outcome.start == ()
+
+
 def test_requests_during_start_up() -> None:
     paused_later = run(initial_state(1), Requested(Request.PAUSE), Bootstrapped(step=0))
     assert paused_later.lifecycle is Lifecycle.RUNNING and Request.PAUSE in paused_later.requests
@@ -249,6 +277,7 @@ class RandomEvents(RuleBasedStateMachine):
         super().__init__()
         self.state = initial_state(3, max_steps=4)
         self.steps_seen = [0]
+        self.largest_limit = 4
 
     def apply(self, event: Event) -> None:
         before = self.state
@@ -282,6 +311,11 @@ class RandomEvents(RuleBasedStateMachine):
     def request(self, request: Request) -> None:
         self.apply(Requested(request))
 
+    @rule(max_steps=st.integers(0, 6))
+    def steps_changed(self, max_steps: int) -> None:
+        self.apply(StepsChanged(max_steps))
+        self.largest_limit = max(self.largest_limit, max_steps)
+
     @rule()
     def drained(self) -> None:
         self.apply(Drained())
@@ -304,7 +338,8 @@ class RandomEvents(RuleBasedStateMachine):
     @invariant()
     def steps_are_bounded(self) -> None:
         assert self.state.max_steps is not None
-        assert self.state.step <= self.state.max_steps + 3  # bootstrap may start at step 3
+        # bootstrap may start at step 3; a lowered limit stops the job at the next boundary
+        assert self.state.step <= self.largest_limit + 3
 
     @invariant()
     def declared(self) -> None:

@@ -17,6 +17,7 @@ from timeshare.state.machine import (
     RankProgress,
     Request,
     Requested,
+    StepsChanged,
     advance,
     initial_state,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "RankProgress",
     "Request",
     "Requested",
+    "StepsChanged",
     "advance",
     "initial_state",
 ]

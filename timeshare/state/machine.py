@@ -15,6 +15,8 @@ Rules (the table below is the truth; this comment explains it):
   the whole job stands at one place: drain there → DRAINING; at the cycle boundary (before
   TRAIN) pause → PAUSED, and a job that has done `max_steps` drains. `stop` does not wait: it
   drains at once. Flags are a set, so repeating a request changes nothing.
+- `StepsChanged` (a reload) moves `max_steps`; it is checked at the next cycle boundary, and
+  by a resume from PAUSED, so a job paused at its new limit drains instead of starting a step.
 - An event the table does not allow raises `InvalidTransition(state, event)` and changes
   nothing. No I/O here: the driver performs what this decides.
 """
@@ -93,6 +95,13 @@ class Requested:
 
 
 @dataclass(frozen=True)
+class StepsChanged:
+    """The operator reloaded a config with a new number of steps for the job."""
+
+    max_steps: int
+
+
+@dataclass(frozen=True)
 class Drained:
     """The driver finished draining: engines asleep, progress persisted."""
 
@@ -104,7 +113,7 @@ class Failed:
     error: str
 
 
-Event: TypeAlias = Bootstrapped | RankFinished | Requested | Drained | Failed
+Event: TypeAlias = Bootstrapped | RankFinished | Requested | StepsChanged | Drained | Failed
 
 
 # -- state -----------------------------------------------------------------------------------
@@ -173,6 +182,15 @@ TABLE: dict[tuple[Lifecycle, type], frozenset[Lifecycle]] = {
     (Lifecycle.DRAINING, RankFinished): frozenset({Lifecycle.DRAINING}),
     (Lifecycle.DRAINING, Drained): frozenset({Lifecycle.STOPPED}),
     **{
+        (lifecycle, StepsChanged): frozenset({lifecycle})
+        for lifecycle in (
+            Lifecycle.STARTING,
+            Lifecycle.RUNNING,
+            Lifecycle.PAUSED,
+            Lifecycle.DRAINING,
+        )
+    },
+    **{
         (lifecycle, Failed): frozenset({Lifecycle.FAILED})
         for lifecycle in (
             Lifecycle.STARTING,
@@ -209,6 +227,10 @@ def _apply(state: JobState, event: Event) -> Outcome:
         return Outcome(replace(state, lifecycle=Lifecycle.STOPPED))
     if isinstance(event, Requested):
         return _request(state, event)
+    if isinstance(event, StepsChanged):
+        if event.max_steps < 1:
+            raise InvalidTransition(state, event, "a job has at least one step")
+        return Outcome(replace(state, max_steps=event.max_steps))
     if isinstance(event, Bootstrapped):
         return _bootstrap(state, event)
     return _rank_finished(state, event)
@@ -244,6 +266,8 @@ def _resume(state: JobState, event: Requested) -> Outcome:
     if state.lifecycle is Lifecycle.DRAINING:
         raise InvalidTransition(state, event, "a draining job cannot resume")
     if state.lifecycle is Lifecycle.PAUSED:
+        if state.max_steps is not None and state.step >= state.max_steps:
+            return Outcome(_draining(state, f"completed {state.max_steps} steps"))
         return _enter_cycle(replace(state, lifecycle=Lifecycle.RUNNING))
     return Outcome(replace(state, requests=state.requests - {Request.PAUSE}))
 
@@ -310,4 +334,6 @@ def _describe(event: Event) -> str:
         return f"({event.request.value})"
     if isinstance(event, Bootstrapped):
         return f"(step {event.step})"
+    if isinstance(event, StepsChanged):
+        return f"(max_steps {event.max_steps})"
     return ""
