@@ -6,6 +6,7 @@
     [engine]     kind, and that engine's own section ([engine.simulated], [engine.torch_ref])
     [[faults]]   injected faults, for drills
     [log]        level, and a file for JSON lines
+    [daemon]     the service `timeshared`: control socket, state directory, metrics, drain
 
 `TIMESHARE_<SECTION>__<KEY>=value` overrides a key (nested keys join with `__`; the value is read
 as a TOML value, else as a string). An unknown key, a wrong type, a value out of range or
@@ -60,6 +61,19 @@ class LogSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     file: str = ""  # structlog JSON lines of the run and its workers; "" for none
 
 
+class DaemonSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """`timeshared` only. Empty paths come from systemd's environment, else the defaults."""
+
+    socket: str = ""  # "": $RUNTIME_DIRECTORY/control.sock, else <job.runtime_dir>/control.sock
+    state_dir: str = ""  # "": $STATE_DIRECTORY, else runs/timeshared
+    metrics: bool = True
+    metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9464  # 0: any free port
+    drain_s: Positive = 120.0  # SIGTERM or stop: from the request to exit
+    max_request_bytes: Annotated[int, msgspec.Meta(ge=256, le=1 << 20)] = 65536
+    max_clients: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    client_idle_s: Positive = 600.0  # a connection without a request is closed after this
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     job: JobSection = JobSection()
     deadlines: DeadlineSection = DeadlineSection()
@@ -73,6 +87,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     engine: EngineSpec = EngineSpec()
     faults: list[Fault] = []
     log: LogSection = LogSection()
+    daemon: DaemonSection = DaemonSection()
 
 
 COMMANDS = frozenset({*(phase.value for phase in Phase), "bootstrap", "shutdown"})
@@ -126,6 +141,12 @@ def effective_lines(loaded: LoadedConfig) -> list[str]:
         value = _get(values, key)
         lines.append(f"{key} = {_toml_value(value)}  # {loaded.source_of(key)}")
     return lines
+
+
+def flat(config: Config) -> dict[str, Any]:
+    """Every leaf key of `config` (`deadlines.phase_s`, ...) with its value."""
+    values = msgspec.to_builtins(config)
+    return {key: _get(values, key) for key in _leaf_keys(values)}
 
 
 # -- reading -----------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """Logging set-up shared by the front ends and the worker processes.
 
 With a log file, every process of a run appends structlog JSON lines to it (one line per event,
-written whole, so processes do not tear each other's lines); without one, events at `level` and
-above go to stderr, readable. Events carry the process id, and whatever is bound through
-contextvars (rank, role, step, phase).
+written whole, so processes do not tear each other's lines); without one, events go to stderr:
+readable on a terminal, JSON lines otherwise (`service=True`, the daemon under systemd), each
+prefixed `<N>` with its syslog priority when stderr is the journal ($JOURNAL_STREAM). Events
+carry the process id, and whatever is bound through contextvars (rank, role, step, phase,
+engine). The stdlib's logging (pyzmq, torch, prometheus-client) goes through the same
+processors and the same sink.
 """
 
 from __future__ import annotations
@@ -26,8 +29,15 @@ LEVELS = {
 }
 
 
-def configure(level: str = "info", file: str = "", *, stderr_level: str = "warning") -> None:
-    """JSON lines at `level` into `file` if given, else console lines at `stderr_level`."""
+# syslog priorities of the levels, for the journal's `<N>` prefix (sd-daemon(3))
+PRIORITIES = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2, "exception": 3}
+
+
+def configure(
+    level: str = "info", file: str = "", *, stderr_level: str = "warning", service: bool = False
+) -> None:
+    """Where events go: JSON lines at `level` into `file` if given; else stderr, at
+    `stderr_level` (at `level` for a service), readable on a terminal, JSON otherwise."""
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -41,17 +51,67 @@ def configure(level: str = "info", file: str = "", *, stderr_level: str = "warni
         except OSError as exc:
             raise ConfigError(f"log.file: cannot open {file}: {exc}") from exc
         renderer: Any = structlog.processors.JSONRenderer()
-        threshold = LEVELS[level]
+        threshold = level
     else:
         sink = sys.stderr
-        renderer = structlog.dev.ConsoleRenderer(colors=False)
-        threshold = LEVELS[stderr_level]
+        tty = sink.isatty()
+        renderer = (
+            structlog.dev.ConsoleRenderer(colors=False)
+            if tty or not service
+            else structlog.processors.JSONRenderer()
+        )
+        if _is_journal(sink):
+            renderer = _with_priority(renderer)
+        threshold = level if service else stderr_level
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(threshold),
+        wrapper_class=structlog.make_filtering_bound_logger(LEVELS[threshold]),
         logger_factory=structlog.WriteLoggerFactory(file=sink),
         cache_logger_on_first_use=False,
     )
+    _route_stdlib(shared, renderer, sink, threshold)
+
+
+def set_level(level: str) -> None:
+    """Change the threshold of this process's events (a reload, `timesharectl log-level`)."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]))
+    logging.getLogger().setLevel(LEVELS[level])
+
+
+def _route_stdlib(shared: list[Any], renderer: Any, sink: TextIO, level: str) -> None:
+    """Records of the stdlib's `logging` get the same processors, renderer and sink."""
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+    )
+    handler = logging.StreamHandler(sink)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(LEVELS[level])
+
+
+def _is_journal(stream: TextIO) -> bool:
+    """Whether `stream` is the journal's stream ($JOURNAL_STREAM is `device:inode`)."""
+    expected = os.environ.get("JOURNAL_STREAM")
+    if not expected:
+        return False
+    try:
+        status = os.fstat(stream.fileno())
+    except (OSError, ValueError):
+        return False
+    return expected == f"{status.st_dev}:{status.st_ino}"
+
+
+def _with_priority(renderer: Any) -> Any:
+    def render(logger: Any, method: str, event: dict[str, Any]) -> str:
+        text = renderer(logger, method, event)
+        priority = PRIORITIES.get(str(event.get("level", method)), 6)
+        return "\n".join(f"<{priority}>{line}" for line in str(text).splitlines())
+
+    return render
 
 
 def _add_pid(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,8 @@ as a command on both workers of that rank, feeding `RankFinished` back into the 
 machine's fences order the memory handoffs across ranks; BARRIER additionally checks that the
 rank's trainer holds no device memory and meets the other ranks at a store barrier. The first
 failure stops the cycle with `CycleFailed` naming rank, role and phase; on every path every
-worker process group is killed and the runtime directory swept.
+worker process group is killed and the runtime directory swept. When the job pauses, every
+worker is asked what device memory it still holds: a pause that released nothing is a failure.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 
-from timeshare.config import Config
+from timeshare.config import Config, DeadlineSection
 from timeshare.daemon.workers import clean_up, prepare_runtime, record_workers, spawn
 from timeshare.errors import CycleFailed, TimeshareError, WorkerFailure
 from timeshare.protocols.barrier import Barrier
@@ -42,6 +43,7 @@ from timeshare.state import (
     RankFinished,
     Request,
     Requested,
+    StepsChanged,
     advance,
     initial_state,
 )
@@ -76,6 +78,22 @@ class BootstrapRecord:
 
 # Awaited by the driver, one record at a time per rank: it must not block the event loop.
 PhaseObserver = Callable[[PhaseRecord | BootstrapRecord], Awaitable[None]]
+# Called with the job's state after every transition; synchronous, so it must return at once.
+StateObserver = Callable[[JobState], None]
+# The deadlines in force now: a service reloads them while the cycle runs.
+DeadlineSource = Callable[[], DeadlineSection]
+
+
+@dataclass(frozen=True)
+class CycleHooks:
+    """How a front end watches and steers a running cycle (all optional)."""
+
+    observer: PhaseObserver | None = None  # every phase that ended well
+    on_state: StateObserver | None = None  # every transition
+    deadlines: DeadlineSource | None = None  # else the config's, fixed
+    keep_records: bool = True  # False for a service: memory must not grow with the steps
+    # Commands of the job store after this generation apply to the run (None: from its start).
+    commands_from: int | None = None
 
 
 @dataclass
@@ -98,10 +116,15 @@ class _Job:
     events: MemoryObjectSendStream[Event | CycleFailed]
     summary: RunSummary
     fences: frozenset[Phase]
-    observer: PhaseObserver | None = None
+    hooks: CycleHooks
     in_flight: int = 0
     # rank -> the samples its last ROLLOUT produced: the input of its next TRAIN
     batches: dict[int, list[Any]] = field(default_factory=dict)
+
+    @property
+    def deadlines(self) -> DeadlineSection:
+        source = self.hooks.deadlines
+        return self.config.deadlines if source is None else source()
 
 
 async def run_cycle(
@@ -110,13 +133,17 @@ async def run_cycle(
     *,
     fences: frozenset[Phase] = MEMORY_FENCES,
     observer: PhaseObserver | None = None,
+    hooks: CycleHooks | None = None,
 ) -> RunSummary:
     """Run the job until the machine stops it; raise `CycleFailed` on the first failure.
 
     The job store is hosted here unless the caller hosts it (`store`). `observer` is called
-    with every phase that ended well (a front end's progress and summary). `fences` is a
-    test-only switch: the proof that each memory fence matters drops one.
+    with every phase that ended well (a front end's progress and summary); `hooks` carry the
+    rest of what a service needs. `fences` is a test-only switch: the proof that each memory
+    fence matters drops one.
     """
+    if hooks is None:
+        hooks = CycleHooks(observer=observer)
     runtime = Path(config.job.runtime_dir)
     await anyio.to_thread.run_sync(prepare_runtime, runtime)
     if store is None:
@@ -125,7 +152,7 @@ async def run_cycle(
     async with WorkerLanes.open(runtime, stall_timeout_s=config.deadlines.stall_s) as lanes:
         try:
             outcome = await _run_with_workers(
-                config, lanes, store, processes, fences=fences, observer=observer
+                config, lanes, store, processes, fences=fences, hooks=hooks
             )
         finally:
             with anyio.CancelScope(shield=True):
@@ -142,7 +169,7 @@ async def _run_with_workers(
     processes: dict[WorkerId, subprocess.Popen[bytes]],
     *,
     fences: frozenset[Phase],
-    observer: PhaseObserver | None,
+    hooks: CycleHooks,
 ) -> RunSummary | CycleFailed:
     """Spawn and watch every worker, run the cycle, shut the workers down if it ended well."""
     async with anyio.create_task_group() as watchers:
@@ -153,9 +180,7 @@ async def _run_with_workers(
                 processes[worker] = await spawn(config, lanes, store, worker)
                 watchers.start_soon(watch_process, lanes, worker, processes[worker])
         record_workers(Path(config.job.runtime_dir), processes)
-        outcome = await _drive(
-            config, lanes, store, list(processes), fences=fences, observer=observer
-        )
+        outcome = await _drive(config, lanes, store, list(processes), fences=fences, hooks=hooks)
         if isinstance(outcome, RunSummary):
             for worker in processes:
                 deadline_s = config.deadlines.for_command("shutdown")
@@ -171,36 +196,36 @@ async def _drive(
     workers: list[WorkerId],
     *,
     fences: frozenset[Phase],
-    observer: PhaseObserver | None,
+    hooks: CycleHooks,
 ) -> RunSummary | CycleFailed:
     state = initial_state(config.job.ranks, max_steps=config.job.steps, fences=fences)
     # Commands written from now on apply to this run (one written during start-up waits).
-    commands_seen = await anyio.to_thread.run_sync(store.add, "gen/command", 0)
+    commands_seen = hooks.commands_from
+    if commands_seen is None:
+        commands_seen = await anyio.to_thread.run_sync(store.add, "gen/command", 0)
+    _tell(hooks, state)
     try:
         await lanes.wait_ready(workers, timeout_s=config.deadlines.ready_s)
-        step = await _bootstrap(config, lanes, observer)
+        step = await _bootstrap(config, lanes, hooks.observer)
     except WorkerFailure as exc:
         return _failed(exc.rank, exc.role, "bootstrap", exc)
     send, receive = anyio.create_memory_object_stream[Event | CycleFailed](max_buffer_size=1000)
-    # One store connection per rank: blocking waits on one connection would queue behind each other.
-    connections = [
-        await anyio.to_thread.run_sync(JobStore.connect, *store.address)
-        for _ in range(config.job.ranks)
-    ]
-    barriers = [Barrier(c, rank, config.job.ranks) for rank, c in enumerate(connections)]
+    barriers = await _open_barriers(config, store)
     summary = RunSummary(lifecycle=state.lifecycle.value, step=step, reason=None, first_step=step)
     cycle_started = time.monotonic()
-    job = _Job(config, lanes, store, barriers, send, summary, fences, observer)
+    job = _Job(config, lanes, store, barriers, send, summary, fences, hooks)
     failure: CycleFailed | None = None
     async with anyio.create_task_group() as group, receive:
         outcome = advance(state, Bootstrapped(step))
         state = outcome.state
+        _tell(hooks, state)
         await _record(store, state)
         _start(job, group, outcome.start, state.step)
         group.start_soon(_watch_commands, store, send, commands_seen)
         while state.lifecycle is not Lifecycle.STOPPED:
             if state.lifecycle is Lifecycle.DRAINING and job.in_flight == 0:
                 state = advance(state, Drained()).state
+                _tell(hooks, state)
                 continue
             event = await receive.receive()
             if isinstance(event, CycleFailed):
@@ -209,12 +234,18 @@ async def _drive(
             try:
                 outcome = advance(state, event)
             except InvalidTransition as exc:
-                if not isinstance(event, Requested):
+                if not isinstance(event, Requested | StepsChanged):
                     raise  # the driver itself broke a rule: a bug, not an input
                 log.warning("cycle.command.refused", error=str(exc))
                 continue
             previous, state = state, outcome.state
+            _tell(hooks, state)
             _start(job, group, outcome.start, state.step)
+            if state.lifecycle is Lifecycle.PAUSED and previous.lifecycle is not Lifecycle.PAUSED:
+                # Every rank waits at the fence, so nothing else runs; a resume waits for this.
+                failure = await _verify_released(job, workers)
+                if failure is not None:
+                    break
             # Job-wide moves only (a fence passed, the lifecycle changed): a store write per
             # rank and phase would put a round trip on every phase's path.
             if len(outcome.start) == config.job.ranks or state.lifecycle is not previous.lifecycle:
@@ -229,6 +260,12 @@ async def _drive(
             error=str(failure.cause),
         )
         return failure
+    return await _stopped(store, state, summary, cycle_started)
+
+
+async def _stopped(
+    store: JobStore, state: JobState, summary: RunSummary, cycle_started: float
+) -> RunSummary:
     summary.lifecycle, summary.step, summary.reason = (
         state.lifecycle.value,
         state.step,
@@ -238,6 +275,15 @@ async def _drive(
     await _record(store, state)
     log.info("cycle.run.stopped", step=state.step, reason=state.reason)
     return summary
+
+
+async def _open_barriers(config: Config, store: JobStore) -> list[Barrier]:
+    # One store connection per rank: blocking waits on one connection would queue behind each other.
+    connections = [
+        await anyio.to_thread.run_sync(JobStore.connect, *store.address)
+        for _ in range(config.job.ranks)
+    ]
+    return [Barrier(c, rank, config.job.ranks) for rank, c in enumerate(connections)]
 
 
 async def _watch_commands(
@@ -254,15 +300,57 @@ async def _watch_commands(
             command = await anyio.to_thread.run_sync(
                 partial(store.command, generation, timeout_s=COMMAND_READ_S)
             )
-            try:
-                request = Request(command["command"])
-            except ValueError:
+            event = _command_event(command)
+            if event is None:
                 log.warning("cycle.command.unknown", generation=generation, command=command)
                 continue
-            log.info("cycle.command.received", generation=generation, request=request.value)
-            await events.send(Requested(request))
+            log.info("cycle.command.received", generation=generation, command=command)
+            await events.send(event)
         applied = latest
         await anyio.sleep(COMMAND_POLL_S)
+
+
+def _command_event(command: dict[str, Any]) -> Event | None:
+    """The machine's event for a command of the job store, or None for one it cannot name."""
+    name = command.get("command")
+    if name == "steps":
+        steps = command.get("params", {}).get("steps")
+        return StepsChanged(steps) if isinstance(steps, int) else None
+    try:
+        return Requested(Request(name))
+    except ValueError:
+        return None
+
+
+def _tell(hooks: CycleHooks, state: JobState) -> None:
+    if hooks.on_state is not None:
+        hooks.on_state(state)
+
+
+async def _verify_released(job: _Job, workers: list[WorkerId]) -> CycleFailed | None:
+    """The job paused: every worker must hold no device memory, or the pause is a failure."""
+    held: dict[WorkerId, float] = {}
+    failure: CycleFailed | None = None
+
+    async def ask(worker: WorkerId) -> None:
+        nonlocal failure
+        try:
+            result = await job.lanes.call(worker, "held", {}, deadline_s=job.deadlines.phase_s)
+            held[worker] = float(result["held_mb"])
+        except WorkerFailure as exc:
+            failure = _failed(worker.rank, worker.role, "pause", exc)
+
+    async with anyio.create_task_group() as group:
+        for worker in workers:
+            group.start_soon(ask, worker)
+    holding = {f"{w.role} rank {w.rank}": mb for w, mb in held.items() if mb > 0}
+    if failure is None and holding:
+        error = TimeshareError(f"paused, but device memory is still held (MiB): {holding}")
+        worker = next(w for w, mb in held.items() if mb > 0)
+        failure = _failed(worker.rank, worker.role, "pause", error)
+    if failure is None:
+        log.info("cycle.pause.verified", workers=len(held))
+    return failure
 
 
 async def _record(store: JobStore, state: JobState) -> None:
@@ -318,7 +406,7 @@ async def _run_phase(job: _Job, rank: int, phase: Phase, step: int) -> None:
         if phase is Phase.TRAIN and worker.role == "trainer":
             params["batch"] = job.batches.pop(rank, [])
         try:
-            deadline_s = job.config.deadlines.for_command(phase.value)
+            deadline_s = job.deadlines.for_command(phase.value)
             results[worker.role] = await job.lanes.call(
                 worker, phase.value, params, deadline_s=deadline_s
             )
@@ -334,14 +422,16 @@ async def _run_phase(job: _Job, rank: int, phase: Phase, step: int) -> None:
         await _meet_at_barrier(job, rank, results, failure)
     job.in_flight -= 1
     elapsed = time.monotonic() - started
-    job.summary.phase_seconds.setdefault(phase.value, []).append(elapsed)
+    if job.hooks.keep_records:
+        job.summary.phase_seconds.setdefault(phase.value, []).append(elapsed)
     if not failure:
         if phase is Phase.ROLLOUT:
             job.batches[rank] = results["rollout"].pop("samples", [])
         record = PhaseRecord(step, rank, phase, started, elapsed, results)
-        job.summary.records.append(record)
-        if job.observer is not None:
-            await job.observer(record)
+        if job.hooks.keep_records:
+            job.summary.records.append(record)
+        if job.hooks.observer is not None:
+            await job.hooks.observer(record)
     for failed in failure:
         failed.after_s = elapsed
     await job.events.send(failure[0] if failure else RankFinished(rank, phase))
@@ -357,7 +447,7 @@ async def _meet_at_barrier(
         # The store barrier is how the RESUME fence holds across nodes (the machine holds it
         # within this driver); the test-only switch that drops the fence drops both.
         if Phase.RESUME in job.fences:
-            await job.barriers[rank].wait("barrier", timeout_s=job.config.deadlines.barrier_s)
+            await job.barriers[rank].wait("barrier", timeout_s=job.deadlines.barrier_s)
     except TimeshareError as exc:
         failure.append(_failed(rank, "trainer", Phase.BARRIER, exc))
 

@@ -187,6 +187,10 @@ class RolloutEngine(ABC):
     def digest(self) -> str:
         """`weights_digest` of the weights loaded (compared with the trainer's after SYNC)."""
 
+    @abstractmethod
+    def held_mb(self) -> float:
+        """Device memory this engine holds now, in MiB (0 once it sleeps)."""
+
     def begin_weight_update(self) -> None:
         """A transfer starts: until it finishes, the weights are torn."""
         self.torn = True

@@ -238,6 +238,12 @@ class SimulatedRollout(RolloutEngine):
         for name, tensor in named:
             self.loaded[name] = tensor.clone()
 
+    def held_mb(self) -> float:
+        if not self.is_leader:
+            return 0.0  # the leader holds the memory of every device the engine spans
+        tags = ("weights", "kv_cache")
+        return sum(self.ledger.held(d, f"rollout.{t}") for d in self.devices for t in tags)
+
     def finish_weight_update(self, version: int) -> None:
         self.weight_version = version
         self.torn = False

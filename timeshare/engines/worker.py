@@ -132,6 +132,7 @@ class TrainerWorker:
             "barrier": self.barrier,
             "resume": lambda params: None,
             "rollout": lambda params: None,
+            "held": self.barrier,
         }
 
     def bootstrap(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -189,6 +190,7 @@ class RolloutWorker:
             "barrier": lambda params: None,
             "resume": self.resume,
             "rollout": self.rollout,
+            "held": lambda params: {"held_mb": self.engine.held_mb()},
         }
 
     def sync(self, params: dict[str, Any]) -> dict[str, Any]:

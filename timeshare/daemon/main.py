@@ -1,0 +1,203 @@
+"""`timeshared --config PATH` (also `python -m timeshare.daemon`): the cycle as a service.
+
+Paths come from the config, else from systemd's environment, else defaults:
+
+    state      [daemon].state_dir, else $STATE_DIRECTORY, else runs/timeshared
+    runtime    [job].runtime_dir as set, else $RUNTIME_DIRECTORY, else the job's default;
+               the workers' sockets go in <runtime>/job, the control socket is
+               <runtime>/control.sock unless [daemon].socket says otherwise
+    checkpoints and log file, when relative, are under the state directory
+
+Signals: SIGTERM and SIGINT drain and exit (0 within [daemon].drain_s, else 1); SIGHUP reloads.
+Exit codes: 0 stopped, 1 the cycle failed or the drain overran, 2 bad config or socket in use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+from collections.abc import Mapping, Sequence
+from contextlib import suppress
+from pathlib import Path
+
+import anyio
+import msgspec
+import structlog
+
+from timeshare import logs
+from timeshare.config import Config, LoadedConfig, load_config
+from timeshare.daemon.control import ControlServer, SocketInUse, bind_control_socket
+from timeshare.daemon.metrics import Metrics, MetricsServer, serve_metrics
+from timeshare.daemon.service import Service, ServicePaths
+from timeshare.daemon.systemd import (
+    Notifier,
+    listen_sockets,
+    take_service_variables,
+    watchdog_interval_s,
+)
+from timeshare.errors import ConfigError
+from timeshare.protocols.control import ControlError
+from timeshare.protocols.store import JobStore
+
+log = structlog.get_logger(__name__)
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+DEFAULT_STATE_DIR = "runs/timeshared"
+EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC while starting or draining, by twice this
+
+
+def resolve(
+    loaded: LoadedConfig, config_file: Path, environ: Mapping[str, str]
+) -> tuple[Config, ServicePaths]:
+    """The config with the daemon's paths filled in, and where the daemon keeps its files."""
+    config = loaded.config
+    state_dir = Path(
+        config.daemon.state_dir or environ.get("STATE_DIRECTORY", "") or DEFAULT_STATE_DIR
+    )
+    runtime = Path(config.job.runtime_dir)
+    if loaded.source_of("job.runtime_dir") == "default" and environ.get("RUNTIME_DIRECTORY"):
+        runtime = Path(environ["RUNTIME_DIRECTORY"].split(":")[0])
+    socket_path = Path(config.daemon.socket) if config.daemon.socket else runtime / "control.sock"
+    job = msgspec.structs.replace(
+        config.job,
+        runtime_dir=str(runtime / "job"),
+        checkpoint_dir=str(_under(state_dir, config.job.checkpoint_dir)),
+    )
+    log_file = str(_under(state_dir, config.log.file)) if config.log.file else ""
+    config = msgspec.structs.replace(
+        config, job=job, log=msgspec.structs.replace(config.log, file=log_file)
+    )
+    return config, ServicePaths(config_file, state_dir, socket_path)
+
+
+def _under(base: Path, path: str) -> Path:
+    return Path(path) if Path(path).is_absolute() else base / path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    service_variables = take_service_variables(os.environ)  # workers never see them
+    try:
+        loaded = load_config(args.config)
+        config, paths = resolve(loaded, args.config, os.environ)
+        logs.configure(config.log.level, config.log.file, service=True)
+        paths.state_dir.mkdir(parents=True, exist_ok=True)
+    except (ConfigError, OSError) as exc:
+        print(f"timeshared: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    activated = listen_sockets(service_variables)
+    try:
+        control = next(iter(activated.values())) if activated else bind_control_socket(paths.socket)
+    except (SocketInUse, OSError) as exc:
+        print(f"timeshared: control socket {paths.socket}: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    notifier = Notifier.from_environment(service_variables)
+    metrics = Metrics()
+    service = Service(loaded, config, paths, notifier=notifier, metrics=metrics)
+    try:
+        return anyio.run(
+            _serve, service, control, watchdog_interval_s(service_variables), bool(activated)
+        )
+    finally:
+        notifier.close()
+        control.close()
+        if not activated:  # a socket unit's socket stays for the next start
+            with suppress(FileNotFoundError):
+                paths.socket.unlink()
+
+
+async def _serve(
+    service: Service, control: socket.socket, watchdog_s: float | None, activated: bool
+) -> int:
+    config = service.config
+    log.info(
+        "service.start",
+        config=str(service.paths.config_file),
+        state_dir=str(service.paths.state_dir),
+        socket=str(service.paths.socket),
+        socket_activated=activated,
+        committed_step=service.committed_step,
+    )
+    service.store = await anyio.to_thread.run_sync(JobStore.host)
+    metrics_server: MetricsServer | None = None
+    if config.daemon.metrics:
+        metrics_server = await anyio.to_thread.run_sync(
+            serve_metrics, service.metrics, config.daemon.metrics_port
+        )
+        service.metrics_port = metrics_server.port
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(service.write_records)
+            group.start_soon(ControlServer(service, config.daemon).serve, control)
+            group.start_soon(_signals, service)
+            group.start_soon(_extend_timeouts, service)
+            if watchdog_s is not None:
+                group.start_soon(_watchdog, service, watchdog_s)
+            group.start_soon(_drain_deadline, service)
+            await service.run_cycles()
+            group.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            service.notifier.stopping(f"stopped: {service.reason or 'requested'}")
+            await service.close_records()
+            if metrics_server is not None:
+                await anyio.to_thread.run_sync(metrics_server.close)
+    log.info("service.stop", exit_code=service.exit_code, reason=service.reason)
+    return service.exit_code
+
+
+async def _signals(service: Service) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if signum == signal.SIGHUP:
+                try:
+                    await service.reload()
+                except ControlError as exc:
+                    log.warning("service.reload.refused", error=str(exc))
+            else:
+                await service.stop(name)
+
+
+async def _drain_deadline(service: Service) -> None:
+    """Once an exit is asked for, the cycle has `drain_s` to drain; then it is cut short."""
+    await service.wait_exit_requested()
+    await anyio.sleep(service.config.daemon.drain_s)
+    service.cancel_cycle()
+
+
+async def _extend_timeouts(service: Service) -> None:
+    """systemd's start and stop timeouts must not end a long start-up or a drain."""
+    while True:
+        if (
+            not service.ready_sent and service.lifecycle == "starting"
+        ) or service.shown_lifecycle in (
+            "draining",
+            "stopping",
+        ):
+            service.notifier.extend_timeout(2 * EXTEND_EVERY_S)
+        await anyio.sleep(EXTEND_EVERY_S)
+
+
+async def _watchdog(service: Service, every_s: float) -> None:
+    """WATCHDOG=1 at half systemd's interval, only while the cycle makes progress."""
+    while True:
+        if service.healthy():
+            service.notifier.watchdog()
+        else:
+            log.error("service.watchdog.withheld", since_progress_s=service.last_progress)
+        await anyio.sleep(every_s)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="timeshared", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", type=Path, required=True, help="the job's TOML config")
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

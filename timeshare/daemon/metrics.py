@@ -1,0 +1,129 @@
+"""Prometheus metrics of `timeshared`, served as text on a loopback port.
+
+One registry per daemon (not the process-global one), so tests and benchmarks can run several.
+The HTTP server is prometheus-client's own, in its own thread: a scrape never waits for the
+event loop, and the loop never waits for a scrape (updating a metric takes a lock for a few
+microseconds).
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+from dataclasses import dataclass
+from importlib.metadata import version
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info
+from prometheus_client import start_http_server as _start_http_server
+
+from timeshare.state import Phase
+
+LOOPBACK = "127.0.0.1"
+LIFECYCLE_STATES = ["starting", "running", "paused", "draining", "idle", "stopping", "failed"]
+PHASE_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    300,
+)
+
+
+class Metrics:
+    """Every metric the daemon exports; methods say what happened, in the daemon's words."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.lifecycle = Enum(
+            "timeshare_lifecycle", "Where the job stands", states=LIFECYCLE_STATES, registry=r
+        )
+        self.phase_seconds = Histogram(
+            "timeshare_phase_duration_seconds",
+            "One rank's run of one phase, both workers included",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.sync_bytes = Counter(
+            "timeshare_sync_bytes", "Weight bytes moved trainer to rollout", registry=r
+        )
+        self.sync_gbps = Gauge("timeshare_sync_gbps", "Rate of the last SYNC (GB/s)", registry=r)
+        self.bucket_seconds = Histogram(
+            "timeshare_sync_bucket_ack_seconds",
+            "Per bucket of a SYNC: its transfer time up to its ACK (transfer seconds / buckets)",
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.failures = Counter(
+            "timeshare_failures", "Cycles that failed, by the error's kind", ["kind"], registry=r
+        )
+        self.timeouts = Counter(
+            "timeshare_timeouts", "Failures that were deadlines, by kind", ["kind"], registry=r
+        )
+        self.committed_step = Gauge(
+            "timeshare_committed_step", "Last step every rank checkpointed", registry=r
+        )
+        self.weight_version = Gauge(
+            "timeshare_weight_version", "Weight version the rollout engines serve", registry=r
+        )
+        self.control_requests = Counter(
+            "timeshare_control_requests",
+            "Control-socket requests, by method and outcome",
+            ["method", "outcome"],
+            registry=r,
+        )
+        build = Info("timeshare_build", "Build of this daemon", registry=r)
+        build.info({"version": version("timeshare"), "python": platform.python_version()})
+        self.lifecycle.state("starting")
+
+    def phase_ended(self, phase: Phase, seconds: float) -> None:
+        self.phase_seconds.labels(phase.value).observe(seconds)
+
+    def synced(self, nbytes: int, seconds: float, buckets: int, version: int) -> None:
+        self.sync_bytes.inc(nbytes)
+        if seconds > 0:
+            self.sync_gbps.set(nbytes / seconds / 1e9)
+        if buckets > 0:
+            self.bucket_seconds.observe(seconds / buckets)
+        self.weight_version.set(version)
+
+    def failed(self, kind: str) -> None:
+        self.failures.labels(kind).inc()
+        if "Timeout" in kind or "Stalled" in kind:
+            self.timeouts.labels(kind).inc()
+
+
+@dataclass
+class MetricsServer:
+    """The HTTP endpoint; `port` is the one bound (useful when 0 asked for any free one)."""
+
+    server: WSGIServer
+    thread: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_port)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5.0)
+
+
+def serve_metrics(metrics: Metrics, port: int) -> MetricsServer:
+    """Serve `metrics` on the loopback interface (never on every interface)."""
+    server, thread = _start_http_server(port, addr=LOOPBACK, registry=metrics.registry)
+    return MetricsServer(server, thread)
