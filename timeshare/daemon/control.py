@@ -78,6 +78,13 @@ class ControlServer:
         self.service = service
         self.limits = limits
         self.clients = 0
+        self.answering = 0  # requests being answered (not watches): an exit lets them finish
+
+    async def wait_answered(self, timeout_s: float) -> None:
+        """Until no request is being answered (the reply to `stop` goes out before the exit)."""
+        with anyio.move_on_after(timeout_s):
+            while self.answering:
+                await anyio.sleep(0.01)
 
     async def serve(self, sock: socket.socket) -> None:
         """Accept connections until cancelled."""
@@ -144,6 +151,13 @@ class ControlServer:
         if call.method == "watch":
             await self._watch(stream, call)
             return False
+        self.answering += 1
+        try:
+            return await self._answer_call(stream, call)
+        finally:
+            self.answering -= 1
+
+    async def _answer_call(self, stream: SocketStream, call: Call) -> bool:
         try:
             result = await self.service.handle(call)
         except ControlError as exc:

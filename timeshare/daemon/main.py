@@ -8,6 +8,9 @@ Paths come from the config, else from systemd's environment, else defaults:
                <runtime>/control.sock unless [daemon].socket says otherwise
     checkpoints and log file, when relative, are under the state directory
 
+Started by socket activation (timeshared.socket), the daemon comes up idle: a status query never
+starts training; `timesharectl resume` does.
+
 Signals: SIGTERM and SIGINT drain and exit (0 within [daemon].drain_s, else 1); SIGHUP reloads.
 Exit codes: 0 stopped, 1 the cycle failed or the drain overran, 2 bad config or socket in use.
 """
@@ -47,6 +50,7 @@ log = structlog.get_logger(__name__)
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 DEFAULT_STATE_DIR = "runs/timeshared"
+ANSWER_GRACE_S = 2.0  # at exit, for replies already being written
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC while starting or draining, by twice this
 
 
@@ -98,6 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     notifier = Notifier.from_environment(service_variables)
     metrics = Metrics()
     service = Service(loaded, config, paths, notifier=notifier, metrics=metrics)
+    if activated:
+        # A connection to the socket started this daemon: it must not start training by itself.
+        service.want_cycle = False
+        service.reason = "socket-activated: `timesharectl resume` starts the cycle"
     try:
         return anyio.run(
             _serve, service, control, watchdog_interval_s(service_variables), bool(activated)
@@ -129,16 +137,18 @@ async def _serve(
             serve_metrics, service.metrics, config.daemon.metrics_port
         )
         service.metrics_port = metrics_server.port
+    server = ControlServer(service, config.daemon)
     try:
         async with anyio.create_task_group() as group:
             group.start_soon(service.write_records)
-            group.start_soon(ControlServer(service, config.daemon).serve, control)
+            group.start_soon(server.serve, control)
             group.start_soon(_signals, service)
             group.start_soon(_extend_timeouts, service)
             if watchdog_s is not None:
                 group.start_soon(_watchdog, service, watchdog_s)
             group.start_soon(_drain_deadline, service)
             await service.run_cycles()
+            await server.wait_answered(timeout_s=ANSWER_GRACE_S)
             group.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):

@@ -1,0 +1,140 @@
+"""`timeshared` as a real subprocess (simulated engines), operated with `timesharectl`."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.daemon.daemons import (
+    assert_daemon_left_nothing,
+    running_daemon,
+    simulated_config,
+)
+from timeshare.daemon.records import read_journal, read_progress
+
+pytestmark = pytest.mark.slow
+
+
+def test_operate_the_daemon_with_timesharectl(runtime_dir: Path) -> None:
+    with running_daemon(runtime_dir, simulated_config(runtime_dir)) as daemon:
+        # The socket: 0660 in a 0750 directory.
+        assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o660
+        assert stat.S_IMODE(daemon.socket.parent.stat().st_mode) == 0o750
+        daemon.wait_for(lambda s: s["lifecycle"] == "running" and (s["step"] or 0) >= 2)
+
+        table = daemon.ctl("status")
+        assert table.returncode == 0, table.stderr
+        for row in ("lifecycle", "committed step", "weight version", "phases", "uptime", "sync"):
+            assert row in table.stdout
+        as_json = json.loads(daemon.ctl("status", "--json").stdout)
+        assert as_json["lifecycle"] == "running" and as_json["weight_version"] >= 1
+        assert set(as_json["last_step"]["phases"]) >= {"sync", "barrier", "resume", "rollout"}
+
+        paused = daemon.ctl("pause", "--wait")
+        assert paused.returncode == 0, paused.stderr
+        status = daemon.status()
+        assert status["lifecycle"] == "paused"
+        assert set(status["phases"]) == {"rollout"}  # at the cycle boundary: engines asleep
+        assert any(e.get("event") == "cycle.pause.verified" for e in daemon.events())
+        again = daemon.ctl("pause", "--wait")  # repeating is harmless
+        assert again.returncode == 0 and daemon.status()["step"] == status["step"]
+        time.sleep(0.5)
+        assert daemon.status()["step"] == status["step"]  # a paused job does not move
+
+        assert daemon.ctl("resume").returncode == 0
+        daemon.wait_for(lambda s: s["lifecycle"] == "running" and s["step"] > status["step"])
+        assert daemon.ctl("resume").returncode == 0  # resuming a running job changes nothing
+
+        level = daemon.ctl("log-level", "debug")
+        assert level.returncode == 0 and daemon.status()["log_level"] == "debug"
+
+        # Every command is logged with the caller's uid and pid (SO_PEERCRED).
+        received = [e for e in daemon.events() if e.get("event") == "control.request.received"]
+        assert {e["method"] for e in received} >= {"status", "pause", "resume", "set_log_level"}
+        assert all(e["peer_uid"] == os.getuid() and e["peer_pid"] > 0 for e in received)
+
+        drained = daemon.ctl("drain", "--wait")
+        assert drained.returncode == 0, drained.stderr
+        idle = daemon.status()
+        assert idle["lifecycle"] == "idle" and idle["phases"] == []
+        refused = daemon.ctl("pause")
+        assert refused.returncode == 1
+        assert "NotRunning" in refused.stderr and "state: idle" in refused.stderr
+        assert daemon.ctl("drain").returncode == 0  # draining an idle daemon: nothing to do
+
+        stopped = daemon.ctl("stop")
+        assert stopped.returncode == 0, stopped.stderr
+        assert daemon.process.wait(timeout=60) == 0
+    assert not daemon.socket.exists()
+    assert_daemon_left_nothing(runtime_dir)
+    kinds = [e["kind"] for e in read_journal(runtime_dir / "state")]
+    assert {"transition", "command", "service.stop"} <= set(kinds)
+
+
+def test_watch_streams_transitions_and_metrics_scrape(runtime_dir: Path) -> None:
+    with running_daemon(runtime_dir, simulated_config(runtime_dir)) as daemon:
+        watch = subprocess.Popen(
+            [sys.executable, "-m", "timeshare.daemon.ctl", "--socket", str(daemon.socket)]
+            + ["watch", "--json"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert watch.stdout is not None
+            lines = [json.loads(watch.stdout.readline()) for _ in range(20)]
+        finally:
+            watch.kill()
+            watch.wait(timeout=10)
+        assert lines[0]["kind"] == "status"
+        transitions = [e for e in lines if e["kind"] == "transition"]
+        assert len(transitions) >= 10
+        assert {p for e in transitions for p in e["phases"]} >= {"train", "sync", "rollout"}
+
+        port = daemon.wait_for(lambda s: (s["step"] or 0) >= 2)["metrics_port"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        durations = families["timeshare_phase_duration_seconds"]
+        phases = {s.labels["phase"] for s in durations.samples if s.name.endswith("_count")}
+        assert phases == {"train", "offload", "sync", "barrier", "resume", "rollout"}
+        states = {
+            s.labels["timeshare_lifecycle"]: s.value
+            for s in families["timeshare_lifecycle"].samples
+        }
+        assert states["running"] == 1.0 and sum(states.values()) == 1.0
+        assert next(iter(families["timeshare_sync_bytes"].samples)).value > 0
+        assert next(iter(families["timeshare_sync_gbps"].samples)).value > 0
+        assert "timeshare_sync_bucket_ack_seconds" in families
+        assert "timeshare_committed_step" in families and "timeshare_weight_version" in families
+        assert "timeshare_failures" in families and "timeshare_timeouts" in families
+        build = next(iter(families["timeshare_build_info"].samples))
+        assert build.labels["version"]
+        requests = families["timeshare_control_requests"].samples
+        assert any(s.labels.get("method") == "status" and s.value >= 1 for s in requests)
+        assert daemon.stop() == 0
+    assert_daemon_left_nothing(runtime_dir)
+
+
+def test_sigterm_drains_writes_progress_and_exits_0(runtime_dir: Path) -> None:
+    with running_daemon(runtime_dir, simulated_config(runtime_dir)) as daemon:
+        daemon.wait_for(lambda s: s["lifecycle"] == "running" and (s["step"] or 0) >= 3)
+        started = time.monotonic()
+        assert daemon.stop() == 0
+        assert time.monotonic() - started < 60  # [daemon].drain_s
+    journal = read_journal(runtime_dir / "state")
+    transitions = [e for e in journal if e["kind"] == "transition"]
+    assert transitions[-1]["lifecycle"] == "stopped"
+    assert transitions[-1]["reason"] == "stop requested"
+    assert [e["why"] for e in journal if e["kind"] == "service.stop"] == ["SIGTERM"]
+    progress = read_progress(runtime_dir / "state")
+    assert progress["weight_version"] >= 2 and progress["last_step"]["step"] >= 2
+    assert_daemon_left_nothing(runtime_dir)
