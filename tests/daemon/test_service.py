@@ -22,6 +22,7 @@ from tests.daemon.daemons import (
 from timeshare.daemon.records import read_journal, read_progress
 
 pytestmark = pytest.mark.slow
+CTL = [sys.executable, "-m", "timeshare.daemon.ctl"]
 
 
 def test_operate_the_daemon_with_timesharectl(runtime_dir: Path) -> None:
@@ -83,8 +84,7 @@ def test_operate_the_daemon_with_timesharectl(runtime_dir: Path) -> None:
 def test_watch_streams_transitions_and_metrics_scrape(runtime_dir: Path) -> None:
     with running_daemon(runtime_dir, simulated_config(runtime_dir)) as daemon:
         watch = subprocess.Popen(
-            [sys.executable, "-m", "timeshare.daemon.ctl", "--socket", str(daemon.socket)]
-            + ["watch", "--json"],
+            [*CTL, "--socket", str(daemon.socket), "watch", "--json"],
             stdout=subprocess.PIPE,
             text=True,
         )

@@ -79,12 +79,13 @@ class ControlServer:
         self.limits = limits
         self.clients = 0
         self.answering = 0  # requests being answered (not watches): an exit lets them finish
+        self._all_answered = anyio.Event()
 
     async def wait_answered(self, timeout_s: float) -> None:
         """Until no request is being answered (the reply to `stop` goes out before the exit)."""
         with anyio.move_on_after(timeout_s):
             while self.answering:
-                await anyio.sleep(0.01)
+                await self._all_answered.wait()
 
     async def serve(self, sock: socket.socket) -> None:
         """Accept connections until cancelled."""
@@ -156,6 +157,9 @@ class ControlServer:
             return await self._answer_call(stream, call)
         finally:
             self.answering -= 1
+            if not self.answering:
+                self._all_answered.set()
+                self._all_answered = anyio.Event()
 
     async def _answer_call(self, stream: SocketStream, call: Call) -> bool:
         try:
