@@ -46,18 +46,18 @@ class Notifier:
         return cls(address)
 
     def notify(self, **fields: str | int) -> None:
-        """One datagram of `KEY=VALUE` lines; never raises (systemd may be gone at shutdown)."""
+        """One datagram of `KEY=VALUE` lines. Never blocks (it is called on the event loop: a
+        full receive queue drops the message) and never raises (systemd may be gone)."""
         message = "\n".join(f"{key}={value}" for key, value in fields.items())
         self.sent = [*self.sent[-9:], message]
         if self.address is None:
             return
         try:
             if self._socket is None:
-                self._socket = socket.socket(
-                    socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
-                )
+                kind = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+                self._socket = socket.socket(socket.AF_UNIX, kind)
             self._socket.sendto(message.encode(), self.address)
-        except OSError as exc:
+        except OSError as exc:  # BlockingIOError included: systemd is not reading
             log.warning("systemd.notify.failed", error=str(exc), message=message)
 
     def ready(self, status: str) -> None:

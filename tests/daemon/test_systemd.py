@@ -1,0 +1,270 @@
+"""systemd: the unit files (systemd-analyze), sd_notify on a real datagram socket, socket activation."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.daemon.daemons import (
+    Daemon,
+    assert_daemon_left_nothing,
+    reap,
+    running_daemon,
+    simulated_config,
+)
+from tests.daemon.jobs import processes_of
+from timeshare.daemon.systemd import (
+    SERVICE_VARIABLES,
+    Notifier,
+    listen_sockets,
+    take_service_variables,
+    watchdog_interval_s,
+)
+
+UNITS = Path(__file__).parents[2] / "systemd"
+SECURITY_THRESHOLD = 25  # systemd-analyze's scale is 0..100 (shown /10): "2.5 OK" at most
+needs_systemd = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed"
+)
+
+
+def installed_units(directory: Path) -> Path:
+    """The unit files as installed: their binaries are this environment's."""
+    bin_dir = Path(sys.executable).parent
+    for unit in ("timeshared.service", "timeshared.socket"):
+        text = (UNITS / unit).read_text().replace("/usr/local/bin/", f"{bin_dir}/")
+        (directory / unit).write_text(text)
+    return directory
+
+
+@needs_systemd
+def test_both_unit_files_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    units = installed_units(tmp_path)
+    result = subprocess.run(
+        ["systemd-analyze", "verify", "timeshared.service", "timeshared.socket"],
+        cwd=units,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+@needs_systemd
+def test_the_service_is_hardened_below_the_threshold(tmp_path: Path) -> None:
+    units = installed_units(tmp_path)
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", f"--threshold={SECURITY_THRESHOLD}"]
+        + ["timeshared.service"],
+        cwd=units,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+    assert "Overall exposure level for timeshared.service" in result.stdout
+    service = (UNITS / "timeshared.service").read_text()
+    for line in ("Type=notify", "NotifyAccess=main", "KillMode=mixed", "Restart=on-failure"):
+        assert f"\n{line}\n" in service
+    assert "ExecReload=/usr/local/bin/timesharectl" in service and "reload --wait" in service
+    # Hardening must not hide the accelerators.
+    assert "\nPrivateDevices=yes" not in service and "\nDevicePolicy=closed" not in service
+
+
+@needs_systemd
+def test_the_threshold_can_fail(tmp_path: Path) -> None:
+    units = installed_units(tmp_path)
+    result = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", "--threshold=1", "timeshared.service"],
+        cwd=units,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode != 0
+
+
+class NotifySocket:
+    """A real datagram socket standing in for systemd's notify socket, read as systemd does:
+    all the time (a thread)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.1)
+        self.messages: list[tuple[float, dict[str, str]]] = []
+        self.closing = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        while not self.closing.is_set():
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            fields = dict(line.split("=", 1) for line in data.decode().splitlines())
+            self.messages.append((time.monotonic(), fields))
+
+    def drain(self) -> list[dict[str, str]]:
+        time.sleep(0.3)  # what is on its way
+        return [m for _, m in self.messages]
+
+    def wait_for(self, key: str, seen: int = 0, timeout: float = 60.0) -> dict[str, str]:
+        """The first message from index `seen` on that carries `key`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for _, message in self.messages[seen:]:
+                if key in message:
+                    return message
+            time.sleep(0.02)
+        raise AssertionError(f"no {key} within {timeout} s: {self.messages[-5:]}")
+
+    def close(self) -> None:
+        self.closing.set()
+        self.reader.join(timeout=5)
+        self.sock.close()
+        self.path.unlink(missing_ok=True)
+
+
+def worker_environments(daemon: Daemon) -> list[dict[str, str]]:
+    environments = []
+    for process in processes_of(daemon.root):
+        if process.pid == daemon.process.pid:
+            continue
+        raw = Path(f"/proc/{process.pid}/environ").read_bytes()
+        environments.append(
+            dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)
+        )
+    return environments
+
+
+@pytest.mark.slow
+def test_notifications_on_a_real_notify_socket(runtime_dir: Path) -> None:
+    notify = NotifySocket(runtime_dir / "notify.sock")
+    env = {"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "1000000"}
+    try:
+        with running_daemon(runtime_dir, simulated_config(runtime_dir), env) as daemon:
+            ready = notify.wait_for("READY")
+            assert ready["READY"] == "1" and ready["STATUS"].startswith("running")
+            daemon.wait_for(lambda s: (s["step"] or 0) >= 3)
+            # The workers never see systemd's variables.
+            environments = worker_environments(daemon)
+            assert len(environments) == 4
+            assert all(not set(SERVICE_VARIABLES) & set(e) for e in environments)
+
+            time.sleep(1.2)
+            messages = notify.drain()
+            statuses = [m["STATUS"] for m in messages if "STATUS" in m]
+            for phase in ("train", "offload", "sync", "barrier", "resume", "rollout"):
+                assert any(phase in s for s in statuses), (phase, statuses[-12:])
+            pings = [t for t, m in notify.messages if m.get("WATCHDOG") == "1"]
+            assert len(pings) >= 2 and min(b - a for a, b in zip(pings, pings[1:])) > 0.3
+
+            before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+            seen = len(notify.messages)
+            daemon.process.send_signal(signal.SIGHUP)  # reload
+            reloading = notify.wait_for("RELOADING", seen)
+            after = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+            assert before <= int(reloading["MONOTONIC_USEC"]) <= after
+            assert notify.wait_for("READY", seen)["READY"] == "1"  # reloaded
+
+            assert daemon.stop() == 0
+        notify.drain()
+        stopping = [m for m in [m for _, m in notify.messages] if "STOPPING" in m]
+        assert len(stopping) == 1 and stopping[0]["STOPPING"] == "1"
+        assert sum(1 for _, m in notify.messages if m.get("READY") == "1") == 2  # start, reload
+    finally:
+        notify.close()
+    assert_daemon_left_nothing(runtime_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="no systemd")
+def test_socket_activation_starts_the_daemon_idle(runtime_dir: Path) -> None:
+    config = simulated_config(runtime_dir)
+    path = runtime_dir / "activated.sock"
+    argv = ["systemd-socket-activate", "-l", str(path), "--fdname=control"]
+    activator = subprocess.Popen(
+        [*argv, sys.executable, "-m", "timeshare.daemon", "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    daemon = Daemon(runtime_dir, config, activator, path, runtime_dir / "none.log")
+    try:
+        deadline = time.monotonic() + 30
+        while not path.exists():
+            assert time.monotonic() < deadline and activator.poll() is None
+            time.sleep(0.05)
+        status = daemon.status()  # this connection starts timeshared
+        assert status["lifecycle"] == "idle" and "socket-activated" in status["reason"]
+        time.sleep(1.0)
+        assert [p.pid for p in processes_of(runtime_dir)] == [activator.pid]  # no worker
+        assert daemon.call("resume")["result"]["lifecycle"] in ("idle", "starting")
+        daemon.wait_for(lambda s: s["lifecycle"] == "running" and (s["step"] or 0) >= 1)
+        assert all(not set(SERVICE_VARIABLES) & set(e) for e in worker_environments(daemon))
+        assert daemon.call("stop")["result"]["lifecycle"] == "stopping"
+        assert activator.wait(timeout=60) == 0
+    finally:
+        reap(daemon)
+    assert not (runtime_dir / "run" / "control.sock").exists()  # it used the passed socket
+    assert_daemon_left_nothing(runtime_dir)
+
+
+# -- the protocol pieces, in-process ----------------------------------------------------------
+
+
+def test_notifier_sends_datagrams_to_an_abstract_socket() -> None:
+    name = f"timeshare-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as receiver:
+        receiver.bind("\0" + name)
+        receiver.settimeout(5)
+        notifier = Notifier.from_environment({"NOTIFY_SOCKET": "@" + name})
+        notifier.ready("running step 1")
+        notifier.stopping("bye")
+        notifier.stopping("again")
+        notifier.close()
+        assert receiver.recv(4096) == b"READY=1\nSTATUS=running step 1"
+        assert receiver.recv(4096) == b"STOPPING=1\nSTATUS=bye"
+        receiver.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            receiver.recv(4096)  # STOPPING=1 once
+
+
+def test_without_systemd_nothing_is_sent_and_nothing_fails() -> None:
+    notifier = Notifier.from_environment({})
+    notifier.watchdog()
+    assert notifier.address is None and notifier.sent == ["WATCHDOG=1"]
+
+
+def test_watchdog_interval_is_half_and_only_for_this_process() -> None:
+    assert watchdog_interval_s({"WATCHDOG_USEC": "4000000"}) == 2.0
+    assert watchdog_interval_s({"WATCHDOG_USEC": "4000000", "WATCHDOG_PID": "1"}) is None
+    mine = {"WATCHDOG_USEC": "4000000", "WATCHDOG_PID": str(os.getpid())}
+    assert watchdog_interval_s(mine) == 2.0
+    assert watchdog_interval_s({}) is None
+    assert watchdog_interval_s({"WATCHDOG_USEC": "soon"}) is None
+
+
+def test_listen_fds_for_another_process_are_ignored() -> None:
+    assert listen_sockets({"LISTEN_FDS": "1", "LISTEN_PID": "1"}) == {}
+    environ = {"LISTEN_FDS": "1", "LISTEN_PID": "1", "NOTIFY_SOCKET": "/x", "PATH": "/bin"}
+    taken = take_service_variables(environ)
+    assert environ == {"PATH": "/bin"} and set(taken) == {
+        "LISTEN_FDS",
+        "LISTEN_PID",
+        "NOTIFY_SOCKET",
+    }
