@@ -1,7 +1,8 @@
-"""systemd: the unit files (systemd-analyze), sd_notify on a real datagram socket, socket activation."""
+"""systemd: unit files (systemd-analyze), sd_notify on a real datagram socket, socket activation."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -31,7 +32,9 @@ from timeshare.daemon.systemd import (
 )
 
 UNITS = Path(__file__).parents[2] / "systemd"
+UNIT = "timeshared.service"
 SECURITY_THRESHOLD = 25  # systemd-analyze's scale is 0..100 (shown /10): "2.5 OK" at most
+ANALYZE = shutil.which("systemd-analyze") or "systemd-analyze"
 needs_systemd = pytest.mark.skipif(
     shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed"
 )
@@ -50,7 +53,7 @@ def installed_units(directory: Path) -> Path:
 def test_both_unit_files_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     units = installed_units(tmp_path)
     result = subprocess.run(
-        ["systemd-analyze", "verify", "timeshared.service", "timeshared.socket"],
+        [ANALYZE, "verify", "timeshared.service", "timeshared.socket"],
         cwd=units,
         capture_output=True,
         text=True,
@@ -64,8 +67,7 @@ def test_both_unit_files_pass_systemd_analyze_verify(tmp_path: Path) -> None:
 def test_the_service_is_hardened_below_the_threshold(tmp_path: Path) -> None:
     units = installed_units(tmp_path)
     result = subprocess.run(
-        ["systemd-analyze", "security", "--offline=yes", f"--threshold={SECURITY_THRESHOLD}"]
-        + ["timeshared.service"],
+        [ANALYZE, "security", "--offline=yes", f"--threshold={SECURITY_THRESHOLD}", UNIT],
         cwd=units,
         capture_output=True,
         text=True,
@@ -86,7 +88,7 @@ def test_the_service_is_hardened_below_the_threshold(tmp_path: Path) -> None:
 def test_the_threshold_can_fail(tmp_path: Path) -> None:
     units = installed_units(tmp_path)
     result = subprocess.run(
-        ["systemd-analyze", "security", "--offline=yes", "--threshold=1", "timeshared.service"],
+        [ANALYZE, "security", "--offline=yes", "--threshold=1", UNIT],
         cwd=units,
         capture_output=True,
         text=True,
@@ -172,7 +174,7 @@ def test_notifications_on_a_real_notify_socket(runtime_dir: Path) -> None:
             for phase in ("train", "offload", "sync", "barrier", "resume", "rollout"):
                 assert any(phase in s for s in statuses), (phase, statuses[-12:])
             pings = [t for t, m in notify.messages if m.get("WATCHDOG") == "1"]
-            assert len(pings) >= 2 and min(b - a for a, b in zip(pings, pings[1:])) > 0.3
+            assert len(pings) >= 2 and min(b - a for a, b in itertools.pairwise(pings)) > 0.3
 
             before = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
             seen = len(notify.messages)
@@ -197,7 +199,8 @@ def test_notifications_on_a_real_notify_socket(runtime_dir: Path) -> None:
 def test_socket_activation_starts_the_daemon_idle(runtime_dir: Path) -> None:
     config = simulated_config(runtime_dir)
     path = runtime_dir / "activated.sock"
-    argv = ["systemd-socket-activate", "-l", str(path), "--fdname=control"]
+    activate = shutil.which("systemd-socket-activate") or "systemd-socket-activate"
+    argv = [activate, "-l", str(path), "--fdname=control"]
     activator = subprocess.Popen(
         [*argv, sys.executable, "-m", "timeshare.daemon", "--config", str(config)],
         stdout=subprocess.DEVNULL,

@@ -117,6 +117,7 @@ class Service:
         self._journal_pending: list[dict[str, Any]] = []
         self._progress_dirty = False
         self._records_wake = anyio.Event()
+        self._flushing = anyio.Lock()
 
     # -- what status shows -----------------------------------------------------------------------
 
@@ -159,6 +160,7 @@ class Service:
             if self.want_cycle and self._steps_remain():
                 self.want_cycle = False
                 await self._run_cycle()
+                await self.flush_records()  # what the cycle did is on disk before it says idle
                 continue
             self.want_cycle = False
             self._set_lifecycle("idle")
@@ -248,6 +250,8 @@ class Service:
         if isinstance(record, BootstrapRecord):
             if record.rank == 0:
                 self.committed_step = record.step if record.step > 0 else self.committed_step
+                if self.committed_step is not None:
+                    self.metrics.committed_step.set(self.committed_step)
                 self._journal_add("bootstrapped", step=record.step)
             return
         self.metrics.phase_ended(record.phase, record.seconds)
@@ -259,6 +263,7 @@ class Service:
             if figures.trains_done == ranks and "committed" in record.results["trainer"]:
                 self.committed_step = record.step  # every rank checkpointed before answering
                 self.metrics.committed_step.set(record.step)
+                self._progress_dirty = True
                 self._journal_add("step.committed", step=record.step)
         elif record.phase is Phase.SYNC:
             self._synced(figures, record, ranks)
@@ -280,6 +285,7 @@ class Service:
         self.metrics.synced(nbytes, seconds, int(sent.get("buckets", 0)), version)
         if figures.syncs_done == ranks:
             self.weight_version = version
+            self._progress_dirty = True
             self._journal_add("weights.synced", step=record.step, version=version)
 
     def _step_done(self, step: int, figures: StepFigures) -> None:
@@ -493,6 +499,10 @@ class Service:
             await self.flush_records()
 
     async def flush_records(self) -> None:
+        async with self._flushing:  # the writer task and an explicit flush: one at a time
+            await self._flush_records()
+
+    async def _flush_records(self) -> None:
         pending, self._journal_pending = self._journal_pending, []
         if pending:
             await anyio.to_thread.run_sync(self._journal.append, pending)
