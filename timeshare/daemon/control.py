@@ -121,19 +121,20 @@ class ControlServer:
         lines = BufferedByteReceiveStream(stream)
         while True:
             line: bytes | None = None
+            limit = self.limits.max_request_bytes
             with anyio.move_on_after(self.limits.client_idle_s):
                 try:
-                    line = await lines.receive_until(b"\n", self.limits.max_request_bytes)
+                    line = await lines.receive_until(b"\n", limit)
                 except anyio.DelimiterNotFound:
-                    too_large = RequestTooLarge(
-                        f"a request line is at most {self.limits.max_request_bytes} bytes"
-                    )
-                    await self._send(stream, self._error(None, too_large))
-                    return
+                    line = b"\0" * (limit + 1)  # the rest of the line is not read
                 except anyio.IncompleteRead:
                     return  # the client closed mid-line
             if line is None:
                 return  # idle too long
+            if len(line) > limit:  # (a line that came in one read is not cut by receive_until)
+                too_large = RequestTooLarge(f"a request line is at most {limit} bytes")
+                await self._send(stream, self._error(None, too_large))
+                return
             if not line.strip():
                 continue
             if not await self._answer(stream, line, peer):
