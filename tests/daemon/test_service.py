@@ -58,6 +58,9 @@ def test_operate_the_daemon_with_timesharectl(runtime_dir: Path) -> None:
         level = daemon.ctl("log-level", "debug")
         assert level.returncode == 0 and daemon.status()["log_level"] == "debug"
 
+        # One summary line per step, with its figures.
+        done = [e for e in daemon.events() if e.get("event") == "cycle.step.done"]
+        assert len(done) >= 2 and {"sync_gbps", "rollout_s", "weight_version"} <= set(done[-1])
         # Every command is logged with the caller's uid and pid (SO_PEERCRED).
         received = [e for e in daemon.events() if e.get("event") == "control.request.received"]
         assert {e["method"] for e in received} >= {"status", "pause", "resume", "set_log_level"}

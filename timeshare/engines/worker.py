@@ -231,7 +231,7 @@ class RolloutWorker:
 
 def run(spec: WorkerSpec) -> None:
     logs.configure(spec.log_level, spec.log_file)
-    structlog.contextvars.bind_contextvars(rank=spec.rank, role=spec.role)
+    structlog.contextvars.bind_contextvars(rank=spec.rank, role=spec.role, engine=spec.engine.kind)
     store = JobStore.connect(spec.store_host, spec.store_port, timeout_s=30.0)
     handlers: dict[str, Callable[[dict[str, Any]], Any]] = {}
     server = WorkerServer(
