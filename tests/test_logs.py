@@ -1,4 +1,4 @@
-"""Logging as a service writes it: JSON or console, journal priorities, contextvars, stdlib routed."""
+"""Logging as a service writes it: JSON or console, journal priorities, contextvars, stdlib."""
 
 from __future__ import annotations
 

@@ -499,8 +499,10 @@ class Service:
             await self.flush_records()
 
     async def flush_records(self) -> None:
-        async with self._flushing:  # the writer task and an explicit flush: one at a time
-            await self._flush_records()
+        # Shielded: a batch taken off the queue is written even when the daemon is exiting.
+        with anyio.CancelScope(shield=True):
+            async with self._flushing:  # the writer task and an explicit flush: one at a time
+                await self._flush_records()
 
     async def _flush_records(self) -> None:
         pending, self._journal_pending = self._journal_pending, []
