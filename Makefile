@@ -1,7 +1,7 @@
 # make demo: create .venv if needed, then the main job (GRPO on a small LM, examples/tiny-grpo.toml)
 #            from scratch, with its per-step summary in runs/tiny-grpo/summary.json.
 # make test: create .venv if needed, then ruff, mypy --strict and pytest.
-# make bench: the weight-channel benchmark.
+# make bench: the weight-channel benchmark, then the control socket's latency under syncs.
 # TORCH_SPEC picks the torch build (default: the CPU build of 2.13.0; a GPU user sets their own).
 PYTHON ?= python3
 VENV := .venv
@@ -35,6 +35,7 @@ pytest: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/weight_sync.py --total-mb 1024 --bucket-mb 64 --depth 1 2 --json runs/weight_sync.json
+	$(PY) benchmarks/control.py --clients 20 --interval 0.1 --json runs/control.json
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -10,13 +10,19 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
+import anyio
 import pytest
 
 from tests.daemon.jobs import assert_nothing_left, config, processes_of, run
 from tests.protocols.weights.peers import wait_until
+from timeshare.config import DeadlineSection
+from timeshare.daemon.driver import _verify_released
 from timeshare.daemon.workers import prepare_runtime
 from timeshare.errors import CycleFailed, WorkerDied, WorkerError, WorkerStalled
+from timeshare.protocols.commands import WorkerId
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.shm import process_start_time
 from timeshare.state import Phase
@@ -95,3 +101,35 @@ def test_reaping_leaves_a_reused_process_group_alone(runtime_dir: Path) -> None:
     finally:
         bystander.kill()
         bystander.wait(timeout=10)
+
+
+class _HeldLanes:
+    """The lanes as `_verify_released` sees them: each worker says what it holds."""
+
+    def __init__(self, held: dict[str, float]) -> None:
+        self.held = held
+
+    async def call(self, worker: WorkerId, command: str, params: Any, *, deadline_s: float) -> Any:
+        assert command == "held" and deadline_s > 0
+        return {"held_mb": self.held[f"{worker.role}{worker.rank}"]}
+
+
+@pytest.mark.parametrize(
+    ("held", "failed_role"),
+    [
+        ({"trainer0": 0.0, "rollout0": 0.0, "trainer1": 0.0, "rollout1": 0.0}, None),
+        ({"trainer0": 0.0, "rollout0": 0.0, "trainer1": 0.0, "rollout1": 512.0}, "rollout"),
+        ({"trainer0": 64.0, "rollout0": 0.0, "trainer1": 0.0, "rollout1": 0.0}, "trainer"),
+    ],
+)
+def test_a_pause_that_released_nothing_is_a_failure(
+    held: dict[str, float], failed_role: str | None
+) -> None:
+    job = SimpleNamespace(lanes=_HeldLanes(held), deadlines=DeadlineSection())
+    workers = [WorkerId(role, rank) for rank in (0, 1) for role in ("trainer", "rollout")]
+    failure = anyio.run(_verify_released, cast(Any, job), workers)
+    if failed_role is None:
+        assert failure is None
+    else:
+        assert failure is not None and failure.role == failed_role and failure.phase == "pause"
+        assert "still held" in str(failure)

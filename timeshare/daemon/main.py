@@ -147,6 +147,7 @@ async def _serve(
             if watchdog_s is not None:
                 group.start_soon(_watchdog, service, watchdog_s)
             group.start_soon(_drain_deadline, service)
+            group.start_soon(service.measure_loop_lag)
             await service.run_cycles()
             await server.wait_answered(timeout_s=ANSWER_GRACE_S)
             group.cancel_scope.cancel()

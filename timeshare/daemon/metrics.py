@@ -85,6 +85,11 @@ class Metrics:
             ["method", "outcome"],
             registry=r,
         )
+        self.loop_lag = Gauge(
+            "timeshare_event_loop_lag_max_seconds",
+            "The daemon's event loop: the longest a ready task waited",
+            registry=r,
+        )
         build = Info("timeshare_build", "Build of this daemon", registry=r)
         build.info({"version": version("timeshare"), "python": platform.python_version()})
         self.lifecycle.state("starting")

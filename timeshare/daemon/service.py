@@ -50,6 +50,7 @@ log = structlog.get_logger(__name__)
 
 # Keys a reload may change while the cycle runs; any other changed key refuses the reload.
 LIVE_KEYS = ("job.steps", "deadlines.", "log.level")
+LAG_PROBE_S = 0.01
 WATCH_BUFFER = 256  # events a watcher may fall behind by before it is dropped
 CYCLE_STATES = frozenset({"starting", "running", "paused", "draining"})
 
@@ -104,6 +105,7 @@ class Service:
         self.started = time.monotonic()
         self.last_progress = time.monotonic()
         self.metrics_port: int | None = None
+        self.loop_lag_max_s = 0.0  # the event loop's worst delay seen (LAG_PROBE_S probes)
         self.exit_code = 0
         self.exit_requested = False
         self.want_cycle = True
@@ -138,6 +140,7 @@ class Service:
             "engine": self.config.engine.kind,
             "metrics_port": self.metrics_port,
             "log_level": self.config.log.level,
+            "loop_lag_max_ms": round(self.loop_lag_max_s * 1000, 3),
         }
 
     @property
@@ -523,6 +526,16 @@ class Service:
         await self.flush_records()
         await anyio.to_thread.run_sync(self._journal.sync)
         self._journal.close()
+
+    async def measure_loop_lag(self) -> None:
+        """How late the event loop wakes a sleeper: what every control request waits at worst."""
+        while True:
+            before = time.monotonic()
+            await anyio.sleep(LAG_PROBE_S)
+            lag = time.monotonic() - before - LAG_PROBE_S
+            if lag > self.loop_lag_max_s:
+                self.loop_lag_max_s = lag
+                self.metrics.loop_lag.set(lag)
 
     def cancel_cycle(self) -> None:
         if self._cycle_scope is not None:
