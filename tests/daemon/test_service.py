@@ -31,6 +31,14 @@ def test_operate_the_daemon_with_timesharectl(runtime_dir: Path) -> None:
         assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o660
         assert stat.S_IMODE(daemon.socket.parent.stat().st_mode) == 0o750
         daemon.wait_for(lambda s: s["lifecycle"] == "running" and (s["step"] or 0) >= 2)
+        second = subprocess.run(  # one daemon per socket
+            [sys.executable, "-m", "timeshare.daemon", "--config", str(daemon.config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert second.returncode == 2 and "another process listens on" in second.stderr
 
         table = daemon.ctl("status")
         assert table.returncode == 0, table.stderr
@@ -140,4 +148,16 @@ def test_sigterm_drains_writes_progress_and_exits_0(runtime_dir: Path) -> None:
     assert [e["why"] for e in journal if e["kind"] == "service.stop"] == ["SIGTERM"]
     progress = read_progress(runtime_dir / "state")
     assert progress["weight_version"] >= 2 and progress["last_step"]["step"] >= 2
+    assert_daemon_left_nothing(runtime_dir)
+
+
+def test_a_failed_cycle_exits_1_for_systemd_to_restart(runtime_dir: Path) -> None:
+    kill = '[[faults]]\nrole = "rollout"\nrank = 1\nphase = "rollout"\nkind = "kill"\nstep = 2\n'
+    with running_daemon(runtime_dir, simulated_config(runtime_dir, extra=kill)) as daemon:
+        assert daemon.process.wait(timeout=60) == 1
+    failed = [e for e in read_journal(runtime_dir / "state") if e["kind"] == "cycle.failed"]
+    assert len(failed) == 1
+    assert (failed[0]["role"], failed[0]["rank"], failed[0]["phase"]) == ("rollout", 1, "rollout")
+    assert failed[0]["error_kind"] == "WorkerDied"
+    assert any(e.get("event") == "service.cycle.failed" for e in daemon.events())
     assert_daemon_left_nothing(runtime_dir)

@@ -345,6 +345,7 @@ class Service:
             self._journal_add("service.stop", why=why)
             log.info("service.stop.requested", why=why)
             self.notifier.stopping(f"stopping: {why}")
+            self.metrics.lifecycle.state("stopping")
             if self.cycle_active:
                 await self._command("stop")
             self._wake()
@@ -378,16 +379,17 @@ class Service:
                 f"cannot change while the service runs: {', '.join(fixed)} "
                 "(restart the service for these); the running config stays"
             )
-        new = loaded.config
-        job = msgspec.structs.replace(self.config.job, steps=new.job.steps)
-        log_section = msgspec.structs.replace(self.config.log, level=new.log.level)
+        # The file's live values win, also over a `log-level` set since the last read.
+        new, running = loaded.config, self.config
+        job = msgspec.structs.replace(running.job, steps=new.job.steps)
+        log_section = msgspec.structs.replace(running.log, level=new.log.level)
         self.config = msgspec.structs.replace(
-            self.config, job=job, deadlines=new.deadlines, log=log_section
+            running, job=job, deadlines=new.deadlines, log=log_section
         )
         self.loaded = loaded
-        if "log.level" in changed:
+        if new.log.level != running.log.level:
             logs.set_level(new.log.level)
-        if "job.steps" in changed and self.cycle_active:
+        if new.job.steps != running.job.steps and self.cycle_active:
             await self._command("steps", steps=new.job.steps)
         self._journal_add("reload.applied", changed=changed)
         log.info("service.reload.applied", changed=changed)
