@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -131,6 +132,26 @@ def test_watch_streams_transitions_and_metrics_scrape(runtime_dir: Path) -> None
         assert build.labels["version"]
         requests = families["timeshare_control_requests"].samples
         assert any(s.labels.get("method") == "status" and s.value >= 1 for s in requests)
+        assert daemon.stop() == 0
+    assert_daemon_left_nothing(runtime_dir)
+
+
+@pytest.mark.skipif(shutil.which("socat") is None, reason="socat is not installed")
+def test_plain_socat_is_a_client(runtime_dir: Path) -> None:
+    with running_daemon(runtime_dir, simulated_config(runtime_dir, steps=2)) as daemon:
+        daemon.wait_for(lambda s: s["lifecycle"] == "idle")
+        result = subprocess.run(
+            [shutil.which("socat") or "socat", "-", f"UNIX-CONNECT:{daemon.socket}"],
+            input='{"id": 1, "method": "status"}\n{"id": 2, "method": "nope"}\n',
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        status, error = (json.loads(line) for line in result.stdout.splitlines())
+        assert status["id"] == 1 and status["result"]["lifecycle"] == "idle"
+        assert status["result"]["reason"] == "completed 2 steps"
+        assert error["error"]["name"] == "UnknownMethod" and error["error"]["state"] == "idle"
         assert daemon.stop() == 0
     assert_daemon_left_nothing(runtime_dir)
 

@@ -162,6 +162,9 @@ def test_notifications_on_a_real_notify_socket(runtime_dir: Path) -> None:
         with running_daemon(runtime_dir, simulated_config(runtime_dir), env) as daemon:
             ready = notify.wait_for("READY")
             assert ready["READY"] == "1" and ready["STATUS"].startswith("running")
+            sent = [m for _, m in notify.messages]
+            startup = sent[: sent.index(ready)]
+            assert any(int(m.get("EXTEND_TIMEOUT_USEC", 0)) > 0 for m in startup)
             daemon.wait_for(lambda s: (s["step"] or 0) >= 3)
             # The workers never see systemd's variables.
             environments = worker_environments(daemon)
@@ -186,8 +189,11 @@ def test_notifications_on_a_real_notify_socket(runtime_dir: Path) -> None:
 
             assert daemon.stop() == 0
         notify.drain()
-        stopping = [m for m in [m for _, m in notify.messages] if "STOPPING" in m]
+        sent = [m for _, m in notify.messages]
+        stopping = [m for m in sent if "STOPPING" in m]
         assert len(stopping) == 1 and stopping[0]["STOPPING"] == "1"
+        after_stop = sent[sent.index(stopping[0]) :]
+        assert any("EXTEND_TIMEOUT_USEC" in m for m in after_stop)  # the drain is extended
         assert sum(1 for _, m in notify.messages if m.get("READY") == "1") == 2  # start, reload
     finally:
         notify.close()

@@ -184,14 +184,11 @@ async def _drain_deadline(service: Service) -> None:
 async def _extend_timeouts(service: Service) -> None:
     """systemd's start and stop timeouts must not end a long start-up or a drain."""
     while True:
-        if (
-            not service.ready_sent and service.lifecycle == "starting"
-        ) or service.shown_lifecycle in (
-            "draining",
-            "stopping",
-        ):
+        starting = not service.ready_sent and service.lifecycle == "starting"
+        if starting or service.shown_lifecycle in ("draining", "stopping"):
             service.notifier.extend_timeout(2 * EXTEND_EVERY_S)
-        await anyio.sleep(EXTEND_EVERY_S)
+        with anyio.move_on_after(EXTEND_EVERY_S):
+            await service.wait_changed()  # a drain that starts is extended at once
 
 
 async def _watchdog(service: Service, every_s: float) -> None:

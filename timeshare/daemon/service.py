@@ -170,7 +170,7 @@ class Service:
             if not self.ready_sent:  # nothing to start: up and answering is ready
                 self.ready_sent = True
                 self.notifier.ready(self._status_line())
-            await self._wait_changed()
+            await self.wait_changed()
 
     def _steps_remain(self) -> bool:
         return self.committed_step is None or self.committed_step < self.config.job.steps
@@ -445,13 +445,13 @@ class Service:
             while self.shown_lifecycle not in states:
                 if self.shown_lifecycle in {"failed", "idle"} - states:
                     raise NotRunning(f"{request}: the cycle ended ({self.shown_lifecycle})")
-                await self._wait_changed()
+                await self.wait_changed()
             return
         raise WaitTimedOut(f"{request} did not take effect within {timeout_s:g} s")
 
     async def wait_exit_requested(self) -> None:
         while not self.exit_requested:
-            await self._wait_changed()
+            await self.wait_changed()
 
     # -- keeping everyone told ---------------------------------------------------------------------
 
@@ -486,7 +486,8 @@ class Service:
         self._changed.set()
         self._changed = anyio.Event()
 
-    async def _wait_changed(self) -> None:
+    async def wait_changed(self) -> None:
+        """Until the next transition, lifecycle change or request."""
         await self._changed.wait()
 
     def _journal_add(self, kind: str, **fields: Any) -> None:
