@@ -55,12 +55,13 @@ def configure(
     else:
         sink = sys.stderr
         tty = sink.isatty()
+        journal = _is_journal(sink)  # workers of a service under systemd write JSON too
         renderer = (
-            structlog.dev.ConsoleRenderer(colors=False)
-            if tty or not service
-            else structlog.processors.JSONRenderer()
+            structlog.processors.JSONRenderer()
+            if not tty and (service or journal)
+            else structlog.dev.ConsoleRenderer(colors=False)
         )
-        if _is_journal(sink):
+        if journal:
             renderer = _with_priority(renderer)
         threshold = level if service else stderr_level
     structlog.configure(

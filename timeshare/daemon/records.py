@@ -2,7 +2,8 @@
 
     progress.json   committed step, weight version, the last step's timings: rewritten
                     atomically (temporary file, fsync, rename, fsync of the directory)
-    journal.jsonl   one JSON line per transition and per operator command, appended; a line
+    journal.jsonl   one JSON line per transition and per operator command, appended (and
+                    rotated once past 64 MiB into journal.jsonl.1); a line
                     is written with one write(2) on an O_APPEND descriptor, so a crash leaves
                     whole lines (at most the last one missing)
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import msgspec
 
 PROGRESS_FILE = "progress.json"
 JOURNAL_FILE = "journal.jsonl"
+JOURNAL_MAX_BYTES = 64 << 20
 
 
 def write_atomically(path: Path, data: bytes) -> None:
@@ -51,15 +54,31 @@ def write_progress(state_dir: Path, progress: dict[str, Any]) -> None:
 
 
 class Journal:
-    """The append-only record of every transition. Blocking: call it from a worker thread."""
+    """The append-only record of every transition. Blocking: call it from a worker thread.
 
-    def __init__(self, state_dir: Path) -> None:
+    A service runs for days: past `max_bytes` the file becomes `journal.jsonl.1` (replacing the
+    one before) and a new one starts, so the journal keeps between one and two files' worth.
+    """
+
+    def __init__(self, state_dir: Path, max_bytes: int = JOURNAL_MAX_BYTES) -> None:
         self.path = state_dir / JOURNAL_FILE
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        self.max_bytes = max_bytes
+        self._fd = self._open()
+
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
 
     def append(self, entries: list[dict[str, Any]]) -> None:
         lines = b"".join(msgspec.json.encode(e) + b"\n" for e in entries)
+        if os.fstat(self._fd).st_size + len(lines) > self.max_bytes:
+            self._rotate()
         os.write(self._fd, lines)
+
+    def _rotate(self) -> None:
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self.path.replace(self.path.with_name(f"{JOURNAL_FILE}.1"))
+        self._fd = self._open()
 
     def sync(self) -> None:
         os.fsync(self._fd)
@@ -73,12 +92,12 @@ def journal_entry(kind: str, **fields: Any) -> dict[str, Any]:
 
 
 def read_journal(state_dir: Path) -> list[dict[str, Any]]:
-    """Every whole line of the journal (a torn last line from a crash is skipped)."""
+    """Every whole line of the journal, oldest first (a line torn by a crash is skipped)."""
     entries = []
-    try:
-        text = (state_dir / JOURNAL_FILE).read_bytes()
-    except FileNotFoundError:
-        return []
+    text = b""
+    for name in (f"{JOURNAL_FILE}.1", JOURNAL_FILE):  # the rotated part first
+        with suppress(FileNotFoundError):
+            text += (state_dir / name).read_bytes()
     for line in text.splitlines():
         try:
             entries.append(msgspec.json.decode(line))

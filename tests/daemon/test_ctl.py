@@ -1,0 +1,50 @@
+"""`timesharectl` without a daemon, and its status table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from timeshare.daemon.ctl import status_table
+
+
+def test_no_daemon_is_exit_2_naming_the_socket(tmp_path: Path) -> None:
+    missing = tmp_path / "none.sock"
+    result = subprocess.run(
+        [sys.executable, "-m", "timeshare.daemon.ctl", "--socket", str(missing), "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert f"cannot connect to {missing}" in result.stderr
+
+
+def test_the_status_table_shows_what_an_operator_asks_first() -> None:
+    table = status_table(
+        {
+            "lifecycle": "running",
+            "step": 12,
+            "steps": 30,
+            "committed_step": 11,
+            "weight_version": 11,
+            "phases": ["sync", "offload"],
+            "uptime_s": 3723.5,
+            "engine": "torch_ref",
+            "ranks": 2,
+            "last_step": {
+                "step": 11,
+                "phases": {"train": 0.31, "sync": 0.0123},
+                "sync_gbps": 0.25,
+                "reward_mean": 0.5,
+            },
+            "metrics_port": 9464,
+            "pid": 42,
+        }
+    )
+    assert "running" in table and "12 of 30" in table and "1h 02m 03s" in table
+    assert "sync, offload" in table and "train 310.0 ms  sync 12.3 ms" in table
+    assert "0.250 GB/s" in table and "http://127.0.0.1:9464/metrics" in table
+    assert len(table.splitlines()) == 12
