@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import psutil
@@ -24,9 +25,9 @@ drain_s = 60.0
 """
 
 
-def tiny_service_config(root: Path, steps: int) -> Path:
+def tiny_service_config(root: Path, steps: int, extra: str = "") -> Path:
     path = root / "timeshared.toml"
-    text = TINY.format(root=root, steps=steps, extra=DAEMON.format(root=root))
+    text = TINY.format(root=root, steps=steps, extra=DAEMON.format(root=root) + extra)
     path.write_text(text.replace(f'file = "{root}/log.jsonl"', 'file = "log.jsonl"'))
     return path
 
@@ -103,3 +104,43 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.mark.parametrize(
+    ("role", "phase", "resumes_at"),
+    [
+        ("trainer", "train", 2),  # step 3 was never committed: it runs again, from step 2
+        ("trainer", "sync", 3),  # committed, weights mid-transfer (staging live)
+        ("rollout", "rollout", 3),  # engines awake, KV cache held
+    ],
+)
+def test_killed_in_a_phase_and_restarted(
+    runtime_dir: Path, role: str, phase: str, resumes_at: int
+) -> None:
+    hang = f'[[faults]]\nrole = "{role}"\nrank = 0\nphase = "{phase}"\nkind = "hang"\nstep = 3\n'
+    first = spawn_daemon(runtime_dir, tiny_service_config(runtime_dir, steps=5, extra=hang))
+    try:
+        first.wait_for(lambda s: s["step"] == 3 and phase in s["phases"], timeout=120)
+        time.sleep(0.5)  # in the phase, hung there
+        assert phase in first.status()["phases"]
+        orphans = [p.pid for p in processes_of(runtime_dir) if p.pid != first.process.pid]
+        os.kill(first.process.pid, signal.SIGKILL)
+        first.process.wait(timeout=10)
+    finally:
+        reap_if_alive(first)
+
+    second = spawn_daemon(runtime_dir, tiny_service_config(runtime_dir, steps=5))
+    try:
+        done = second.wait_for(lambda s: s["lifecycle"] == "idle", timeout=120)
+        assert not any(_alive(pid) for pid in orphans)
+        assert done["committed_step"] == 5 and done["reason"] == "completed 5 steps"
+        assert second.stop() == 0
+    finally:
+        reap(second)
+    journal = read_journal(runtime_dir / "state")
+    assert [e["step"] for e in journal if e["kind"] == "bootstrapped"] == [0, resumes_at]
+    steps = [e["step"] for e in committed(runtime_dir)]
+    assert steps == [1, 2, 3, 4, 5]  # each once, across both daemons
+    versions = [e["version"] for e in journal if e["kind"] == "weights.synced"]
+    assert versions == sorted(versions) and versions[-1] == 5
+    assert_daemon_left_nothing(runtime_dir)
