@@ -128,7 +128,7 @@ async def _serve(
         state_dir=str(service.paths.state_dir),
         socket=str(service.paths.socket),
         socket_activated=activated,
-        committed_step=service.committed_step,
+        committed_step=service.progress.committed_step,
     )
     service.store = await anyio.to_thread.run_sync(JobStore.host)
     metrics_server: MetricsServer | None = None
@@ -140,7 +140,7 @@ async def _serve(
     server = ControlServer(service, config.daemon)
     try:
         async with anyio.create_task_group() as group:
-            group.start_soon(service.write_records)
+            group.start_soon(service.records.run)
             group.start_soon(server.serve, control)
             group.start_soon(_signals, service)
             group.start_soon(_extend_timeouts, service)
@@ -154,7 +154,7 @@ async def _serve(
     finally:
         with anyio.CancelScope(shield=True):
             service.notifier.stopping(f"stopped: {service.reason or 'requested'}")
-            await service.close_records()
+            await service.records.close()
             if metrics_server is not None:
                 await anyio.to_thread.run_sync(metrics_server.close)
     log.info("service.stop", exit_code=service.exit_code, reason=service.reason)

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 
 PROGRESS_FILE = "progress.json"
@@ -104,3 +106,53 @@ def read_journal(state_dir: Path) -> list[dict[str, Any]]:
         except msgspec.DecodeError:
             continue
     return entries
+
+
+class RecordWriter:
+    """Journal lines and progress.json, written off the event loop as they come.
+
+    `add` and `progress_changed` only queue (they are called between phases); `run` writes
+    in a worker thread; `flush` writes what is queued now, and is shielded: a batch taken off
+    the queue is written even while the daemon exits.
+    """
+
+    def __init__(self, state_dir: Path, progress: Callable[[], dict[str, Any]]) -> None:
+        self.state_dir = state_dir
+        self.journal = Journal(state_dir)
+        self.progress = progress
+        self._pending: list[dict[str, Any]] = []
+        self._progress_dirty = False
+        self._wake = anyio.Event()
+        self._writing = anyio.Lock()
+
+    def add(self, *entries: dict[str, Any]) -> None:
+        self._pending.extend(entries)
+        self._wake.set()
+
+    def progress_changed(self) -> None:
+        self._progress_dirty = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake = anyio.Event()
+            await self.flush()
+
+    async def flush(self) -> None:
+        with anyio.CancelScope(shield=True):
+            async with self._writing:  # the writer task and an explicit flush: one at a time
+                pending, self._pending = self._pending, []
+                if pending:
+                    await anyio.to_thread.run_sync(self.journal.append, pending)
+                if self._progress_dirty:
+                    self._progress_dirty = False
+                    progress = {**self.progress(), "written": time.time()}
+                    await anyio.to_thread.run_sync(write_progress, self.state_dir, progress)
+
+    async def close(self) -> None:
+        self._progress_dirty = True
+        await self.flush()
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self.journal.sync)
+        self.journal.close()

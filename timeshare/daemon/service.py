@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,8 @@ from timeshare import logs
 from timeshare.config import Config, LoadedConfig, flat, load_config
 from timeshare.daemon.driver import BootstrapRecord, CycleHooks, PhaseRecord, run_cycle
 from timeshare.daemon.metrics import Metrics
-from timeshare.daemon.records import Journal, journal_entry, read_progress, write_progress
+from timeshare.daemon.progress import JobProgress
+from timeshare.daemon.records import RecordWriter, journal_entry, read_progress
 from timeshare.daemon.systemd import Notifier
 from timeshare.errors import ConfigError, CycleFailed
 from timeshare.protocols.control import (
@@ -44,7 +45,7 @@ from timeshare.protocols.control import (
     WaitTimedOut,
 )
 from timeshare.protocols.store import JobStore
-from timeshare.state import JobState, Lifecycle, Phase
+from timeshare.state import JobState, Lifecycle
 
 log = structlog.get_logger(__name__)
 
@@ -62,24 +63,6 @@ class ServicePaths:
     socket: Path
 
 
-@dataclass
-class StepFigures:
-    """One step as it completes: the slowest rank's time per phase, the sync, the reward."""
-
-    phases: dict[str, float] = field(default_factory=dict)
-    rollouts_done: int = 0
-    trains_done: int = 0
-    syncs_done: int = 0
-    sync_bytes: int = 0
-    sync_s: float = 0.0
-    rewards: list[float] = field(default_factory=list)
-
-    def summary(self, step: int) -> dict[str, Any]:
-        gbps = self.sync_bytes / self.sync_s / 1e9 if self.sync_s > 0 else None
-        reward = sum(self.rewards) / len(self.rewards) if self.rewards else None
-        return {"step": step, "phases": self.phases, "sync_gbps": gbps, "reward_mean": reward}
-
-
 class Service:
     def __init__(
         self,
@@ -95,10 +78,9 @@ class Service:
         self.paths = paths
         self.notifier = notifier
         self.metrics = metrics
-        progress = read_progress(paths.state_dir)
-        self.committed_step: int | None = progress.get("committed_step")
-        self.weight_version: int | None = progress.get("weight_version")
-        self.last_step: dict[str, Any] | None = progress.get("last_step")
+        saved = read_progress(paths.state_dir)
+        self.progress = JobProgress(config.job.ranks, metrics, saved)
+        self.records = RecordWriter(paths.state_dir, self.progress.snapshot)
         self.lifecycle = "starting"
         self.job: JobState | None = None
         self.reason: str | None = None
@@ -114,12 +96,6 @@ class Service:
         self._cycle_scope: anyio.CancelScope | None = None
         self._changed = anyio.Event()
         self._watchers: set[MemoryObjectSendStream[dict[str, Any]]] = set()
-        self._steps: dict[int, StepFigures] = {}
-        self._journal = Journal(paths.state_dir)
-        self._journal_pending: list[dict[str, Any]] = []
-        self._progress_dirty = False
-        self._records_wake = anyio.Event()
-        self._flushing = anyio.Lock()
 
     # -- what status shows -----------------------------------------------------------------------
 
@@ -128,11 +104,11 @@ class Service:
         return {
             "lifecycle": self.shown_lifecycle,
             "phases": [p.value for p in job.phases] if job and self.cycle_active else [],
-            "step": job.step if job else self.committed_step,
+            "step": job.step if job else self.progress.committed_step,
             "steps": self.config.job.steps,
-            "committed_step": self.committed_step,
-            "weight_version": self.weight_version,
-            "last_step": self.last_step,
+            "committed_step": self.progress.committed_step,
+            "weight_version": self.progress.weight_version,
+            "last_step": self.progress.last_step,
             "reason": self.reason,
             "uptime_s": round(time.monotonic() - self.started, 3),
             "pid": os.getpid(),
@@ -163,7 +139,7 @@ class Service:
             if self.want_cycle and self._steps_remain():
                 self.want_cycle = False
                 await self._run_cycle()
-                await self.flush_records()  # what the cycle did is on disk before it says idle
+                await self.records.flush()  # what the cycle did is on disk before it says idle
                 continue
             self.want_cycle = False
             self._set_lifecycle("idle")
@@ -173,7 +149,10 @@ class Service:
             await self.wait_changed()
 
     def _steps_remain(self) -> bool:
-        return self.committed_step is None or self.committed_step < self.config.job.steps
+        return (
+            self.progress.committed_step is None
+            or self.progress.committed_step < self.config.job.steps
+        )
 
     async def _run_cycle(self) -> None:
         assert self.store is not None
@@ -202,7 +181,7 @@ class Service:
             self._fail(failed)
         finally:
             self._cycle_scope = None
-            self._steps.clear()
+            self.progress.cycle_ended()
 
     def _fail(self, failed: CycleFailed) -> None:
         kind = type(failed.cause).__name__
@@ -243,68 +222,19 @@ class Service:
             phases=[p.value for p in state.phases],
             reason=state.reason,
         )
-        self._journal_add_entry(entry)
+        self.records.add(entry)
         self._publish(entry)
 
     async def _observe(self, record: PhaseRecord | BootstrapRecord) -> None:
         """Every phase that ended well (awaited by the driver: only in-memory work here)."""
         self.last_progress = time.monotonic()
-        ranks = self.config.job.ranks
         if isinstance(record, BootstrapRecord):
-            if record.rank == 0:
-                self.committed_step = record.step if record.step > 0 else self.committed_step
-                if self.committed_step is not None:
-                    self.metrics.committed_step.set(self.committed_step)
-                self._journal_add("bootstrapped", step=record.step)
-            return
-        self.metrics.phase_ended(record.phase, record.seconds)
-        figures = self._steps.setdefault(record.step, StepFigures())
-        name = record.phase.value
-        figures.phases[name] = max(figures.phases.get(name, 0.0), record.seconds)
-        if record.phase is Phase.TRAIN:
-            figures.trains_done += 1
-            if figures.trains_done == ranks and "committed" in record.results["trainer"]:
-                self.committed_step = record.step  # every rank checkpointed before answering
-                self.metrics.committed_step.set(record.step)
-                self._progress_dirty = True
-                self._journal_add("step.committed", step=record.step)
-        elif record.phase is Phase.SYNC:
-            self._synced(figures, record, ranks)
-        elif record.phase is Phase.ROLLOUT:
-            reward = record.results["rollout"].get("reward_mean")
-            if reward is not None:
-                figures.rewards.append(float(reward))
-            figures.rollouts_done += 1
-            if figures.rollouts_done == ranks:
-                self._step_done(record.step, self._steps.pop(record.step))
-
-    def _synced(self, figures: StepFigures, record: PhaseRecord, ranks: int) -> None:
-        sent = record.results["trainer"]
-        nbytes, seconds = int(sent.get("bytes", 0)), float(sent.get("seconds", 0.0))
-        version = int(sent.get("version", record.step))
-        figures.sync_bytes += nbytes
-        figures.sync_s = max(figures.sync_s, seconds)
-        figures.syncs_done += 1
-        self.metrics.synced(nbytes, seconds, int(sent.get("buckets", 0)), version)
-        if figures.syncs_done == ranks:
-            self.weight_version = version
-            self._progress_dirty = True
-            self._journal_add("weights.synced", step=record.step, version=version)
-
-    def _step_done(self, step: int, figures: StepFigures) -> None:
-        self.last_step = figures.summary(step)
-        self._progress_dirty = True
-        self._records_wake.set()
-        gbps, reward = self.last_step["sync_gbps"], self.last_step["reward_mean"]
-        log.info(  # the one summary line per cycle
-            "cycle.step.done",
-            step=step,
-            committed_step=self.committed_step,
-            weight_version=self.weight_version,
-            reward_mean=None if reward is None else round(reward, 4),
-            sync_gbps=None if gbps is None else round(gbps, 4),
-            **{f"{p}_s": round(s, 4) for p, s in figures.phases.items()},
-        )
+            entries = self.progress.bootstrapped(record.step) if record.rank == 0 else []
+        else:
+            entries = self.progress.phase_ended(record)
+        if entries:
+            self.records.add(*entries)
+            self.records.progress_changed()
 
     # -- operator commands -----------------------------------------------------------------------
 
@@ -461,13 +391,13 @@ class Service:
             self.metrics.lifecycle.state(lifecycle)
             if announce:
                 entry = journal_entry("lifecycle", lifecycle=lifecycle, reason=self.reason)
-                self._journal_add_entry(entry)
+                self.records.add(entry)
                 self._publish(entry)
                 self.notifier.status(self._status_line())
         self._wake()
 
     def _status_line(self) -> str:
-        step = self.job.step if self.job else self.committed_step
+        step = self.job.step if self.job else self.progress.committed_step
         phases = ",".join(p.value for p in self.job.phases) if self.job else "-"
         return f"{self.shown_lifecycle} step {step} phases {phases}"
 
@@ -491,44 +421,7 @@ class Service:
         await self._changed.wait()
 
     def _journal_add(self, kind: str, **fields: Any) -> None:
-        self._journal_add_entry(journal_entry(kind, **fields))
-
-    def _journal_add_entry(self, entry: dict[str, Any]) -> None:
-        self._journal_pending.append(entry)
-        self._records_wake.set()
-
-    async def write_records(self) -> None:
-        """Journal lines and the progress file, written off the event loop as they come."""
-        while True:
-            await self._records_wake.wait()
-            self._records_wake = anyio.Event()
-            await self.flush_records()
-
-    async def flush_records(self) -> None:
-        # Shielded: a batch taken off the queue is written even when the daemon is exiting.
-        with anyio.CancelScope(shield=True):
-            async with self._flushing:  # the writer task and an explicit flush: one at a time
-                await self._flush_records()
-
-    async def _flush_records(self) -> None:
-        pending, self._journal_pending = self._journal_pending, []
-        if pending:
-            await anyio.to_thread.run_sync(self._journal.append, pending)
-        if self._progress_dirty:
-            self._progress_dirty = False
-            progress = {
-                "committed_step": self.committed_step,
-                "weight_version": self.weight_version,
-                "last_step": self.last_step,
-                "written": time.time(),
-            }
-            await anyio.to_thread.run_sync(write_progress, self.paths.state_dir, progress)
-
-    async def close_records(self) -> None:
-        self._progress_dirty = True
-        await self.flush_records()
-        await anyio.to_thread.run_sync(self._journal.sync)
-        self._journal.close()
+        self.records.add(journal_entry(kind, **fields))
 
     async def measure_loop_lag(self) -> None:
         """How late the event loop wakes a sleeper: what every control request waits at worst."""
