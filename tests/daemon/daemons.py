@@ -45,6 +45,7 @@ kind = "simulated"
 state_dir = "{root}/state"
 metrics_port = 0
 max_request_bytes = 4096
+max_clients = 8
 drain_s = 60.0
 {extra}
 """

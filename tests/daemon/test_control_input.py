@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,22 @@ def test_reload_applies_live_keys_refuses_the_rest_and_survives_a_broken_file(
         assert nested.returncode == 1 and "must be shorter than deadlines.phase_s" in nested.stderr
         step = daemon.status()["step"]
         daemon.wait_for(lambda s: s["lifecycle"] == "running" and s["step"] > step)
+
+        # Clients beyond [daemon].max_clients are told so and closed; the others are served.
+        held = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(8)]
+        try:
+            for client in held:
+                client.connect(str(daemon.socket))
+            time.sleep(0.5)  # accepted: each holds one of the 8 places
+            busy = daemon.call("status")
+            assert busy["error"]["name"] == "Busy" and "limit is 8" in busy["error"]["message"]
+        finally:
+            for client in held:
+                client.close()
+        deadline = time.monotonic() + 10
+        while "error" in daemon.call("status") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert daemon.call("status")["result"]["lifecycle"] == "running"
 
         # A lower step limit takes effect at the next cycle boundary.
         limit = daemon.status()["step"] + 3

@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import anyio
+import anyio.lowlevel
 import pytest
 
 from tests.daemon.daemons import (
@@ -23,6 +25,9 @@ from tests.daemon.daemons import (
     simulated_config,
 )
 from tests.daemon.jobs import processes_of
+from timeshare.config import load_config
+from timeshare.daemon.metrics import Metrics
+from timeshare.daemon.service import Service, ServicePaths
 from timeshare.daemon.systemd import (
     SERVICE_VARIABLES,
     Notifier,
@@ -277,3 +282,24 @@ def test_listen_fds_for_another_process_are_ignored() -> None:
         "LISTEN_PID",
         "NOTIFY_SOCKET",
     }
+
+
+def test_the_watchdog_is_fed_only_while_a_running_cycle_moves(tmp_path: Path) -> None:
+    loaded = load_config(None, environ={})
+    paths = ServicePaths(tmp_path / "c.toml", tmp_path, tmp_path / "control.sock")
+    service = Service(loaded, loaded.config, paths, notifier=Notifier(), metrics=Metrics())
+    assert service.healthy()  # no cycle yet
+    service.lifecycle = "running"
+    deadlines = loaded.config.deadlines
+
+    async def in_a_cycle() -> None:
+        with anyio.CancelScope() as scope:
+            service._cycle_scope = scope  # a cycle runs
+            assert service.healthy()
+            service.last_progress -= max(deadlines.phase_s, deadlines.ready_s) + deadlines.stall_s
+            assert not service.healthy()  # no transition for longer than any deadline allows
+            service.lifecycle = "paused"
+            assert service.healthy()  # a paused job is not stuck
+            await anyio.lowlevel.checkpoint()
+
+    anyio.run(in_a_cycle)

@@ -53,7 +53,8 @@ log = structlog.get_logger(__name__)
 LIVE_KEYS = ("job.steps", "deadlines.", "log.level")
 LAG_PROBE_S = 0.01
 WATCH_BUFFER = 256  # events a watcher may fall behind by before it is dropped
-CYCLE_STATES = frozenset({"starting", "running", "paused", "draining"})
+# Lifecycles in which the cycle must keep making transitions (the watchdog's test).
+MOVING_STATES = frozenset({"starting", "running", "draining", "stopping"})
 
 
 @dataclass(frozen=True)
@@ -439,8 +440,8 @@ class Service:
 
     def healthy(self) -> bool:
         """Whether the watchdog should be fed: a cycle that runs must have moved lately."""
-        if self.shown_lifecycle not in CYCLE_STATES | {"stopping"} or not self.cycle_active:
-            return True
+        if self.shown_lifecycle not in MOVING_STATES or not self.cycle_active:
+            return True  # idle or paused: nothing is supposed to move
         deadlines = self.config.deadlines
         longest = max([deadlines.phase_s, deadlines.ready_s, *deadlines.commands.values()])
         return time.monotonic() - self.last_progress < longest + deadlines.stall_s
