@@ -64,8 +64,12 @@ def test_operate_the_daemon_with_timesharectl(runtime_dir: Path) -> None:
         daemon.wait_for(lambda s: s["lifecycle"] == "running" and s["step"] > status["step"])
         assert daemon.ctl("resume").returncode == 0  # resuming a running job changes nothing
 
+        assert "sync.transfer.finalized" not in daemon.log_text()  # a trainer's debug event
         level = daemon.ctl("log-level", "debug")
         assert level.returncode == 0 and daemon.status()["log_level"] == "debug"
+        step = daemon.status()["step"]
+        daemon.wait_for(lambda s: s["step"] >= step + 2)
+        assert "sync.transfer.finalized" in daemon.log_text()  # the workers' level changed too
 
         # One summary line per step, with its figures.
         done = [e for e in daemon.events() if e.get("event") == "cycle.step.done"]

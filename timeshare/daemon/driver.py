@@ -52,7 +52,8 @@ log = structlog.get_logger(__name__)
 
 ROLES = ("trainer", "rollout")
 COMMAND_POLL_S = 0.05
-COMMAND_READ_S = 5.0  # a command's generation is taken before its value is written
+COMMAND_READ_S = 5.0
+LOG_LEVEL_TIMEOUT_S = 5.0  # a command's generation is taken before its value is written
 
 
 @dataclass(frozen=True)
@@ -221,7 +222,7 @@ async def _drive(
         _tell(hooks, state)
         await _record(store, state)
         _start(job, group, outcome.start, state.step)
-        group.start_soon(_watch_commands, store, send, commands_seen)
+        group.start_soon(_watch_commands, store, send, commands_seen, lanes, workers)
         while state.lifecycle is not Lifecycle.STOPPED:
             if state.lifecycle is Lifecycle.DRAINING and job.in_flight == 0:
                 state = advance(state, Drained()).state
@@ -287,9 +288,14 @@ async def _open_barriers(config: Config, store: JobStore) -> list[Barrier]:
 
 
 async def _watch_commands(
-    store: JobStore, events: MemoryObjectSendStream[Event | CycleFailed], applied: int
+    store: JobStore,
+    events: MemoryObjectSendStream[Event | CycleFailed],
+    applied: int,
+    lanes: WorkerLanes,
+    workers: list[WorkerId],
 ) -> None:
-    """Feed every command written to the job store (pause, resume, drain, stop) to the machine.
+    """Feed every command written to the job store (pause, resume, drain, stop, steps) to the
+    machine; pass a log level to every worker.
 
     Commands carry generations, so every node applies each one once, in order; one that names
     no request is logged and skipped.
@@ -300,6 +306,9 @@ async def _watch_commands(
             command = await anyio.to_thread.run_sync(
                 partial(store.command, generation, timeout_s=COMMAND_READ_S)
             )
+            if command.get("command") == "log_level":
+                await _set_workers_log_level(lanes, workers, command.get("params", {}))
+                continue
             event = _command_event(command)
             if event is None:
                 log.warning("cycle.command.unknown", generation=generation, command=command)
@@ -320,6 +329,17 @@ def _command_event(command: dict[str, Any]) -> Event | None:
         return Requested(Request(name))
     except ValueError:
         return None
+
+
+async def _set_workers_log_level(
+    lanes: WorkerLanes, workers: list[WorkerId], params: dict[str, Any]
+) -> None:
+    """Over the control lanes, answered while work runs; a worker that misses it is logged."""
+    for worker in workers:
+        try:
+            await lanes.control(worker, "log_level", params, timeout_s=LOG_LEVEL_TIMEOUT_S)
+        except TimeshareError as exc:
+            log.warning("cycle.log_level.missed", worker=str(worker), error=str(exc))
 
 
 def _tell(hooks: CycleHooks, state: JobState) -> None:

@@ -320,14 +320,19 @@ class Service:
         self.loaded = loaded
         if new.log.level != running.log.level:
             logs.set_level(new.log.level)
+            if self.cycle_active:
+                await self._command("log_level", level=new.log.level)
         if new.job.steps != running.job.steps and self.cycle_active:
             await self._command("steps", steps=new.job.steps)
         self._journal_add("reload.applied", changed=changed)
         log.info("service.reload.applied", changed=changed)
         return changed
 
-    def set_log_level(self, params: LogLevelParams) -> dict[str, Any]:
+    async def set_log_level(self, params: LogLevelParams) -> dict[str, Any]:
+        """The daemon's level at once; its workers' through the job store (all nodes)."""
         logs.set_level(params.level)
+        if self.cycle_active:
+            await self._command("log_level", level=params.level)
         self.config = msgspec.structs.replace(
             self.config, log=msgspec.structs.replace(self.config.log, level=params.level)
         )

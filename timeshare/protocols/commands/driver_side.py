@@ -167,7 +167,7 @@ class WorkerLanes:
         *,
         timeout_s: float,
     ) -> Any:
-        """`status` or `abort` on the control lane, answered while work runs."""
+        """`status`, `abort` or `log_level` on the control lane, answered while work runs."""
         return await self._call("control", worker, command, params or {}, timeout_s)
 
     async def _call(

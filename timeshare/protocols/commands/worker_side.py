@@ -25,6 +25,7 @@ from typing import Any, TypeAlias
 import structlog
 import zmq
 
+from timeshare import logs
 from timeshare.errors import ProtocolError
 from timeshare.protocols.commands import frames
 
@@ -174,6 +175,9 @@ class WorkerServer:
             reply: frames.Result | frames.Failure = frames.Result(call.id, self._abort())
         elif call.command == "status":
             reply = frames.Result(call.id, self._status())
+        elif call.command == "log_level" and call.params.get("level") in logs.LEVELS:
+            logs.set_level(call.params["level"])  # the operator's, while work runs
+            reply = frames.Result(call.id, call.params["level"])
         else:
             reply = frames.failure(call.id, UnknownCommand(f"no control command {call.command!r}"))
         control.send(frames.encode(reply))
