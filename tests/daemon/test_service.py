@@ -129,7 +129,9 @@ def test_watch_streams_transitions_and_metrics_scrape(runtime_dir: Path) -> None
         assert states["running"] == 1.0 and sum(states.values()) == 1.0
         assert next(iter(families["timeshare_sync_bytes"].samples)).value > 0
         assert next(iter(families["timeshare_sync_gbps"].samples)).value > 0
-        assert "timeshare_sync_bucket_ack_seconds" in families
+        acks = {s.name: s.value for s in families["timeshare_sync_ack_seconds"].samples}
+        assert acks["timeshare_sync_ack_seconds_count"] >= 2  # one per bucket of every SYNC
+        assert 0 < acks["timeshare_sync_ack_seconds_sum"] < 60
         assert "timeshare_committed_step" in families and "timeshare_weight_version" in families
         assert "timeshare_failures" in families and "timeshare_timeouts" in families
         build = next(iter(families["timeshare_build_info"].samples))

@@ -61,9 +61,9 @@ class Metrics:
             "timeshare_sync_bytes", "Weight bytes moved trainer to rollout", registry=r
         )
         self.sync_gbps = Gauge("timeshare_sync_gbps", "Rate of the last SYNC (GB/s)", registry=r)
-        self.bucket_seconds = Histogram(
-            "timeshare_sync_bucket_ack_seconds",
-            "Per bucket of a SYNC: its transfer time up to its ACK (transfer seconds / buckets)",
+        self.ack_seconds = Histogram(
+            "timeshare_sync_ack_seconds",
+            "Per bucket of a SYNC: from sending its header to the receiver's ACK",
             buckets=PHASE_BUCKETS,
             registry=r,
         )
@@ -97,12 +97,12 @@ class Metrics:
     def phase_ended(self, phase: Phase, seconds: float) -> None:
         self.phase_seconds.labels(phase.value).observe(seconds)
 
-    def synced(self, nbytes: int, seconds: float, buckets: int, version: int) -> None:
+    def synced(self, nbytes: int, seconds: float, acks: list[float], version: int) -> None:
         self.sync_bytes.inc(nbytes)
         if seconds > 0:
             self.sync_gbps.set(nbytes / seconds / 1e9)
-        if buckets > 0:
-            self.bucket_seconds.observe(seconds / buckets)
+        for ack in acks:
+            self.ack_seconds.observe(ack)
         self.weight_version.set(version)
 
     def failed(self, kind: str) -> None:

@@ -87,7 +87,8 @@ class JobProgress:
         figures.sync_bytes += nbytes
         figures.sync_s = max(figures.sync_s, seconds)
         version = int(sent.get("version", record.step))
-        self.metrics.synced(nbytes, seconds, int(sent.get("buckets", 0)), version)
+        acks = [float(a) for a in sent.get("ack_s", [])]
+        self.metrics.synced(nbytes, seconds, acks, version)
 
     def _every_rank_finished(
         self, record: PhaseRecord, figures: StepFigures

@@ -105,6 +105,7 @@ def transfer_result(report: TransferReport) -> dict[str, Any]:
         "buckets": report.buckets,
         "seconds": report.seconds,
         "checksummed": report.checksummed,
+        "ack_s": list(report.ack_seconds),
     }
 
 

@@ -46,6 +46,8 @@ async def test_every_dtype_and_shape_arrives_bit_identical(
                 assert report.bytes == sum(t.numel() * t.element_size() for t in weights.values())
                 assert report.buckets > report.bytes // (256 * 1024)  # big tensors were split
                 assert report.checksummed == (report.buckets if checksum else 0)
+                assert len(report.ack_seconds) == report.buckets  # every bucket's ACK timed
+                assert all(0 < ack <= report.seconds for ack in report.ack_seconds)
                 assert sender.staging_buffers == depth
                 event = peer.next_event()
                 assert event["event"] == "received", event

@@ -70,7 +70,7 @@ class TransferReport:
     """What one transfer moved and how fast (seconds from the first bucket to FINALIZED).
 
     `checksummed`: buckets that carried a crc32 (the sender) or whose crc32 was checked (the
-    receiver).
+    receiver). `ack_seconds` (the sender): for each bucket, from sending its header to its ACK.
     """
 
     version: int
@@ -79,6 +79,7 @@ class TransferReport:
     buckets: int
     seconds: float
     checksummed: int = 0
+    ack_seconds: tuple[float, ...] = ()
 
     @property
     def gbps(self) -> float:

@@ -57,6 +57,7 @@ class InFlight(NamedTuple):
     seq: int
     buffer: int
     bucket: int
+    sent: float  # time.perf_counter() as its header went out
 
 
 class WeightSender:
@@ -69,6 +70,7 @@ class WeightSender:
         self._seq = 0
         self._staging: Staging | None = None
         self._checksummed = 0  # buckets of the current transfer that carry a crc32
+        self._ack_seconds: list[float] = []  # the current transfer's, bucket by bucket
         self._busy = False
         self._closed_because: str | None = None
         self.endpoint.prepare_bind()
@@ -145,6 +147,7 @@ class WeightSender:
         in_flight: InFlight | None = None  # the header awaiting its ACK
         index = 0
         self._checksummed = 0
+        self._ack_seconds = []
         async for name, tensor in _pairs(weights):
             for bucket in planner.add(name, tensor):
                 in_flight = await self._send_bucket(bucket, index, version, free, in_flight)
@@ -162,6 +165,7 @@ class WeightSender:
             assert in_flight is not None
             limit_s = self.config.ack_timeout_s
             await self._await_ack(in_flight.seq, version, "released", limit_s, bucket=index - 1)
+            self._ack_seconds.append(time.perf_counter() - in_flight.sent)
         else:
             if in_flight is not None:
                 await self._await_bucket_ack(in_flight, version)
@@ -175,7 +179,13 @@ class WeightSender:
         await self._request(finalize, "finalized", self.config.finalize_timeout_s)
         seconds = time.perf_counter() - started
         report = TransferReport(
-            version, planner.bytes, planner.tensors, index, seconds, self._checksummed
+            version,
+            planner.bytes,
+            planner.tensors,
+            index,
+            seconds,
+            self._checksummed,
+            tuple(self._ack_seconds),
         )
         log.debug(
             "sync.transfer.finalized",
@@ -214,7 +224,7 @@ class WeightSender:
             PROTOCOL_VERSION, self._session, version, seq, index, buffer, pieces, checksum, last
         )
         await self._send(header, "bucket", seq, bucket=index)
-        return InFlight(seq, buffer, index)
+        return InFlight(seq, buffer, index, time.perf_counter())
 
     async def _pack(self, bucket: PlannedBucket, buffer: torch.Tensor) -> int | None:
         def work() -> int | None:
@@ -279,6 +289,7 @@ class WeightSender:
         """Wait for a bucket's ACK; return its buffer, free again."""
         limit_s = self.config.ack_timeout_s
         await self._await_ack(in_flight.seq, version, "bucket", limit_s, bucket=in_flight.bucket)
+        self._ack_seconds.append(time.perf_counter() - in_flight.sent)
         return in_flight.buffer
 
     async def _await_ack(
