@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import signal
 import time
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -90,6 +92,10 @@ def test_operated_killed_and_resumed_from_the_committed_step(runtime_dir: Path) 
     assert_daemon_left_nothing(runtime_dir)
 
 
+def hung_in(phase: str, step: int, status: dict[str, Any]) -> bool:
+    return bool(status["step"] == step and phase in status["phases"])
+
+
 def committed(root: Path) -> list[dict[str, int]]:
     return [e for e in read_journal(root / "state") if e["kind"] == "step.committed"]
 
@@ -106,41 +112,48 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize(
-    ("role", "phase", "resumes_at"),
-    [
-        ("trainer", "train", 2),  # step 3 was never committed: it runs again, from step 2
-        ("trainer", "sync", 3),  # committed, weights mid-transfer (staging live)
-        ("rollout", "rollout", 3),  # engines awake, KV cache held
-    ],
-)
-def test_killed_in_a_phase_and_restarted(
-    runtime_dir: Path, role: str, phase: str, resumes_at: int
-) -> None:
-    hang = f'[[faults]]\nrole = "{role}"\nrank = 0\nphase = "{phase}"\nkind = "hang"\nstep = 3\n'
-    first = spawn_daemon(runtime_dir, tiny_service_config(runtime_dir, steps=5, extra=hang))
-    try:
-        first.wait_for(lambda s: s["step"] == 3 and phase in s["phases"], timeout=120)
-        time.sleep(0.5)  # in the phase, hung there
-        assert phase in first.status()["phases"]
-        orphans = [p.pid for p in processes_of(runtime_dir) if p.pid != first.process.pid]
-        os.kill(first.process.pid, signal.SIGKILL)
-        first.process.wait(timeout=10)
-    finally:
-        reap_if_alive(first)
+# (role, phase, step) a daemon hangs in and is SIGKILLed there, and the step its successor
+# resumes at: TRAIN of step 6 was never committed, so the next daemon starts again from 5; in
+# every other phase the step's TRAIN was committed, so it resumes at that step.
+KILLS = [
+    ("trainer", "offload", 2, 2),
+    ("trainer", "barrier", 3, 3),
+    ("rollout", "resume", 4, 4),
+    ("trainer", "train", 6, 5),
+    ("trainer", "sync", 7, 7),  # weights mid-transfer: staging live
+    ("rollout", "rollout", 8, 8),  # engines awake, KV cache held
+]
 
-    second = spawn_daemon(runtime_dir, tiny_service_config(runtime_dir, steps=5))
+
+def test_killed_in_every_phase_one_daemon_after_another(runtime_dir: Path) -> None:
+    """Six daemons in turn hang in a phase and are SIGKILLed there; a seventh finishes."""
+    for role, phase, step, _ in KILLS:
+        hang = f'[[faults]]\nrole = "{role}"\nrank = 1\nphase = "{phase}"\nkind = "hang"\n'
+        config = tiny_service_config(runtime_dir, steps=9, extra=f"{hang}step = {step}\n")
+        daemon = spawn_daemon(runtime_dir, config)
+        try:
+            daemon.wait_for(partial(hung_in, phase, step), timeout=120)
+            time.sleep(0.5)
+            assert phase in daemon.status()["phases"]  # hung there
+            orphans = [p.pid for p in processes_of(runtime_dir) if p.pid != daemon.process.pid]
+            os.kill(daemon.process.pid, signal.SIGKILL)
+            daemon.process.wait(timeout=10)
+        finally:
+            reap_if_alive(daemon)
+
+    last = spawn_daemon(runtime_dir, tiny_service_config(runtime_dir, steps=9))
     try:
-        done = second.wait_for(lambda s: s["lifecycle"] == "idle", timeout=120)
-        assert not any(_alive(pid) for pid in orphans)
-        assert done["committed_step"] == 5 and done["reason"] == "completed 5 steps"
-        assert second.stop() == 0
+        done = last.wait_for(lambda s: s["lifecycle"] == "idle", timeout=120)
+        assert not any(_alive(pid) for pid in orphans)  # the last one's workers were reaped
+        assert done["committed_step"] == 9 and done["weight_version"] == 9
+        assert done["reason"] == "completed 9 steps"
+        assert last.stop() == 0
     finally:
-        reap(second)
+        reap(last)
     journal = read_journal(runtime_dir / "state")
-    assert [e["step"] for e in journal if e["kind"] == "bootstrapped"] == [0, resumes_at]
-    steps = [e["step"] for e in committed(runtime_dir)]
-    assert steps == [1, 2, 3, 4, 5]  # each once, across both daemons
+    resumed = [e["step"] for e in journal if e["kind"] == "bootstrapped"]
+    assert resumed == [0] + [resumes_at for *_, resumes_at in KILLS]
+    assert [e["step"] for e in committed(runtime_dir)] == list(range(1, 10))  # each once
     versions = [e["version"] for e in journal if e["kind"] == "weights.synced"]
-    assert versions == sorted(versions) and versions[-1] == 5
+    assert versions == sorted(versions) and versions[-1] == 9
     assert_daemon_left_nothing(runtime_dir)
