@@ -162,6 +162,24 @@ def test_plain_socat_is_a_client(runtime_dir: Path) -> None:
     assert_daemon_left_nothing(runtime_dir)
 
 
+def test_while_stopping_pause_and_resume_are_refused_and_stop_is_harmless(
+    runtime_dir: Path,
+) -> None:
+    config = simulated_config(runtime_dir, rollout_s=2.0)  # a drain that takes a while
+    with running_daemon(runtime_dir, config) as daemon:
+        daemon.wait_for(lambda s: (s["step"] or 0) >= 1 and "rollout" in s["phases"])
+        assert daemon.call("stop")["result"]["lifecycle"] == "stopping"
+        for request in ("pause", "resume"):
+            error = daemon.call(request)["error"]
+            assert error["name"] == "InvalidTransition" and error["state"] == "stopping"
+            assert request in error["message"]
+        assert daemon.call("stop")["result"]["lifecycle"] == "stopping"  # again: harmless
+        assert daemon.process.wait(timeout=60) == 0
+    stops = [e for e in read_journal(runtime_dir / "state") if e["kind"] == "service.stop"]
+    assert len(stops) == 1
+    assert_daemon_left_nothing(runtime_dir)
+
+
 def test_sigterm_drains_writes_progress_and_exits_0(runtime_dir: Path) -> None:
     with running_daemon(runtime_dir, simulated_config(runtime_dir)) as daemon:
         daemon.wait_for(lambda s: s["lifecycle"] == "running" and (s["step"] or 0) >= 3)
