@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -341,8 +341,9 @@ class Service:
 
     async def handle(self, call: Call) -> Any:
         """One control request (not `watch`, which the server streams)."""
-        handlers: dict[str, Callable[[], Any]] = {
-            "status": self.status,
+        if call.method == "status":
+            return self.status()
+        requests: dict[str, Callable[[], Awaitable[Any]]] = {
             "pause": lambda: self.pause(call.params),
             "resume": self.resume,
             "drain": lambda: self.drain(call.params),
@@ -350,10 +351,7 @@ class Service:
             "reload": self.reload,
             "set_log_level": lambda: self.set_log_level(call.params),
         }
-        result = handlers[call.method]()
-        if hasattr(result, "__await__"):
-            result = await result
-        return result
+        return await requests[call.method]()
 
     def subscribe(self) -> MemoryObjectReceiveStream[dict[str, Any]]:
         """A stream of every transition from now on (`watch`); the first item is the status."""
