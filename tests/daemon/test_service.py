@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -206,3 +207,23 @@ def test_a_failed_cycle_exits_1_for_systemd_to_restart(runtime_dir: Path) -> Non
     assert failed[0]["error_kind"] == "WorkerDied"
     assert any(e.get("event") == "service.cycle.failed" for e in daemon.events())
     assert_daemon_left_nothing(runtime_dir)
+
+
+def test_a_metrics_port_in_use_is_exit_2_naming_it(runtime_dir: Path) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = simulated_config(runtime_dir)
+        config.write_text(config.read_text().replace("metrics_port = 0", f"metrics_port = {port}"))
+        result = subprocess.run(
+            [sys.executable, "-m", "timeshare.daemon", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert result.returncode == 2
+    assert f"daemon.metrics_port {port}" in result.stderr and "in use" in result.stderr
+    assert_daemon_left_nothing(runtime_dir)
+    assert not (runtime_dir / "run" / "control.sock").exists()

@@ -12,7 +12,8 @@ Started by socket activation (timeshared.socket), the daemon comes up idle: a st
 starts training; `timesharectl resume` does.
 
 Signals: SIGTERM and SIGINT drain and exit (0 within [daemon].drain_s, else 1); SIGHUP reloads.
-Exit codes: 0 stopped, 1 the cycle failed or the drain overran, 2 bad config or socket in use.
+Exit codes: 0 stopped, 1 the cycle failed or the drain overran, 2 bad config, or the control
+socket or metrics port in use.
 """
 
 from __future__ import annotations
@@ -130,13 +131,18 @@ async def _serve(
         socket_activated=activated,
         committed_step=service.progress.committed_step,
     )
-    service.store = await anyio.to_thread.run_sync(JobStore.host)
     metrics_server: MetricsServer | None = None
     if config.daemon.metrics:
-        metrics_server = await anyio.to_thread.run_sync(
-            serve_metrics, service.metrics, config.daemon.metrics_port
-        )
+        try:
+            metrics_server = await anyio.to_thread.run_sync(
+                serve_metrics, service.metrics, config.daemon.metrics_port
+            )
+        except OSError as exc:
+            port = config.daemon.metrics_port
+            print(f"timeshared: daemon.metrics_port {port}: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         service.metrics_port = metrics_server.port
+    service.store = await anyio.to_thread.run_sync(JobStore.host)
     server = ControlServer(service, config.daemon)
     try:
         async with anyio.create_task_group() as group:
