@@ -52,8 +52,8 @@ log = structlog.get_logger(__name__)
 
 ROLES = ("trainer", "rollout")
 COMMAND_POLL_S = 0.05
-COMMAND_READ_S = 5.0
-LOG_LEVEL_TIMEOUT_S = 5.0  # a command's generation is taken before its value is written
+COMMAND_READ_S = 5.0  # a command's generation is taken before its value is written
+LOG_LEVEL_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -133,18 +133,15 @@ async def run_cycle(
     store: JobStore | None = None,
     *,
     fences: frozenset[Phase] = MEMORY_FENCES,
-    observer: PhaseObserver | None = None,
-    hooks: CycleHooks | None = None,
+    hooks: CycleHooks = CycleHooks(),
 ) -> RunSummary:
     """Run the job until the machine stops it; raise `CycleFailed` on the first failure.
 
-    The job store is hosted here unless the caller hosts it (`store`). `observer` is called
-    with every phase that ended well (a front end's progress and summary); `hooks` carry the
-    rest of what a service needs. `fences` is a test-only switch: the proof that each memory
-    fence matters drops one.
+    The job store is hosted here unless the caller hosts it (`store`). `hooks` are how a front
+    end watches and steers the run (`timeshare run`: an observer of finished phases; the
+    service: all of them). `fences` is a test-only switch: the proof that each memory fence
+    matters drops one.
     """
-    if hooks is None:
-        hooks = CycleHooks(observer=observer)
     runtime = Path(config.job.runtime_dir)
     await anyio.to_thread.run_sync(prepare_runtime, runtime)
     if store is None:

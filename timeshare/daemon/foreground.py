@@ -16,7 +16,13 @@ from typing import Any, TextIO
 import anyio
 
 from timeshare.config import Config
-from timeshare.daemon.driver import BootstrapRecord, PhaseRecord, RunSummary, run_cycle
+from timeshare.daemon.driver import (
+    BootstrapRecord,
+    CycleHooks,
+    PhaseRecord,
+    RunSummary,
+    run_cycle,
+)
 from timeshare.daemon.steps import StepLog, SummaryFile
 
 
@@ -92,7 +98,7 @@ async def run_foreground(config: Config, summary_path: Path | None) -> RunSummar
     try:
         async with anyio.create_task_group() as group:
             group.start_soon(_stop_on_signal)
-            result = await run_cycle(config, observer=observe)
+            result = await run_cycle(config, hooks=CycleHooks(observer=observe))
             group.cancel_scope.cancel()
     except BaseExceptionGroup as errors:
         raise _first(errors) from None  # one failure or one signal: say it plainly

@@ -23,23 +23,11 @@ from typing import Any
 import anyio
 import msgspec
 
+from timeshare.durable import write_atomically
+
 PROGRESS_FILE = "progress.json"
 JOURNAL_FILE = "journal.jsonl"
 JOURNAL_MAX_BYTES = 64 << 20
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    temporary.replace(path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def read_progress(state_dir: Path) -> dict[str, Any]:

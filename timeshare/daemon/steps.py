@@ -15,13 +15,13 @@ says `"resumed": true`), so step k still has its entry.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from timeshare.daemon.driver import BootstrapRecord, PhaseRecord
+from timeshare.durable import write_atomically
 from timeshare.state import Phase
 
 PHASES = [phase.value for phase in Phase]
@@ -143,9 +143,5 @@ class SummaryFile:
 
     def write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        with open(temporary, "w") as file:
-            json.dump({"ranks": self.ranks, "steps": self.steps}, file, indent=1)
-            file.flush()
-            os.fsync(file.fileno())
-        temporary.replace(self.path)
+        text = json.dumps({"ranks": self.ranks, "steps": self.steps}, indent=1)
+        write_atomically(self.path, text.encode())

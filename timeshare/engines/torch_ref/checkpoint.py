@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from timeshare.durable import fsync_directory
 from timeshare.errors import TimeshareError
 
 KEEP = 3
@@ -43,11 +44,11 @@ def write(rank_dir: Path, step: int, state: dict[str, Any]) -> Path:
             torch.save(state, file)
             file.flush()
             os.fsync(file.fileno())
-        _fsync_dir(temporary)
+        fsync_directory(temporary)
         if final.exists():  # a step redone after a crash: the new one replaces it whole
             shutil.rmtree(final)
         temporary.rename(final)
-        _fsync_dir(rank_dir)
+        fsync_directory(rank_dir)
     except OSError as exc:
         shutil.rmtree(temporary, ignore_errors=True)
         raise CheckpointError(f"cannot write checkpoint {final}: {exc}") from exc
@@ -99,11 +100,3 @@ def _owner_alive(name: str) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _fsync_dir(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
