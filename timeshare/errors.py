@@ -6,6 +6,8 @@ they occur, so a caller never has to know which library sat underneath.
 
 from __future__ import annotations
 
+import signal
+
 
 class TimeshareError(Exception):
     """Root of every error timeshare raises on purpose."""
@@ -65,6 +67,19 @@ class PeerClosed(TransferError):
     """Raised on a receiver waiting for a transfer when the sender closed the session."""
 
 
+class InvalidTransition(TimeshareError):
+    """Raised when an event or a request is not legal in a state machine's state.
+
+    Nothing changed. `state` and `event` are the machine's own objects: a `JobState` and an event
+    of the phase machine, or a service lifecycle and an operator request of the service's table.
+    """
+
+    def __init__(self, message: str, *, state: object, event: object) -> None:
+        super().__init__(message)
+        self.state = state
+        self.event = event
+
+
 class StoreError(TimeshareError):
     """Raised when the job store cannot be hosted or reached, or refuses an operation."""
 
@@ -83,17 +98,13 @@ class CollectiveTimeout(TimeshareError):
 
 
 class WorkerFailure(TimeshareError):
-    """Base of the errors that name a worker: its rank and role, and the command it was running.
-
-    `phase` is filled in by the driver when it knows which phase the command belonged to.
-    """
+    """Base of the errors that name a worker: its rank and role, and the command it was running."""
 
     def __init__(self, message: str, *, rank: int, role: str, command: str | None) -> None:
         super().__init__(message)
         self.rank = rank
         self.role = role
         self.command = command
-        self.phase: str | None = None
 
 
 class WorkerError(WorkerFailure):
@@ -136,6 +147,23 @@ class CommandTimeout(WorkerFailure):
     """Raised when a command did not finish within its deadline, progress or not."""
 
 
+class BadResult(WorkerFailure):
+    """Raised when a worker's answer does not decode as the result its command returns."""
+
+
+class Aborted(TimeshareError):
+    """Raised inside a worker's running call when the driver aborts it (reported as its result)."""
+
+
+class UnknownCommand(TimeshareError):
+    """Raised (and reported to the driver) for a command a worker has no handler for."""
+
+
+class MemoryHeld(TimeshareError):
+    """The cause of a `CycleFailed` when a worker still holds device memory where the cycle
+    requires it free: its trainer at BARRIER, or any worker once the job paused."""
+
+
 class CycleFailed(TimeshareError):
     """Raised by the driver when a phase failed on a rank: names rank, role and phase.
 
@@ -161,8 +189,83 @@ class CycleFailed(TimeshareError):
         self.after_s = after_s
 
 
+class SocketInUse(TimeshareError):
+    """Raised when another process already listens on the control socket's path."""
+
+
+class NoDaemon(TimeshareError):
+    """Raised by `timesharectl` when nothing answers on the socket, or the answer is not the
+    protocol."""
+
+
+class DaemonRefused(TimeshareError):
+    """Raised by `timesharectl` when the daemon answers with an error (`error`: its fields)."""
+
+    def __init__(self, error: dict[str, object]) -> None:
+        name, message, state = error.get("name"), error.get("message"), error.get("state")
+        super().__init__(f"{name}: {message} (state: {state})")
+        self.error = error
+
+
+class Interrupted(TimeshareError):
+    """Raised by `timeshare run` when a signal (SIGINT, SIGTERM) stops it; `signum` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 class ConfigError(TimeshareError, ValueError):
     """Raised for configuration that cannot work: names the key and where its value came from.
 
     (A ValueError too, so that msgspec reports one raised while decoding with the key's path.)
     """
+
+
+# -- the control socket: requests the daemon refuses -----------------------------------------------
+
+
+class ControlError(TimeshareError):
+    """Raised for a control request the daemon refuses; `name` (the class's) is what the wire
+    carries, stable for scripts, and the message is for people."""
+
+    def __init__(self, message: str, *, request_id: int | str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+
+class BadRequest(ControlError):
+    """Raised for a line that is not a JSON object with a string `method`."""
+
+
+class UnknownMethod(ControlError):
+    """Raised for a method the daemon does not have."""
+
+
+class BadParams(ControlError):
+    """Raised for parameters of the wrong name, type or range."""
+
+
+class RequestTooLarge(ControlError):
+    """Raised for a line longer than the server's limit (the connection is then closed)."""
+
+
+class NotRunning(ControlError):
+    """Raised for a request that needs a cycle when none runs (idle, failed), or for a `--wait`
+    whose effect can no longer come (the cycle ended)."""
+
+
+class ReloadRefused(ControlError):
+    """Raised when a reloaded config is broken or changes what cannot change live."""
+
+
+class WaitTimeout(ControlError):
+    """Raised when `wait` was asked for and the request did not take effect in `timeout_s`."""
+
+
+class Busy(ControlError):
+    """Raised when the daemon already serves as many clients as it allows."""

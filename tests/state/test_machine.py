@@ -13,13 +13,17 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from timeshare.state import (
     MEMORY_FENCES,
     TABLE,
+    BarrierChecked,
+    Blame,
     Bootstrapped,
     Drained,
     Event,
     Failed,
+    Held,
     InvalidTransition,
     JobState,
     Lifecycle,
+    PauseChecked,
     Phase,
     RankFinished,
     Request,
@@ -47,12 +51,29 @@ def run(state: JobState, *events: Event) -> JobState:
     return state
 
 
+def finish(state: JobState, rank: int) -> JobState:
+    """`rank` finishes the phase it is in, as the driver reports it (BARRIER: checked, then met)."""
+    phase = state.ranks[rank].phase
+    if phase is not Phase.BARRIER:
+        return advance(state, RankFinished(rank, phase)).state
+    outcome = advance(state, BarrierChecked(rank, held_mb=0.0))
+    if outcome.meet:
+        return advance(outcome.state, RankFinished(rank, phase)).state
+    return outcome.state
+
+
 def finish_phase(state: JobState) -> JobState:
-    """Every rank finishes the phase it is in."""
+    """Every rank finishes the phase it is in; at a pause, every worker's release is verified."""
     for rank, progress in enumerate(state.ranks):
         if not progress.done:
-            state = advance(state, RankFinished(rank, progress.phase)).state
+            state = finish(state, rank)
+    if state.checking_release:
+        state = advance(state, PauseChecked(released(len(state.ranks)))).state
     return state
+
+
+def released(ranks: int) -> tuple[Held, ...]:
+    return tuple(Held(role, rank, 0.0) for rank in range(ranks) for role in ("trainer", "rollout"))
 
 
 def state_in(lifecycle: Lifecycle, ranks: int = 2) -> JobState:
@@ -67,7 +88,7 @@ def state_in(lifecycle: Lifecycle, ranks: int = 2) -> JobState:
         Lifecycle.RUNNING: running,
         Lifecycle.PAUSED: paused,
         Lifecycle.DRAINING: draining,
-        Lifecycle.STOPPED: run(draining, Drained()),
+        Lifecycle.STOPPED: run(finish_phase(draining), Drained()),
         Lifecycle.FAILED: run(running, Failed("boom")),
     }[lifecycle]
 
@@ -77,6 +98,8 @@ def sample_events(state: JobState) -> list[Event]:
     return [
         Bootstrapped(step=3),
         RankFinished(0, first.phase),
+        BarrierChecked(0, 0.0),
+        PauseChecked(released(len(state.ranks))),
         *(Requested(r) for r in Request),
         StepsChanged(9),
         Drained(),
@@ -87,6 +110,11 @@ def sample_events(state: JobState) -> list[Event]:
 # Legal pairs whose particular event the rules still refuse, and why.
 REFUSED: dict[tuple[Lifecycle, Event], str] = {
     (Lifecycle.DRAINING, Requested(Request.RESUME)): "a draining job cannot resume",
+    (Lifecycle.RUNNING, BarrierChecked(0, 0.0)): "rank 0 is in sync",
+    (Lifecycle.DRAINING, BarrierChecked(0, 0.0)): "rank 0 is in sync",
+    (Lifecycle.RUNNING, PauseChecked(released(2))): "no release check is under way",
+    (Lifecycle.DRAINING, PauseChecked(released(2))): "no release check is under way",
+    (Lifecycle.DRAINING, Drained()): "work is still in flight",
 }
 
 
@@ -123,11 +151,8 @@ def test_bootstrap_path_starts_at_sync_and_the_cycle_follows() -> None:
     assert state.step == 6  # one TRAIN entered since the checkpoint of step 5
 
 
-FENCED = [Phase.SYNC, Phase.RESUME, Phase.TRAIN]
-
-
-def test_the_fences_are_the_memory_handoffs() -> None:
-    assert set(FENCED) == MEMORY_FENCES
+FENCED = sorted(MEMORY_FENCES, key=CYCLE.index)
+UNFENCED = sorted(set(Phase) - MEMORY_FENCES, key=CYCLE.index)
 
 
 @pytest.mark.parametrize("fenced", FENCED, ids=str)
@@ -135,19 +160,22 @@ def test_a_fenced_phase_starts_only_when_every_rank_finished_the_one_before(fenc
     state = run(initial_state(3), Bootstrapped(step=0))
     while state.phases[0] is not CYCLE[CYCLE.index(fenced) - 1]:
         state = finish_phase(state)
-    before = state.phases[0]
-    first = advance(state, RankFinished(0, before))
-    second = advance(first.state, RankFinished(2, before))
-    assert first.start == () and second.start == ()  # ranks 0 and 2 wait at the fence
-    last = advance(second.state, RankFinished(1, before))
-    assert last.start == ((0, fenced), (1, fenced), (2, fenced))
+    first = finish(state, 0)
+    second = finish(first, 2)
+    assert first.ranks[0].done and second.ranks[2].done  # ranks 0 and 2 wait at the fence
+    assert second.phases == state.phases
+    assert finish(second, 1).phases == (fenced, fenced, fenced)
 
 
-def test_an_unfenced_phase_starts_at_once_per_rank() -> None:
+@pytest.mark.parametrize("unfenced", UNFENCED, ids=str)
+def test_an_unfenced_phase_starts_at_once_per_rank(unfenced: Phase) -> None:
     state = run(initial_state(2), Bootstrapped(step=0))
-    outcome = advance(state, RankFinished(1, Phase.SYNC))
-    assert outcome.start == ((1, Phase.BARRIER),)
-    assert outcome.state.phases == (Phase.SYNC, Phase.BARRIER)
+    while state.phases[1] is not CYCLE[CYCLE.index(unfenced) - 1]:
+        state = finish_phase(state)
+    before = state.phases[1]
+    state = finish(state, 1)
+    assert state.phases == (before, unfenced)
+    assert not state.ranks[1].done  # started, while rank 0 still works on the phase before
 
 
 def test_without_a_fence_a_rank_runs_ahead() -> None:
@@ -213,12 +241,12 @@ def test_a_reload_moves_the_step_limit_checked_at_the_next_boundary() -> None:
     state = advance(initial_state(1, max_steps=2), Bootstrapped(0)).state
     state = advance(state, StepsChanged(1)).state
     assert state.max_steps == 1 and state.lifecycle is Lifecycle.RUNNING
-    for phase in (Phase.SYNC, Phase.BARRIER, Phase.RESUME, Phase.ROLLOUT):
-        state = advance(state, RankFinished(0, phase)).state
+    for _ in range(4):  # sync, barrier, resume, rollout
+        state = finish_phase(state)
     assert state.step == 1  # step 1 started before the limit could be checked
-    for phase in (Phase.TRAIN, Phase.OFFLOAD, Phase.SYNC, Phase.BARRIER, Phase.RESUME):
-        state = advance(state, RankFinished(0, phase)).state
-    state = advance(state, RankFinished(0, Phase.ROLLOUT)).state
+    for _ in range(6):  # train .. rollout of step 1
+        assert state.lifecycle is Lifecycle.RUNNING
+        state = finish_phase(state)
     assert state.lifecycle is Lifecycle.DRAINING and state.reason == "completed 1 steps"
     with pytest.raises(InvalidTransition, match="at least one step"):
         advance(state, StepsChanged(0))
@@ -227,8 +255,8 @@ def test_a_reload_moves_the_step_limit_checked_at_the_next_boundary() -> None:
 def test_a_job_paused_at_its_new_limit_drains_on_resume() -> None:
     state = advance(initial_state(1, max_steps=5), Bootstrapped(3)).state
     state = advance(state, Requested(Request.PAUSE)).state
-    for phase in (Phase.SYNC, Phase.BARRIER, Phase.RESUME, Phase.ROLLOUT):
-        state = advance(state, RankFinished(0, phase)).state
+    for _ in range(4):  # sync, barrier, resume, rollout; then the release is verified
+        state = finish_phase(state)
     assert state.lifecycle is Lifecycle.PAUSED and state.step == 3
     state = advance(state, StepsChanged(3)).state
     outcome = advance(state, Requested(Request.RESUME))
@@ -258,7 +286,7 @@ def test_bad_events_name_state_and_event(event: Event, message: str) -> None:
 
 def test_a_rank_cannot_finish_twice() -> None:
     state = run(initial_state(2), Bootstrapped(step=0), RankFinished(0, Phase.SYNC))
-    state = run(state, RankFinished(0, Phase.BARRIER))
+    state = finish(state, 0)
     with pytest.raises(InvalidTransition, match=r"rank 0 is in barrier \(done\)"):
         advance(state, RankFinished(0, Phase.BARRIER))
 
@@ -284,8 +312,11 @@ class RandomEvents(RuleBasedStateMachine):
         try:
             outcome = advance(self.state, event)
         except InvalidTransition as exc:
-            assert exc.state is before
-            assert (before.lifecycle, type(event)) not in TABLE or exc.args
+            assert exc.state is before and exc.event is event
+            assert before.lifecycle.value in str(exc) and type(event).__name__ in str(exc)
+            # A pair the table lacks is "not allowed"; a legal pair refused says which rule.
+            in_table = (before.lifecycle, type(event)) in TABLE
+            assert str(exc).endswith(": not allowed") is not in_table, str(exc)
             return
         allowed = TABLE[(before.lifecycle, type(event))]
         assert outcome.state.lifecycle in allowed
@@ -316,6 +347,14 @@ class RandomEvents(RuleBasedStateMachine):
         self.apply(StepsChanged(max_steps))
         self.largest_limit = max(self.largest_limit, max_steps)
 
+    @rule(rank=st.integers(0, 3), held=st.sampled_from([0.0, 0.0, 0.0, 64.0]))
+    def barrier_checked(self, rank: int, held: float) -> None:
+        self.apply(BarrierChecked(rank, held))
+
+    @rule(held=st.sampled_from([0.0, 0.0, 0.0, 512.0]))
+    def pause_checked(self, held: float) -> None:
+        self.apply(PauseChecked((*released(3), Held("rollout", 2, held))))
+
     @rule()
     def drained(self) -> None:
         self.apply(Drained())
@@ -342,6 +381,23 @@ class RandomEvents(RuleBasedStateMachine):
         assert self.state.step <= self.largest_limit + 3
 
     @invariant()
+    def a_failure_says_why(self) -> None:
+        if self.state.lifecycle is Lifecycle.FAILED:
+            assert self.state.reason
+
+    @invariant()
+    def stopped_only_when_idle(self) -> None:
+        if self.state.lifecycle is Lifecycle.STOPPED:
+            assert self.state.idle
+
+    @invariant()
+    def meeting_only_at_barrier_while_running(self) -> None:
+        for progress in self.state.ranks:
+            if progress.meeting:
+                assert progress.phase is Phase.BARRIER and not progress.done
+                assert self.state.lifecycle in (Lifecycle.RUNNING, Lifecycle.FAILED)
+
+    @invariant()
     def declared(self) -> None:
         assert isinstance(self.state.lifecycle, Lifecycle)
         assert all(isinstance(p, Phase) for p in self.state.phases)
@@ -350,3 +406,116 @@ class RandomEvents(RuleBasedStateMachine):
 
 TestRandomEvents = RandomEvents.TestCase
 TestRandomEvents.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+
+
+# -- failures, memory rules and drains -----------------------------------------------------------
+
+
+def test_a_failure_the_driver_saw_fails_the_job_naming_where() -> None:
+    state = run(initial_state(2), Bootstrapped(step=0))
+    blame = Blame(1, "rollout", "sync")
+    failed = run(state, Failed("rollout rank 1 died", blame))
+    assert failed.lifecycle is Lifecycle.FAILED
+    assert (failed.reason, failed.blame) == ("rollout rank 1 died", blame)
+    with pytest.raises(InvalidTransition, match="not allowed"):
+        advance(failed, Requested(Request.RESUME))  # nothing moves a failed job
+
+
+def test_memory_held_at_barrier_fails_the_job_naming_the_trainer() -> None:
+    state = finish_phase(run(initial_state(2), Bootstrapped(step=0)))  # both in barrier
+    outcome = advance(state, BarrierChecked(1, held_mb=12.5))
+    assert outcome.state.lifecycle is Lifecycle.FAILED and outcome.meet == ()
+    assert outcome.state.blame == Blame(1, "trainer", "barrier")
+    assert "trainer still holds 12.5 MiB of device memory at BARRIER" in str(outcome.state.reason)
+
+
+def test_a_released_rank_meets_the_others_at_the_store_barrier() -> None:
+    state = finish_phase(run(initial_state(2), Bootstrapped(step=0)))
+    with pytest.raises(InvalidTransition, match="not passed its BARRIER memory check"):
+        advance(state, RankFinished(0, Phase.BARRIER))
+    outcome = advance(state, BarrierChecked(0, held_mb=0.0))
+    assert outcome.meet == (0,) and outcome.start == ()
+    assert outcome.state.ranks[0].meeting and not outcome.state.idle
+    with pytest.raises(InvalidTransition, match="already checked"):
+        advance(outcome.state, BarrierChecked(0, held_mb=0.0))
+    met = advance(outcome.state, RankFinished(0, Phase.BARRIER))
+    assert met.state.ranks[0].done and met.start == ()  # RESUME is fenced: rank 1 is awaited
+
+
+def test_without_the_resume_fence_nobody_meets_at_the_store_barrier() -> None:
+    state = run(initial_state(2, fences=MEMORY_FENCES - {Phase.RESUME}), Bootstrapped(step=0))
+    state = finish_phase(state)
+    outcome = advance(state, BarrierChecked(0, held_mb=0.0))
+    assert outcome.meet == () and outcome.start == ((0, Phase.RESUME),)
+
+
+def pausing(ranks: int = 2) -> JobState:
+    """A job whose every rank stands at the cycle boundary, a pause pending its release check."""
+    state = run(initial_state(ranks), Bootstrapped(step=0), Requested(Request.PAUSE))
+    for _ in range(3):
+        state = finish_phase(state)
+    for rank in range(ranks):
+        state = finish(state, rank)  # rollout ends
+    return state
+
+
+def test_a_pause_is_checked_before_it_counts_as_paused() -> None:
+    state = run(initial_state(2), Bootstrapped(step=0), Requested(Request.PAUSE))
+    for _ in range(3):
+        state = finish_phase(state)
+    last = advance(finish(state, 0), RankFinished(1, Phase.ROLLOUT))
+    assert last.check_release and last.start == ()
+    assert last.state.lifecycle is Lifecycle.RUNNING and not last.state.idle
+    paused = advance(last.state, PauseChecked(released(2)))
+    assert paused.state.lifecycle is Lifecycle.PAUSED and paused.state.idle
+
+
+def test_a_pause_that_released_nothing_fails_naming_the_worker() -> None:
+    held = (Held("trainer", 0, 0.0), Held("rollout", 1, 512.0), Held("trainer", 1, 64.0))
+    outcome = advance(pausing(), PauseChecked(held))
+    assert outcome.state.lifecycle is Lifecycle.FAILED
+    assert outcome.state.blame == Blame(1, "rollout", "pause")
+    assert outcome.state.reason == (
+        "paused, but device memory is still held (MiB): rollout rank 1: 512, trainer rank 1: 64"
+    )
+
+
+def test_a_resume_during_the_release_check_goes_on_after_it() -> None:
+    state = run(pausing(), Requested(Request.RESUME))
+    assert state.checking_release  # the check in flight still answers
+    outcome = advance(state, PauseChecked(released(2)))
+    assert outcome.state.lifecycle is Lifecycle.RUNNING
+    assert outcome.start == ((0, Phase.TRAIN), (1, Phase.TRAIN))
+
+
+def test_a_stop_during_the_release_check_drains_once_it_answered() -> None:
+    state = run(pausing(), Requested(Request.STOP))
+    assert state.lifecycle is Lifecycle.DRAINING and not state.idle
+    with pytest.raises(InvalidTransition, match="work is still in flight"):
+        advance(state, Drained())
+    checked = run(state, PauseChecked(released(2)))
+    assert checked.idle and run(checked, Drained()).lifecycle is Lifecycle.STOPPED
+
+
+def test_a_drain_ends_when_the_last_phase_in_flight_ends() -> None:
+    state = run(initial_state(3), Bootstrapped(step=0), Requested(Request.STOP))
+    assert not state.idle
+    for rank in (2, 0):
+        state = run(state, RankFinished(rank, Phase.SYNC))
+        assert not state.idle
+    state = run(state, RankFinished(1, Phase.SYNC))
+    assert state.idle and run(state, Drained()).lifecycle is Lifecycle.STOPPED
+
+
+def test_a_drain_releases_ranks_waiting_at_the_store_barrier() -> None:
+    state = finish_phase(run(initial_state(2), Bootstrapped(step=0)))
+    state = run(state, BarrierChecked(0, held_mb=0.0))  # rank 0 meets, rank 1 works on
+    state = run(state, Requested(Request.STOP))
+    assert state.ranks[0].done and not state.ranks[0].meeting  # no RESUME follows: stop waiting
+    outcome = advance(state, BarrierChecked(1, held_mb=0.0))
+    assert outcome.meet == () and outcome.state.idle  # draining: nobody meets any more
+
+
+def test_a_drain_during_start_up_has_nothing_in_flight() -> None:
+    state = run(initial_state(2), Requested(Request.DRAIN), Bootstrapped(step=4))
+    assert state.lifecycle is Lifecycle.DRAINING and state.idle and state.step == 4

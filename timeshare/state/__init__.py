@@ -1,40 +1,61 @@
-"""The job's phase machine: pure, no I/O. See machine.py for the rules and the table."""
+"""Every decision about the job, as pure tables: no I/O, no anyio, no time.
 
-from timeshare.state.machine import (
-    MEMORY_FENCES,
-    NEXT_PHASE,
-    TABLE,
+events.py    the vocabulary: lifecycles, phases, requests, and the events the driver observes
+machine.py   the phase machine: the job's table and `advance`
+plan.py      what the driver performs after each move (`plan`)
+service.py   the service's own lifecycle, and how it answers an operator's requests
+diagram.py   both tables as Mermaid diagrams (docs/ shows them)
+"""
+
+from timeshare.errors import InvalidTransition
+from timeshare.state.events import (
+    OPERATOR_EVENTS,
+    BarrierChecked,
+    Blame,
     Bootstrapped,
     Drained,
     Event,
     Failed,
-    InvalidTransition,
-    JobState,
+    Held,
     Lifecycle,
-    Outcome,
+    PauseChecked,
     Phase,
     RankFinished,
-    RankProgress,
     Request,
     Requested,
     StepsChanged,
+)
+from timeshare.state.machine import (
+    MEMORY_FENCES,
+    NEXT_PHASE,
+    TABLE,
+    JobState,
+    Outcome,
+    RankProgress,
     advance,
     initial_state,
 )
+from timeshare.state.plan import Plan, plan
 
 __all__ = [
     "MEMORY_FENCES",
     "NEXT_PHASE",
+    "OPERATOR_EVENTS",
     "TABLE",
+    "BarrierChecked",
+    "Blame",
     "Bootstrapped",
     "Drained",
     "Event",
     "Failed",
+    "Held",
     "InvalidTransition",
     "JobState",
     "Lifecycle",
     "Outcome",
+    "PauseChecked",
     "Phase",
+    "Plan",
     "RankFinished",
     "RankProgress",
     "Request",
@@ -42,4 +63,5 @@ __all__ = [
     "StepsChanged",
     "advance",
     "initial_state",
+    "plan",
 ]

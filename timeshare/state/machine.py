@@ -3,57 +3,57 @@
 Rules (the table below is the truth; this comment explains it):
 
 - A job's lifecycle is STARTING → RUNNING ⇄ PAUSED → DRAINING → STOPPED; any live state → FAILED.
+  A failure the driver saw (a worker raised, died, stalled, timed out) comes in as `Failed`; a
+  failure the rules find (memory still held where it must be free) is decided here. Either way
+  the job is FAILED, with the reason and the worker to blame.
 - STARTING ends with `Bootstrapped`: the last durable checkpoint is loaded and every rank enters
   SYNC, so the engines always serve the trainer's weights (SYNC → BARRIER → RESUME → ROLLOUT →
   TRAIN → OFFLOAD → SYNC …).
 - Each rank moves through the phases on its own (`RankFinished`), except into a *fenced* phase,
   which a rank enters only when every rank has finished the phase before it. Fences sit on the
   memory handoffs: SYNC (engine weights wake) after every OFFLOAD; RESUME (KV cache wakes) after
-  every BARRIER; TRAIN (trainer onloads) after every ROLLOUT, whose end means engines slept and
-  their release was verified. `fences` can drop one, for the test that proves it matters.
+  every BARRIER; TRAIN (trainer onloads) after every ROLLOUT, whose end means engines slept.
+  `fences` can drop one, for the test that proves it matters.
+- BARRIER requires the rank's trainer to hold no device memory (`BarrierChecked`): anything held
+  fails the job. Then, while RESUME is fenced, the rank meets every other rank at the job
+  store's barrier (the fence across nodes; `Outcome.meet`) and finishes BARRIER when all came.
 - Requests set flags; they take effect at safe points, which are the fenced boundaries, where
   the whole job stands at one place: drain there → DRAINING; at the cycle boundary (before
-  TRAIN) pause → PAUSED, and a job that has done `max_steps` drains. `stop` does not wait: it
-  drains at once. Flags are a set, so repeating a request changes nothing.
+  TRAIN) a job that has done `max_steps` drains, and a pause first has every worker's release
+  checked (`Outcome.check_release`, answered by `PauseChecked`): PAUSED means released and
+  verified, and memory still held fails the job. `stop` does not wait: it drains at once, and
+  ranks meeting at the store barrier stop waiting (no RESUME follows). Flags are a set, so
+  repeating a request changes nothing.
 - `StepsChanged` (a reload) moves `max_steps`; it is checked at the next cycle boundary, and
   by a resume from PAUSED, so a job paused at its new limit drains instead of starting a step.
+- A draining job is drained when no rank has work in flight (`JobState.idle`).
 - An event the table does not allow raises `InvalidTransition(state, event)` and changes
-  nothing. No I/O here: the driver performs what this decides.
+  nothing. No I/O here: the driver performs what this decides (plan.py says how).
 """
 
 from __future__ import annotations
 
-import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TypeAlias
+from typing import Any
 
-from timeshare.errors import TimeshareError
-
-
-class Lifecycle(enum.Enum):
-    STARTING = "starting"
-    RUNNING = "running"
-    PAUSED = "paused"
-    DRAINING = "draining"
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-
-class Phase(enum.Enum):
-    TRAIN = "train"
-    OFFLOAD = "offload"
-    SYNC = "sync"
-    BARRIER = "barrier"
-    RESUME = "resume"
-    ROLLOUT = "rollout"
-
-
-class Request(enum.Enum):
-    PAUSE = "pause"
-    RESUME = "resume"
-    DRAIN = "drain"
-    STOP = "stop"
-
+from timeshare.errors import InvalidTransition
+from timeshare.state.events import (
+    BarrierChecked,
+    Blame,
+    Bootstrapped,
+    Drained,
+    Event,
+    Failed,
+    Lifecycle,
+    PauseChecked,
+    Phase,
+    RankFinished,
+    Request,
+    Requested,
+    StepsChanged,
+    describe,
+)
 
 NEXT_PHASE: dict[Phase, Phase] = {
     Phase.TRAIN: Phase.OFFLOAD,
@@ -67,53 +67,7 @@ FIRST_PHASE = Phase.SYNC  # where bootstrap enters the cycle
 CYCLE_START = Phase.TRAIN  # entering it starts a new step; the boundary before it is the cycle's
 # Phases a rank enters only once every rank has finished the one before: the memory handoffs.
 MEMORY_FENCES: frozenset[Phase] = frozenset({Phase.SYNC, Phase.RESUME, Phase.TRAIN})
-
-
-# -- events ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Bootstrapped:
-    """Workers are up and the last durable checkpoint (of `step`) is loaded."""
-
-    step: int
-
-
-@dataclass(frozen=True)
-class RankFinished:
-    """`rank` finished `phase` (the driver saw its worker report success)."""
-
-    rank: int
-    phase: Phase
-
-
-@dataclass(frozen=True)
-class Requested:
-    """An operator asked for pause, resume, drain or stop."""
-
-    request: Request
-
-
-@dataclass(frozen=True)
-class StepsChanged:
-    """The operator reloaded a config with a new number of steps for the job."""
-
-    max_steps: int
-
-
-@dataclass(frozen=True)
-class Drained:
-    """The driver finished draining: engines asleep, progress persisted."""
-
-
-@dataclass(frozen=True)
-class Failed:
-    """Something failed that the job cannot go on from (a typed error, in words)."""
-
-    error: str
-
-
-Event: TypeAlias = Bootstrapped | RankFinished | Requested | StepsChanged | Drained | Failed
+LIVE = (Lifecycle.STARTING, Lifecycle.RUNNING, Lifecycle.PAUSED, Lifecycle.DRAINING)
 
 
 # -- state -----------------------------------------------------------------------------------
@@ -121,10 +75,13 @@ Event: TypeAlias = Bootstrapped | RankFinished | Requested | StepsChanged | Drai
 
 @dataclass(frozen=True)
 class RankProgress:
-    """Where one rank stands: in `phase`, or done with it and waiting at a fence."""
+    """Where one rank stands: in `phase` (working), or done with it and waiting (at a fence,
+    or for the job to start or drain). `meeting`: its BARRIER checked, it waits for the other
+    ranks at the store barrier."""
 
     phase: Phase
     done: bool = False
+    meeting: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,34 +92,39 @@ class JobState:
     max_steps: int | None = None
     requests: frozenset[Request] = frozenset()
     fences: frozenset[Phase] = MEMORY_FENCES
+    checking_release: bool = False  # at the pause boundary, waiting for `PauseChecked`
     reason: str | None = None  # why the job is draining, stopped or failed
+    blame: Blame | None = None  # the worker and phase a failure is pinned on
 
     @property
     def phases(self) -> tuple[Phase, ...]:
         return tuple(r.phase for r in self.ranks)
 
+    @property
+    def idle(self) -> bool:
+        """No work in flight: no rank in a phase or at the store barrier, no release check."""
+        return all(r.done for r in self.ranks) and not self.checking_release
+
 
 def initial_state(
     ranks: int, *, max_steps: int | None = None, fences: frozenset[Phase] = MEMORY_FENCES
 ) -> JobState:
-    """A job that is starting: workers not yet up, nothing loaded."""
+    """A job that is starting: workers not yet up, nothing loaded, nothing running."""
     if ranks < 1:
         raise ValueError(f"a job needs at least one rank, got {ranks}")
     if not fences <= MEMORY_FENCES:
         raise ValueError(f"fences must be a subset of {sorted(p.value for p in MEMORY_FENCES)}")
-    progress = tuple(RankProgress(FIRST_PHASE) for _ in range(ranks))
+    progress = tuple(RankProgress(FIRST_PHASE, done=True) for _ in range(ranks))
     return JobState(Lifecycle.STARTING, progress, max_steps=max_steps, fences=fences)
 
 
-class InvalidTransition(TimeshareError):
-    """Raised when an event is not legal in the job's state; the state is unchanged."""
-
-    def __init__(self, state: JobState, event: Event, why: str = "not allowed") -> None:
-        super().__init__(
-            f"{type(event).__name__} {_describe(event)} in {state.lifecycle.value}: {why}"
-        )
-        self.state = state
-        self.event = event
+def refuse(state: JobState, event: Event, why: str = "not allowed") -> InvalidTransition:
+    """The error for `event` in `state`, naming both."""
+    return InvalidTransition(
+        f"{type(event).__name__} {describe(event)} in {state.lifecycle.value}: {why}",
+        state=state,
+        event=event,
+    )
 
 
 # -- the table -------------------------------------------------------------------------------
@@ -171,8 +133,10 @@ class InvalidTransition(TimeshareError):
 TABLE: dict[tuple[Lifecycle, type], frozenset[Lifecycle]] = {
     (Lifecycle.STARTING, Bootstrapped): frozenset({Lifecycle.RUNNING, Lifecycle.DRAINING}),
     (Lifecycle.STARTING, Requested): frozenset({Lifecycle.STARTING, Lifecycle.DRAINING}),
-    (Lifecycle.RUNNING, RankFinished): frozenset(
-        {Lifecycle.RUNNING, Lifecycle.PAUSED, Lifecycle.DRAINING}
+    (Lifecycle.RUNNING, RankFinished): frozenset({Lifecycle.RUNNING, Lifecycle.DRAINING}),
+    (Lifecycle.RUNNING, BarrierChecked): frozenset({Lifecycle.RUNNING, Lifecycle.FAILED}),
+    (Lifecycle.RUNNING, PauseChecked): frozenset(
+        {Lifecycle.RUNNING, Lifecycle.PAUSED, Lifecycle.DRAINING, Lifecycle.FAILED}
     ),
     (Lifecycle.RUNNING, Requested): frozenset({Lifecycle.RUNNING, Lifecycle.DRAINING}),
     (Lifecycle.PAUSED, Requested): frozenset(
@@ -180,71 +144,68 @@ TABLE: dict[tuple[Lifecycle, type], frozenset[Lifecycle]] = {
     ),
     (Lifecycle.DRAINING, Requested): frozenset({Lifecycle.DRAINING}),
     (Lifecycle.DRAINING, RankFinished): frozenset({Lifecycle.DRAINING}),
+    (Lifecycle.DRAINING, BarrierChecked): frozenset({Lifecycle.DRAINING, Lifecycle.FAILED}),
+    (Lifecycle.DRAINING, PauseChecked): frozenset({Lifecycle.DRAINING, Lifecycle.FAILED}),
     (Lifecycle.DRAINING, Drained): frozenset({Lifecycle.STOPPED}),
-    **{
-        (lifecycle, StepsChanged): frozenset({lifecycle})
-        for lifecycle in (
-            Lifecycle.STARTING,
-            Lifecycle.RUNNING,
-            Lifecycle.PAUSED,
-            Lifecycle.DRAINING,
-        )
-    },
-    **{
-        (lifecycle, Failed): frozenset({Lifecycle.FAILED})
-        for lifecycle in (
-            Lifecycle.STARTING,
-            Lifecycle.RUNNING,
-            Lifecycle.PAUSED,
-            Lifecycle.DRAINING,
-        )
-    },
+    **{(lifecycle, StepsChanged): frozenset({lifecycle}) for lifecycle in LIVE},
+    **{(lifecycle, Failed): frozenset({Lifecycle.FAILED}) for lifecycle in LIVE},
 }
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """The next state and what the driver must start: (rank, phase) pairs, in rank order."""
+    """The next state, and what the driver must now do because of this event.
+
+    `start`: (rank, phase) pairs to run, in rank order. `meet`: ranks whose BARRIER passed its
+    memory check and who now wait for every rank at the store barrier. `check_release`: ask
+    every worker what device memory it holds, and answer with `PauseChecked`.
+    """
 
     state: JobState
     start: tuple[tuple[int, Phase], ...] = field(default=())
+    meet: tuple[int, ...] = field(default=())
+    check_release: bool = False
 
 
 def advance(state: JobState, event: Event) -> Outcome:
-    """The pure transition function: the state after `event`, and the phases to start."""
+    """The pure transition function: the state after `event`, and what it asks of the driver."""
     allowed = TABLE.get((state.lifecycle, type(event)))
     if allowed is None:
-        raise InvalidTransition(state, event)
+        raise refuse(state, event)
     outcome = _apply(state, event)
     assert outcome.state.lifecycle in allowed, (state, event, outcome)  # the table is the truth
     return outcome
 
 
 def _apply(state: JobState, event: Event) -> Outcome:
-    if isinstance(event, Failed):
-        return Outcome(replace(state, lifecycle=Lifecycle.FAILED, reason=event.error))
-    if isinstance(event, Drained):
-        return Outcome(replace(state, lifecycle=Lifecycle.STOPPED))
-    if isinstance(event, Requested):
-        return _request(state, event)
-    if isinstance(event, StepsChanged):
-        if event.max_steps < 1:
-            raise InvalidTransition(state, event, "a job has at least one step")
-        return Outcome(replace(state, max_steps=event.max_steps))
-    if isinstance(event, Bootstrapped):
-        return _bootstrap(state, event)
-    return _rank_finished(state, event)
+    apply: Callable[[JobState, Any], Outcome] = _APPLY[type(event)]
+    return apply(state, event)
+
+
+def _fail(state: JobState, event: Failed) -> Outcome:
+    return Outcome(_failed(state, event.error, event.blame))
+
+
+def _drained(state: JobState, event: Drained) -> Outcome:
+    if not state.idle:
+        raise refuse(state, event, "work is still in flight")
+    return Outcome(replace(state, lifecycle=Lifecycle.STOPPED))
+
+
+def _steps_changed(state: JobState, event: StepsChanged) -> Outcome:
+    if event.max_steps < 1:
+        raise refuse(state, event, "a job has at least one step")
+    return Outcome(replace(state, max_steps=event.max_steps))
 
 
 def _bootstrap(state: JobState, event: Bootstrapped) -> Outcome:
     if event.step < 0:
-        raise InvalidTransition(state, event, "a step is never negative")
-    ranks = tuple(RankProgress(FIRST_PHASE) for _ in state.ranks)
-    booted = replace(state, ranks=ranks, step=event.step)
+        raise refuse(state, event, "a step is never negative")
+    booted = replace(state, step=event.step)
     if Request.DRAIN in state.requests or Request.STOP in state.requests:
         return Outcome(_draining(booted, "drain requested during start-up"))
     running = replace(booted, lifecycle=Lifecycle.RUNNING)
-    return Outcome(running, tuple((rank, FIRST_PHASE) for rank in range(len(ranks))))
+    return _start_all(running, FIRST_PHASE)
 
 
 def _request(state: JobState, event: Requested) -> Outcome:
@@ -264,7 +225,7 @@ def _request(state: JobState, event: Requested) -> Outcome:
 
 def _resume(state: JobState, event: Requested) -> Outcome:
     if state.lifecycle is Lifecycle.DRAINING:
-        raise InvalidTransition(state, event, "a draining job cannot resume")
+        raise refuse(state, event, "a draining job cannot resume")
     if state.lifecycle is Lifecycle.PAUSED:
         if state.max_steps is not None and state.step >= state.max_steps:
             return Outcome(_draining(state, f"completed {state.max_steps} steps"))
@@ -273,31 +234,84 @@ def _resume(state: JobState, event: Requested) -> Outcome:
 
 
 def _rank_finished(state: JobState, event: RankFinished) -> Outcome:
-    if not 0 <= event.rank < len(state.ranks):
-        raise InvalidTransition(state, event, f"the job has ranks 0..{len(state.ranks) - 1}")
-    progress = state.ranks[event.rank]
-    if progress.phase is not event.phase or progress.done:
+    progress = _working_rank(state, event, event.rank, event.phase)
+    if event.phase is Phase.BARRIER and not progress.meeting:
+        raise refuse(state, event, f"rank {event.rank} has not passed its BARRIER memory check")
+    return _finish(state, event.rank)
+
+
+def _barrier_checked(state: JobState, event: BarrierChecked) -> Outcome:
+    progress = _working_rank(state, event, event.rank, Phase.BARRIER)
+    if progress.meeting:
+        raise refuse(state, event, f"rank {event.rank} was already checked")
+    if event.held_mb > 0:
+        blame = Blame(event.rank, "trainer", Phase.BARRIER.value)
+        held = f"trainer still holds {event.held_mb:g} MiB of device memory at BARRIER"
+        return Outcome(_failed(state, f"trainer rank {event.rank}: {held}", blame))
+    if state.lifecycle is Lifecycle.RUNNING and Phase.RESUME in state.fences:
+        meeting = RankProgress(Phase.BARRIER, meeting=True)
+        return Outcome(
+            replace(state, ranks=_set(state.ranks, event.rank, meeting)), meet=(event.rank,)
+        )
+    return _finish(state, event.rank)  # draining (no RESUME follows), or the fence is dropped
+
+
+def _pause_checked(state: JobState, event: PauseChecked) -> Outcome:
+    if not state.checking_release:
+        raise refuse(state, event, "no release check is under way")
+    checked = replace(state, checking_release=False)
+    holding = [held for held in event.held if held.mb > 0]
+    if holding:
+        listed = ", ".join(f"{h.role} rank {h.rank}: {h.mb:g}" for h in holding)
+        blame = Blame(holding[0].rank, holding[0].role, "pause")
+        return Outcome(
+            _failed(checked, f"paused, but device memory is still held (MiB): {listed}", blame)
+        )
+    if checked.lifecycle is Lifecycle.DRAINING:
+        return Outcome(checked)
+    if Request.PAUSE in checked.requests:
+        paused = replace(checked, lifecycle=Lifecycle.PAUSED)
+        return Outcome(replace(paused, requests=paused.requests - {Request.PAUSE}))
+    return _decide_at_fence(checked, CYCLE_START)  # a resume came during the check
+
+
+def _working_rank(state: JobState, event: Event, rank: int, phase: Phase) -> RankProgress:
+    """The rank's progress, if it is working in `phase`; else the event is refused."""
+    if not 0 <= rank < len(state.ranks):
+        raise refuse(state, event, f"the job has ranks 0..{len(state.ranks) - 1}")
+    progress = state.ranks[rank]
+    if progress.phase is not phase or progress.done:
         where = f"{progress.phase.value}{' (done)' if progress.done else ''}"
-        raise InvalidTransition(state, event, f"rank {event.rank} is in {where}")
-    following = NEXT_PHASE[event.phase]
+        raise refuse(state, event, f"rank {rank} is in {where}")
+    return progress
+
+
+def _finish(state: JobState, rank: int) -> Outcome:
+    """`rank` finished its phase: on to the next one, or wait at a fence (or for the drain)."""
+    following = NEXT_PHASE[state.ranks[rank].phase]
     if state.lifecycle is Lifecycle.DRAINING or following in state.fences:
-        return _arrive_at_fence(_mark_done(state, event.rank), following)
-    ranks = _set(state.ranks, event.rank, RankProgress(following))
-    return Outcome(replace(state, ranks=ranks), ((event.rank, following),))
+        waiting = _set(state.ranks, rank, RankProgress(state.ranks[rank].phase, done=True))
+        return _arrive_at_fence(replace(state, ranks=waiting), following)
+    ranks = _set(state.ranks, rank, RankProgress(following))
+    return Outcome(replace(state, ranks=ranks), ((rank, following),))
 
 
 def _arrive_at_fence(state: JobState, following: Phase) -> Outcome:
     """A rank waits at a fence; the last one to arrive decides for the whole job (safe point)."""
     if state.lifecycle is Lifecycle.DRAINING or not all(r.done for r in state.ranks):
         return Outcome(state)
+    return _decide_at_fence(state, following)
+
+
+def _decide_at_fence(state: JobState, following: Phase) -> Outcome:
+    """Every rank stands at the fence before `following`: drain, pause, stop, or go on."""
     if Request.DRAIN in state.requests:
         return Outcome(_draining(state, "drain requested"))
     if following is CYCLE_START:
         if state.max_steps is not None and state.step >= state.max_steps:
             return Outcome(_draining(state, f"completed {state.max_steps} steps"))
         if Request.PAUSE in state.requests:
-            paused = replace(state, lifecycle=Lifecycle.PAUSED)
-            return Outcome(replace(paused, requests=paused.requests - {Request.PAUSE}))
+            return Outcome(replace(state, checking_release=True), check_release=True)
         return _enter_cycle(state)
     return _start_all(state, following)
 
@@ -312,28 +326,31 @@ def _start_all(state: JobState, phase: Phase) -> Outcome:
     return Outcome(replace(state, ranks=ranks), tuple((r, phase) for r in range(len(ranks))))
 
 
-def _mark_done(state: JobState, rank: int) -> JobState:
-    progress = state.ranks[rank]
-    return replace(state, ranks=_set(state.ranks, rank, RankProgress(progress.phase, done=True)))
-
-
 def _draining(state: JobState, reason: str) -> JobState:
-    return replace(state, lifecycle=Lifecycle.DRAINING, requests=frozenset(), reason=reason)
+    # Ranks meeting at the store barrier stop waiting: no RESUME follows a drain.
+    ranks = tuple(replace(r, done=True, meeting=False) if r.meeting else r for r in state.ranks)
+    return replace(
+        state, lifecycle=Lifecycle.DRAINING, ranks=ranks, requests=frozenset(), reason=reason
+    )
+
+
+def _failed(state: JobState, error: str, blame: Blame | None) -> JobState:
+    return replace(state, lifecycle=Lifecycle.FAILED, reason=error, blame=blame)
+
+
+_APPLY: dict[type, Callable[[JobState, Any], Outcome]] = {
+    Failed: _fail,
+    Drained: _drained,
+    Requested: _request,
+    StepsChanged: _steps_changed,
+    Bootstrapped: _bootstrap,
+    BarrierChecked: _barrier_checked,
+    PauseChecked: _pause_checked,
+    RankFinished: _rank_finished,
+}
 
 
 def _set(
     ranks: tuple[RankProgress, ...], index: int, value: RankProgress
 ) -> tuple[RankProgress, ...]:
     return (*ranks[:index], value, *ranks[index + 1 :])
-
-
-def _describe(event: Event) -> str:
-    if isinstance(event, RankFinished):
-        return f"(rank {event.rank}, {event.phase.value})"
-    if isinstance(event, Requested):
-        return f"({event.request.value})"
-    if isinstance(event, Bootstrapped):
-        return f"(step {event.step})"
-    if isinstance(event, StepsChanged):
-        return f"(max_steps {event.max_steps})"
-    return ""
