@@ -16,9 +16,20 @@ from tests.conftest import socket_files
 from timeshare.engines.worker import Fault, WorkerSpec
 from timeshare.errors import WorkerError
 from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
+from timeshare.protocols.commands.results import RolloutResult
 from timeshare.protocols.store import JobStore
 
 ROLLOUT = WorkerId("rollout", 0)
+
+
+async def wait_busy(lanes: WorkerLanes, command: str, timeout_s: float = 30.0) -> None:
+    """Until the worker says, on its control lane, that it runs `command`."""
+    with anyio.fail_after(timeout_s):
+        for _ in range(int(timeout_s / 0.05)):
+            status = await lanes.control(ROLLOUT, "status", timeout_s=5.0)
+            if status["busy"] == command:
+                return
+            await anyio.sleep(0.05)
 
 
 @pytest.mark.asyncio
@@ -49,7 +60,7 @@ async def test_abort_interrupts_a_hanging_generate_within_a_second(runtime_dir: 
 
         async def generate() -> None:
             try:
-                await lanes.call(ROLLOUT, "rollout", deadline_s=60.0)
+                await lanes.call(ROLLOUT, "rollout", deadline_s=60.0, returns=RolloutResult)
             except WorkerError as exc:
                 outcome["error"], outcome["at"] = exc, time.monotonic()
 
@@ -59,14 +70,12 @@ async def test_abort_interrupts_a_hanging_generate_within_a_second(runtime_dir: 
                 await lanes.wait_ready([ROLLOUT], timeout_s=60.0)
                 async with anyio.create_task_group() as calls:
                     calls.start_soon(generate)
-                    await anyio.sleep(0.5)
-                    status = await lanes.control(ROLLOUT, "status", timeout_s=5.0)
-                    assert status["busy"] == "rollout"
+                    await wait_busy(lanes, "rollout")
                     asked = time.monotonic()
                     assert await lanes.control(ROLLOUT, "abort", timeout_s=5.0) == "rollout"
                 assert outcome["error"].remote_type == "Aborted"
                 assert outcome["at"] - asked < 1.0
-                await lanes.call(ROLLOUT, "shutdown", deadline_s=10.0)
+                await lanes.call(ROLLOUT, "shutdown", deadline_s=10.0, returns=type(None))
         finally:
             if process.poll() is None:
                 process.kill()

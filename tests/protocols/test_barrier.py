@@ -14,7 +14,7 @@ import pytest
 
 from timeshare.errors import CollectiveTimeout, StoreError
 from timeshare.protocols.barrier import Barrier
-from timeshare.protocols.store import JobStore
+from timeshare.protocols.store import JobCommand, JobStore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,10 +99,10 @@ def test_store_values_commands_and_generations() -> None:
     follower = JobStore.connect(host, port, timeout_s=10.0)
     assert [leader.next_generation("g"), follower.next_generation("g")] == [1, 2]
     generation = follower.record_command("pause", wait=True)
-    assert leader.command(generation, timeout_s=5.0) == {
-        "command": "pause",
-        "params": {"wait": True},
-    }
+    assert leader.command(generation, timeout_s=5.0) == JobCommand("pause", {"wait": True})
+    assert leader.latest_command() == generation
+    leader.put(f"command/{generation + 1}", ["not", "a", "command"])
+    assert leader.command(generation + 1, timeout_s=5.0) is None
     leader.put("phase", {"step": 3, "phase": "sync"})
     assert follower.get("phase", timeout_s=5.0) == {"step": 3, "phase": "sync"}
     with pytest.raises(TimeoutError, match="not written within"):

@@ -44,7 +44,7 @@ async def one_worker(
                 await lanes.wait_ready([TRAINER], timeout_s=60.0)
                 yield lanes, process
                 if process.poll() is None:
-                    await lanes.call(TRAINER, "shutdown", deadline_s=10.0)
+                    await lanes.call(TRAINER, "shutdown", deadline_s=10.0, returns=object)
         finally:
             if process.poll() is None:
                 process.kill()
@@ -54,17 +54,19 @@ async def one_worker(
 @pytest.mark.asyncio
 async def test_results_and_typed_remote_errors(runtime_dir: Path) -> None:
     async with one_worker(runtime_dir) as (lanes, process):
-        assert await lanes.call(TRAINER, "echo", {"x": [1, 2]}, deadline_s=10.0) == {"x": [1, 2]}
+        assert await lanes.call(
+            TRAINER, "echo", {"x": [1, 2]}, deadline_s=10.0, returns=object
+        ) == {"x": [1, 2]}
         with pytest.raises(WorkerError) as info:
-            await lanes.call(TRAINER, "raise", {"batch": 7}, deadline_s=10.0)
+            await lanes.call(TRAINER, "raise", {"batch": 7}, deadline_s=10.0, returns=object)
         error = info.value
         assert (error.rank, error.role, error.command) == (1, "trainer", "raise")
         assert (error.remote_type, error.remote_message) == ("ValueError", "bad batch 7")
         assert "trainer rank 1 failed in raise: ValueError: bad batch 7" in str(error)
         with pytest.raises(WorkerError, match="UnknownCommand"):
-            await lanes.call(TRAINER, "nope", deadline_s=10.0)
+            await lanes.call(TRAINER, "nope", deadline_s=10.0, returns=object)
         # Still serving after failures.
-        assert await lanes.call(TRAINER, "echo", {}, deadline_s=10.0) == {}
+        assert await lanes.call(TRAINER, "echo", {}, deadline_s=10.0, returns=object) == {}
     assert process.returncode == 0
     assert socket_files(runtime_dir) == []
 
@@ -74,12 +76,12 @@ async def test_a_worker_that_dies_is_seen_at_once(runtime_dir: Path) -> None:
     async with one_worker(runtime_dir) as (lanes, _):
         started = time.monotonic()
         with pytest.raises(WorkerDied) as info:
-            await lanes.call(TRAINER, "die", deadline_s=60.0)
+            await lanes.call(TRAINER, "die", deadline_s=60.0, returns=object)
         assert time.monotonic() - started < 1.0  # the exit itself, not a deadline
         assert info.value.returncode == -signal.SIGKILL and info.value.command == "die"
         assert "trainer rank 1 exited during die with signal 9" in str(info.value)
         with pytest.raises(WorkerDied):  # and every later call knows
-            await lanes.call(TRAINER, "echo", deadline_s=10.0)
+            await lanes.call(TRAINER, "echo", deadline_s=10.0, returns=object)
     assert socket_files(runtime_dir) == []
 
 
@@ -87,10 +89,12 @@ async def test_a_worker_that_dies_is_seen_at_once(runtime_dir: Path) -> None:
 async def test_no_progress_is_a_stall_but_slow_progress_is_alive(runtime_dir: Path) -> None:
     async with one_worker(runtime_dir, stall_timeout_s=1.0) as (lanes, _):
         # 2.5 s of work reporting progress every 0.1 s: longer than the stall timeout, alive.
-        assert await lanes.call(TRAINER, "work", {"seconds": 2.5}, deadline_s=30.0) == {"steps": 25}
+        assert await lanes.call(
+            TRAINER, "work", {"seconds": 2.5}, deadline_s=30.0, returns=object
+        ) == {"steps": 25}
         started = time.monotonic()
         with pytest.raises(WorkerStalled, match="made no progress in hang for 1 s"):
-            await lanes.call(TRAINER, "hang", deadline_s=30.0)
+            await lanes.call(TRAINER, "hang", deadline_s=30.0, returns=object)
         assert time.monotonic() - started < 1.0 + 1.0
         await lanes.control(TRAINER, "abort", timeout_s=5.0)
 
@@ -99,12 +103,12 @@ async def test_no_progress_is_a_stall_but_slow_progress_is_alive(runtime_dir: Pa
 async def test_deadline_applies_even_while_progressing(runtime_dir: Path) -> None:
     async with one_worker(runtime_dir, stall_timeout_s=5.0) as (lanes, _):
         with pytest.raises(CommandTimeout, match="did not finish work within 1 s"):
-            await lanes.call(TRAINER, "work", {"seconds": 3.0}, deadline_s=1.0)
+            await lanes.call(TRAINER, "work", {"seconds": 3.0}, deadline_s=1.0, returns=object)
         # The late result is dropped; the next call gets its own answer.
         await anyio.sleep(2.5)
-        assert await lanes.call(TRAINER, "echo", {"after": True}, deadline_s=10.0) == {
-            "after": True
-        }
+        assert await lanes.call(
+            TRAINER, "echo", {"after": True}, deadline_s=10.0, returns=object
+        ) == {"after": True}
 
 
 @pytest.mark.asyncio
@@ -114,7 +118,7 @@ async def test_control_lane_answers_while_work_runs_and_abort_interrupts(runtime
 
         async def run_hang() -> None:
             try:
-                await lanes.call(TRAINER, "hang", deadline_s=60.0)
+                await lanes.call(TRAINER, "hang", deadline_s=60.0, returns=object)
             except WorkerError as exc:
                 outcome["error"] = exc
                 outcome["at"] = time.monotonic()
@@ -131,7 +135,9 @@ async def test_control_lane_answers_while_work_runs_and_abort_interrupts(runtime
         idle = await lanes.control(TRAINER, "status", timeout_s=5.0)
         assert idle["busy"] is None
         assert await lanes.control(TRAINER, "abort", timeout_s=5.0) is None  # nothing to abort
-        assert await lanes.call(TRAINER, "echo", {"ok": 1}, deadline_s=10.0) == {"ok": 1}
+        assert await lanes.call(TRAINER, "echo", {"ok": 1}, deadline_s=10.0, returns=object) == {
+            "ok": 1
+        }
 
 
 @pytest.mark.asyncio
@@ -147,8 +153,8 @@ async def test_garbage_on_a_lane_is_ignored_and_calls_go_on(runtime_dir: Path) -
         rogue.send_multipart([b"a", b"b", b"c"])
         rogue.send(b"\x81\xa4kind\xa6result")  # a reply to no call
         await anyio.sleep(0.3)
-        assert await lanes.call(TRAINER, "echo", {"still": "fine"}, deadline_s=10.0) == {
-            "still": "fine"
-        }
+        assert await lanes.call(
+            TRAINER, "echo", {"still": "fine"}, deadline_s=10.0, returns=object
+        ) == {"still": "fine"}
         rogue.close()
         context.term()

@@ -6,13 +6,10 @@ import json
 
 import pytest
 
+from timeshare.errors import BadParams, BadRequest, ControlError, UnknownMethod
 from timeshare.protocols.control import (
-    BadParams,
-    BadRequest,
-    ControlError,
     LogLevelParams,
     NoParams,
-    UnknownMethod,
     WaitParams,
     encode_error,
     encode_result,

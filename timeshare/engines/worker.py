@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -37,6 +37,14 @@ from timeshare.engines.base import (
 from timeshare.engines.pairs import EnginePair, Workload
 from timeshare.engines.spec import EngineSpec
 from timeshare.protocols.commands import WorkerServer
+from timeshare.protocols.commands.results import (
+    BootstrapResult,
+    HeldResult,
+    PhaseResult,
+    RolloutResult,
+    SyncResult,
+    TrainResult,
+)
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import (
     TransferConfig,
@@ -96,17 +104,39 @@ def fire_faults(spec: WorkerSpec, phase: str, step: int | None) -> None:
         threading.Event().wait()  # hang: no progress until aborted or killed
 
 
-def transfer_result(report: TransferReport) -> dict[str, Any]:
+Handler = Callable[[dict[str, Any]], PhaseResult]
+NOTHING_TO_DO: Handler = lambda params: PhaseResult()  # noqa: E731 - a phase of the other side
+TRAIN_FIELDS = ("step", "samples", "committed", "reward_mean", "logprob_max_abs_diff", "loss")
+
+
+def sync_result(
+    report: TransferReport, digest: str, staging_buffers: int | None = None
+) -> SyncResult:
     """A transfer's report as a SYNC command's result."""
-    return {
-        "version": report.version,
-        "bytes": report.bytes,
-        "tensors": report.tensors,
-        "buckets": report.buckets,
-        "seconds": report.seconds,
-        "checksummed": report.checksummed,
-        "ack_s": list(report.ack_seconds),
-    }
+    return SyncResult(
+        version=report.version,
+        bytes=report.bytes,
+        tensors=report.tensors,
+        buckets=report.buckets,
+        seconds=report.seconds,
+        checksummed=report.checksummed,
+        ack_s=report.ack_seconds,
+        digest=digest,
+        staging_buffers=staging_buffers,
+    )
+
+
+def train_result(metrics: Mapping[str, float]) -> TrainResult:
+    """An engine's TRAIN figures as the command's result: the known ones typed, the rest extra."""
+    known = {key: metrics[key] for key in TRAIN_FIELDS if key in metrics}
+    return TrainResult(
+        step=int(known.pop("step")),
+        samples=int(known.pop("samples")),
+        committed=None if "committed" not in known else int(known.pop("committed")),
+        train_s=float(metrics.get("train_s", 0.0)),
+        extra={k: float(v) for k, v in metrics.items() if k not in (*TRAIN_FIELDS, "train_s")},
+        **{key: float(value) for key, value in known.items()},
+    )
 
 
 class TrainerWorker:
@@ -124,30 +154,32 @@ class TrainerWorker:
         self.portal = portal
         self.sender = WeightSender(spec.weight_endpoint, spec.transfer)
 
-    def handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
+    def handlers(self) -> dict[str, Handler]:
         return {
             "bootstrap": self.bootstrap,
             "train": self.train,
             "offload": self.offload,
             "sync": self.sync,
-            "barrier": self.barrier,
-            "resume": lambda params: None,
-            "rollout": lambda params: None,
-            "held": self.barrier,
+            "barrier": self.held,
+            "resume": NOTHING_TO_DO,
+            "rollout": NOTHING_TO_DO,
+            "held": self.held,
         }
 
-    def bootstrap(self, params: dict[str, Any]) -> dict[str, Any]:
+    def bootstrap(self, params: dict[str, Any]) -> BootstrapResult:
         step = self.engine.bootstrap(Path(self.spec.checkpoint_dir))
-        return {"step": step, "train": self.engine.last_train}
+        last = self.engine.last_train
+        return BootstrapResult(step=step, train=None if last is None else train_result(last))
 
-    def train(self, params: dict[str, Any]) -> dict[str, float]:
+    def train(self, params: dict[str, Any]) -> TrainResult:
         batch = msgspec.convert(params.get("batch", []), list[RolloutSample])
-        return self.engine.train_step(batch)
+        return train_result(self.engine.train_step(batch))
 
-    def offload(self, params: dict[str, Any]) -> None:
+    def offload(self, params: dict[str, Any]) -> PhaseResult:
         self.engine.offload()
+        return PhaseResult()
 
-    def sync(self, params: dict[str, Any]) -> dict[str, Any]:
+    def sync(self, params: dict[str, Any]) -> SyncResult:
         self.engine.prepare_sync()
         weights = list(self.engine.iter_weights())
         with self.server.waiting_on_peer():
@@ -155,14 +187,10 @@ class TrainerWorker:
         digest = weights_digest(iter(weights))
         self.engine.finish_sync()
         self.engine.offload_params()
-        return {
-            **transfer_result(report),
-            "staging_buffers": self.sender.staging_buffers,
-            "digest": digest,
-        }
+        return sync_result(report, digest, self.sender.staging_buffers)
 
-    def barrier(self, params: dict[str, Any]) -> dict[str, float]:
-        return {"held_mb": self.engine.held_mb()}
+    def held(self, params: dict[str, Any]) -> HeldResult:
+        return HeldResult(held_mb=self.engine.held_mb())
 
     def close(self) -> None:
         try:
@@ -182,19 +210,19 @@ class RolloutWorker:
         self.receiver = WeightReceiver(spec.weight_endpoint, spec.transfer)
         self.server = server
 
-    def handlers(self) -> dict[str, Callable[[dict[str, Any]], Any]]:
+    def handlers(self) -> dict[str, Handler]:
         return {
-            "bootstrap": lambda params: None,
-            "train": lambda params: None,
-            "offload": lambda params: None,
+            "bootstrap": NOTHING_TO_DO,
+            "train": NOTHING_TO_DO,
+            "offload": NOTHING_TO_DO,
             "sync": self.sync,
-            "barrier": lambda params: None,
+            "barrier": NOTHING_TO_DO,
             "resume": self.resume,
             "rollout": self.rollout,
-            "held": lambda params: {"held_mb": self.engine.held_mb()},
+            "held": self.held,
         }
 
-    def sync(self, params: dict[str, Any]) -> dict[str, Any]:
+    def sync(self, params: dict[str, Any]) -> SyncResult:
         self.engine.begin_weight_update()
         self.engine.wake({"weights"})
 
@@ -205,12 +233,16 @@ class RolloutWorker:
         with self.server.waiting_on_peer():
             report = self.receiver.receive(load)  # within the config's begin_timeout_s
         self.engine.finish_weight_update(report.version)
-        return {**transfer_result(report), "digest": self.engine.digest()}
+        return sync_result(report, self.engine.digest())
 
-    def resume(self, params: dict[str, Any]) -> None:
+    def resume(self, params: dict[str, Any]) -> PhaseResult:
         self.engine.wake({"kv_cache"})
+        return PhaseResult()
 
-    def rollout(self, params: dict[str, Any]) -> dict[str, Any]:
+    def held(self, params: dict[str, Any]) -> HeldResult:
+        return HeldResult(held_mb=self.engine.held_mb())
+
+    def rollout(self, params: dict[str, Any]) -> RolloutResult:
         step = int(params.get("step", 0))
         requests = self.workload.requests(self.spec.rank, step)
         samples = self.engine.generate(requests)
@@ -220,11 +252,11 @@ class RolloutWorker:
         ]
         self.engine.sleep()
         rewards = [s.reward for s in scored if s.reward is not None]
-        return {
-            "samples": msgspec.to_builtins(scored),
-            "version": scored[0].weight_version if scored else None,
-            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-        }
+        return RolloutResult(
+            samples=msgspec.Raw(msgspec.msgpack.encode(scored)),  # for the trainer, as it is
+            version=scored[0].weight_version if scored else None,
+            reward_mean=sum(rewards) / len(rewards) if rewards else None,
+        )
 
     def close(self) -> None:
         self.receiver.close()
@@ -234,7 +266,7 @@ def run(spec: WorkerSpec) -> None:
     logs.configure(spec.log_level, spec.log_file)
     structlog.contextvars.bind_contextvars(rank=spec.rank, role=spec.role, engine=spec.engine.kind)
     store = JobStore.connect(spec.store_host, spec.store_port, timeout_s=30.0)
-    handlers: dict[str, Callable[[dict[str, Any]], Any]] = {}
+    handlers: dict[str, Callable[[dict[str, Any]], object]] = {}
     server = WorkerServer(
         work_endpoint=spec.work_endpoint,
         control_endpoint=spec.control_endpoint,
@@ -258,21 +290,15 @@ def run(spec: WorkerSpec) -> None:
         server.serve()
 
 
-def _phase_handler(
-    spec: WorkerSpec, phase: str, handler: Callable[[dict[str, Any]], Any]
-) -> Callable[[dict[str, Any]], Any]:
+def _phase_handler(spec: WorkerSpec, phase: str, handler: Handler) -> Handler:
     """Fire the faults injected for this phase, run it, and say how long the engine worked."""
 
-    def run_phase(params: dict[str, Any]) -> Any:
+    def run_phase(params: dict[str, Any]) -> PhaseResult:
         structlog.contextvars.bind_contextvars(phase=phase, step=params.get("step"))
         fire_faults(spec, phase, params.get("step"))
         started = time.perf_counter()
         result = handler(params)
-        if result is None:
-            result = {}
-        if isinstance(result, dict):
-            result["engine_s"] = time.perf_counter() - started
-        return result
+        return msgspec.structs.replace(result, engine_s=time.perf_counter() - started)
 
     return run_phase
 

@@ -10,14 +10,25 @@ from __future__ import annotations
 
 import json
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
+import anyio
+import msgspec
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
 from timeshare.errors import StoreError
 
 PREFIX = "timeshare/"
+COMMAND = "command"  # the generation counter and key prefix of cycle-changing commands
+
+
+class JobCommand(msgspec.Struct, frozen=True):
+    """A command that changes the cycle (pause, resume, drain, stop, steps, log_level)."""
+
+    command: str
+    params: dict[str, Any] = {}
 
 
 class JobStore:
@@ -99,10 +110,59 @@ class JobStore:
 
     def record_command(self, command: str, **params: Any) -> int:
         """Write a cycle-changing command under a new generation; return the generation."""
-        generation = self.next_generation("command")
-        self.put(f"command/{generation}", {"command": command, "params": params})
+        generation = self.next_generation(COMMAND)
+        self.put(f"{COMMAND}/{generation}", {"command": command, "params": params})
         return generation
 
-    def command(self, generation: int, *, timeout_s: float) -> dict[str, Any]:
-        value: dict[str, Any] = self.get(f"command/{generation}", timeout_s=timeout_s)
-        return value
+    def latest_command(self) -> int:
+        """The generation of the last command written (0: none yet); its value may still be
+        on its way (the generation is taken before the value is written)."""
+        return self.add(f"gen/{COMMAND}", 0)
+
+    def command(self, generation: int, *, timeout_s: float) -> JobCommand | None:
+        """The command of `generation` (waiting at most `timeout_s` for its value), or None
+        for a value that is not a command."""
+        value = self.get(f"{COMMAND}/{generation}", timeout_s=timeout_s)
+        try:
+            return msgspec.convert(value, JobCommand)
+        except msgspec.ValidationError:
+            return None
+
+
+class AsyncJobStore:
+    """The job store for the event loop: every call runs in a worker thread (TCPStore blocks),
+    bounded by the store's own timeouts. `blocking` is the connection underneath."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.blocking = store
+
+    @classmethod
+    async def host(cls) -> AsyncJobStore:
+        return cls(await anyio.to_thread.run_sync(JobStore.host))
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.blocking.address
+
+    async def another_connection(self) -> JobStore:
+        """A new connection to the same store (blocking waits on one connection queue)."""
+        return await anyio.to_thread.run_sync(JobStore.connect, *self.address)
+
+    async def next_generation(self, name: str) -> int:
+        return await anyio.to_thread.run_sync(self.blocking.next_generation, name)
+
+    async def put(self, key: str, value: Any) -> None:
+        await anyio.to_thread.run_sync(self.blocking.put, key, value)
+
+    async def record_command(self, command: str, **params: Any) -> int:
+        return await anyio.to_thread.run_sync(
+            partial(self.blocking.record_command, command, **params)
+        )
+
+    async def latest_command(self) -> int:
+        return await anyio.to_thread.run_sync(self.blocking.latest_command)
+
+    async def command(self, generation: int, *, timeout_s: float) -> JobCommand | None:
+        return await anyio.to_thread.run_sync(
+            partial(self.blocking.command, generation, timeout_s=timeout_s)
+        )

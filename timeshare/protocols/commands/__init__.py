@@ -3,9 +3,10 @@
 driver_side.py: `WorkerLanes` (ROUTER per lane; calls with deadlines; exits and stalls seen).
 worker_side.py: `WorkerServer` (DEALER per lane; work in the main thread, control in its own).
 frames.py: the typed msgpack frames both speak.
+results.py: what each command returns, one Struct per (command, role).
 """
 
 from timeshare.protocols.commands.driver_side import WorkerId, WorkerLanes, watch_process
-from timeshare.protocols.commands.worker_side import Aborted, WorkerServer
+from timeshare.protocols.commands.worker_side import WorkerServer
 
-__all__ = ["Aborted", "WorkerId", "WorkerLanes", "WorkerServer", "watch_process"]
+__all__ = ["WorkerId", "WorkerLanes", "WorkerServer", "watch_process"]

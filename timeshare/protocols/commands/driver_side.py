@@ -19,14 +19,16 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
 
 from timeshare.errors import (
+    BadResult,
     CommandTimeout,
     ProtocolError,
     WorkerDied,
@@ -43,6 +45,7 @@ log = structlog.get_logger(__name__)
 # How often a waiting call looks at exits, stalls and its deadline.
 CHECK_S = 0.05
 LANES = ("work", "control")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -131,12 +134,8 @@ class WorkerLanes:
                 await anyio.sleep(CHECK_S)
             return
         late = [w for w in workers if self._workers[w].lanes != set(LANES)]
-        raise WorkersNotReady(
-            f"workers not ready within {timeout_s:g} s: {', '.join(map(str, late))}",
-            rank=late[0].rank,
-            role=late[0].role,
-            command=None,
-        )
+        message = f"workers not ready within {timeout_s:g} s: {', '.join(map(str, late))}"
+        raise _failure(WorkersNotReady, late[0], None, message)
 
     def worker_exited(self, worker: WorkerId, returncode: int) -> None:
         """The worker's process is gone: every wait on it ends now."""
@@ -155,9 +154,17 @@ class WorkerLanes:
         params: dict[str, Any] | None = None,
         *,
         deadline_s: float,
-    ) -> Any:
-        """Run `command` on the worker's work lane; its result, or a typed WorkerFailure."""
-        return await self._call("work", worker, command, params or {}, deadline_s)
+        returns: type[R],
+    ) -> R:
+        """Run `command` on the worker's work lane; its result as `returns`, or a typed
+        WorkerFailure (`BadResult` for an answer that is not a `returns`)."""
+        reply = await self._call("work", worker, command, params or {}, deadline_s)
+        try:
+            return msgspec.msgpack.decode(reply, type=returns)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise _failure(
+                BadResult, worker, command, f"{worker} answered {command} with a bad result: {exc}"
+            ) from exc
 
     async def control(
         self,
@@ -168,76 +175,65 @@ class WorkerLanes:
         timeout_s: float,
     ) -> Any:
         """`status`, `abort` or `log_level` on the control lane, answered while work runs."""
-        return await self._call("control", worker, command, params or {}, timeout_s)
+        reply = await self._call("control", worker, command, params or {}, timeout_s)
+        return msgspec.msgpack.decode(reply)
 
     async def _call(
         self, lane: str, worker: WorkerId, command: str, params: dict[str, Any], deadline_s: float
-    ) -> Any:
+    ) -> msgspec.Raw:
         self.expect(worker)
         self._raise_if_exited(worker, command)
         call_id = next(self._ids)
         pending = _Pending(worker, command)
         self._pending[call_id] = pending
-        liveness = self._workers[worker]
-        started = time.monotonic()
         try:
-            frame = frames.encode(frames.Call(call_id, command, params))
-            try:
-                # Bounded like the rest of the call: a worker that stopped reading fills the queue.
-                with anyio.fail_after(deadline_s):
-                    await self._sockets[lane].send_multipart([worker.routing_id, frame])
-            except TimeoutError as exc:
-                raise CommandTimeout(
-                    f"{worker} did not take {command} within {deadline_s:g} s",
-                    rank=worker.rank,
-                    role=worker.role,
-                    command=command,
-                ) from exc
-            except zmq.ZMQError as exc:  # ROUTER_MANDATORY: nobody with that id is connected
-                raise WorkerFailure(
-                    f"{worker} is not connected on the {lane} lane: {exc}",
-                    rank=worker.rank,
-                    role=worker.role,
-                    command=command,
-                ) from exc
-            while True:
-                with anyio.move_on_after(CHECK_S):
-                    await pending.done.wait()
-                if pending.reply is not None:
-                    break
-                self._raise_if_exited(worker, command)
-                now = time.monotonic()
-                if (
-                    lane == "work"
-                    and now - max(started, liveness.progress_at) > self.stall_timeout_s
-                ):
-                    raise WorkerStalled(
-                        f"{worker} made no progress in {command} for {self.stall_timeout_s:g} s",
-                        rank=worker.rank,
-                        role=worker.role,
-                        command=command,
-                    )
-                if now - started > deadline_s:
-                    raise CommandTimeout(
-                        f"{worker} did not finish {command} within {deadline_s:g} s",
-                        rank=worker.rank,
-                        role=worker.role,
-                        command=command,
-                    )
+            await self._send(lane, worker, frames.Call(call_id, command, params), deadline_s)
+            await self._wait_for_reply(lane, pending, time.monotonic(), deadline_s)
         finally:
             del self._pending[call_id]
         return _outcome(worker, command, pending.reply)
+
+    async def _send(
+        self, lane: str, worker: WorkerId, call: frames.Call, deadline_s: float
+    ) -> None:
+        try:
+            # Bounded like the rest of the call: a worker that stopped reading fills the queue.
+            with anyio.fail_after(deadline_s):
+                await self._sockets[lane].send_multipart([worker.routing_id, frames.encode(call)])
+        except TimeoutError as exc:
+            message = f"{worker} did not take {call.command} within {deadline_s:g} s"
+            raise _failure(CommandTimeout, worker, call.command, message) from exc
+        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: nobody with that id is connected
+            message = f"{worker} is not connected on the {lane} lane: {exc}"
+            raise _failure(WorkerFailure, worker, call.command, message) from exc
+
+    async def _wait_for_reply(
+        self, lane: str, pending: _Pending, started: float, deadline_s: float
+    ) -> None:
+        """Until the reply; the worker's exit, a stall (work lane) or the deadline end it."""
+        worker, command = pending.worker, pending.command
+        liveness = self._workers[worker]
+        while True:
+            with anyio.move_on_after(CHECK_S):
+                await pending.done.wait()
+            if pending.reply is not None:
+                return
+            self._raise_if_exited(worker, command)
+            now = time.monotonic()
+            if lane == "work" and now - max(started, liveness.progress_at) > self.stall_timeout_s:
+                message = f"{worker} made no progress in {command} for {self.stall_timeout_s:g} s"
+                raise _failure(WorkerStalled, worker, command, message)
+            if now - started > deadline_s:
+                message = f"{worker} did not finish {command} within {deadline_s:g} s"
+                raise _failure(CommandTimeout, worker, command, message)
 
     def _raise_if_exited(self, worker: WorkerId, command: str | None) -> None:
         returncode = self._workers[worker].returncode
         if returncode is not None:
             during = f" during {command}" if command else ""
+            message = f"{worker} exited{during} with {_describe_exit(returncode)}"
             raise WorkerDied(
-                f"{worker} exited{during} with {_describe_exit(returncode)}",
-                rank=worker.rank,
-                role=worker.role,
-                command=command,
-                returncode=returncode,
+                message, rank=worker.rank, role=worker.role, command=command, returncode=returncode
             )
 
     # -- sockets ------------------------------------------------------------------------------
@@ -316,7 +312,9 @@ async def watch_process(
     return returncode
 
 
-def _outcome(worker: WorkerId, command: str, reply: frames.Result | frames.Failure | None) -> Any:
+def _outcome(
+    worker: WorkerId, command: str, reply: frames.Result | frames.Failure | None
+) -> msgspec.Raw:
     if isinstance(reply, frames.Failure):
         raise WorkerError(
             f"{worker} failed in {command}: {reply.type}: {reply.message}",
@@ -328,6 +326,14 @@ def _outcome(worker: WorkerId, command: str, reply: frames.Result | frames.Failu
         )
     assert reply is not None
     return reply.value
+
+
+F = TypeVar("F", bound=WorkerFailure)
+
+
+def _failure(kind: type[F], worker: WorkerId, command: str | None, message: str) -> F:
+    """A failure of `kind` naming the worker and its command."""
+    return kind(message, rank=worker.rank, role=worker.role, command=command)
 
 
 def _worker_of(routing_id: bytes) -> WorkerId:

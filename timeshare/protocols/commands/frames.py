@@ -4,7 +4,8 @@ Driver (ROUTER) and worker (DEALER) exchange, on either lane:
 
     worker -> driver   Hello       once per lane, on connecting: who this is
     driver -> worker   Call        run `command` with `params` (id chosen by the driver)
-    worker -> driver   Result      the call's return value (msgpack-able)
+    worker -> driver   Result      the call's return value, encoded on its own (`result`): the
+                                   driver decodes it with the type it expects (results.py)
     worker -> driver   Failure     the call raised: exception type and message
     worker -> driver   Heartbeat   control lane, every heartbeat_s: busy with what, progress count
 """
@@ -39,7 +40,7 @@ class Call(_Frame, frozen=True, tag="call"):
 
 class Result(_Frame, frozen=True, tag="result"):
     id: int
-    value: Any
+    value: msgspec.Raw  # msgpack of the return value, decoded by the caller with its type
 
 
 class Failure(_Frame, frozen=True, tag="failure"):
@@ -65,6 +66,11 @@ _from_worker = msgspec.msgpack.Decoder(FromWorker)
 
 def encode(frame: ToWorker | FromWorker) -> bytes:
     return _encoder.encode(frame)
+
+
+def result(call_id: int, value: object) -> Result:
+    """The frame carrying `value` (a msgspec Struct, or anything msgpack can encode)."""
+    return Result(call_id, msgspec.Raw(_encoder.encode(value)))
 
 
 def decode_to_worker(data: bytes) -> ToWorker:

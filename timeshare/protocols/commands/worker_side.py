@@ -26,8 +26,9 @@ import structlog
 import zmq
 
 from timeshare import logs
-from timeshare.errors import ProtocolError
+from timeshare.errors import Aborted, ProtocolError, UnknownCommand
 from timeshare.protocols.commands import frames
+from timeshare.protocols.commands.results import WorkerStatus
 
 log = structlog.get_logger(__name__)
 
@@ -35,14 +36,6 @@ Handler: TypeAlias = Callable[[dict[str, Any]], Any]
 ABORT_SIGNAL = signal.SIGUSR1
 POLL_SLICE_S = 0.05
 SHUTDOWN = "shutdown"
-
-
-class Aborted(Exception):
-    """Raised inside a running call when the driver aborts it."""
-
-
-class UnknownCommand(Exception):
-    """Raised (and reported to the driver) for a command this worker has no handler for."""
 
 
 class WorkerServer:
@@ -128,7 +121,7 @@ class WorkerServer:
 
     def _run(self, call: frames.Call) -> frames.Result | frames.Failure:
         if call.command == SHUTDOWN:
-            return frames.Result(call.id, None)
+            return frames.result(call.id, None)
         handler = self._handlers.get(call.command)
         if handler is None:
             return frames.failure(call.id, UnknownCommand(f"no handler for {call.command!r}"))
@@ -137,7 +130,11 @@ class WorkerServer:
             self._armed = True
             value = handler(call.params)
             self._armed = False
-            return frames.Result(call.id, value)
+            return frames.result(call.id, value)
+        except Aborted as exc:  # the driver gave up on this call: say where it was stuck
+            self._armed = False
+            log.warning("worker.call.aborted", command=call.command, exc_info=True)
+            return frames.failure(call.id, exc)
         except Exception as exc:
             self._armed = False
             return frames.failure(call.id, exc)
@@ -172,12 +169,13 @@ class WorkerServer:
             log.warning("worker.control.malformed", role=self.role, rank=self.rank, error=str(exc))
             return
         if call.command == "abort":
-            reply: frames.Result | frames.Failure = frames.Result(call.id, self._abort())
+            reply: frames.Result | frames.Failure = frames.result(call.id, self._abort())
         elif call.command == "status":
-            reply = frames.Result(call.id, self._status())
+            reply = frames.result(call.id, self._status())
         elif call.command == "log_level" and call.params.get("level") in logs.LEVELS:
             logs.set_level(call.params["level"])  # the operator's, while work runs
-            reply = frames.Result(call.id, call.params["level"])
+            log.info("worker.log_level.set", level=call.params["level"])
+            reply = frames.result(call.id, call.params["level"])
         else:
             reply = frames.failure(call.id, UnknownCommand(f"no control command {call.command!r}"))
         control.send(frames.encode(reply))
@@ -189,15 +187,15 @@ class WorkerServer:
             return busy.command
         return None
 
-    def _status(self) -> dict[str, Any]:
+    def _status(self) -> WorkerStatus:
         busy = self._busy
-        return {
-            "role": self.role,
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "busy": None if busy is None else busy.command,
-            "progress": self._progress,
-        }
+        return WorkerStatus(
+            role=self.role,
+            rank=self.rank,
+            pid=os.getpid(),
+            busy=None if busy is None else busy.command,
+            progress=self._progress,
+        )
 
     def _heartbeat(self) -> frames.Heartbeat:
         busy = self._busy

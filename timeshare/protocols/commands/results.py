@@ -1,0 +1,110 @@
+"""What each worker command returns: one msgspec Struct per (command, role), decoded by the lane.
+
+A worker answers every phase command, also those it has nothing to do in; every answer says how
+long its engine worked (`engine_s`; the rest of a phase is orchestration). The driver asks
+`WorkerLanes.call(..., returns=result_type(command, role))` and gets the typed result or a
+`BadResult` naming the worker: nothing is read by string keys.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Role = Literal["trainer", "rollout"]
+ROLES: tuple[Role, Role] = ("trainer", "rollout")
+
+
+class PhaseResult(msgspec.Struct, frozen=True, kw_only=True):
+    """A command with nothing to report beyond the time its engine worked."""
+
+    engine_s: float = 0.0
+
+
+class TrainResult(PhaseResult, frozen=True, kw_only=True):
+    """One optimisation step (TRAIN, on the trainer). `committed` is the step made durable
+    before the answer (None: this engine keeps no checkpoints); `reward_mean` is the mean
+    reward of the samples trained on; `extra` holds the engine's other figures."""
+
+    step: int
+    samples: int
+    committed: int | None = None
+    reward_mean: float | None = None
+    logprob_max_abs_diff: float | None = None
+    loss: float | None = None
+    train_s: float = 0.0
+    extra: dict[str, float] = {}
+
+
+class BootstrapResult(PhaseResult, frozen=True, kw_only=True):
+    """The trainer loaded the last committed checkpoint, of `step`. `train` is the TRAIN that
+    made that step, as its checkpoint kept it (None: step 0, or an engine that keeps none)."""
+
+    step: int
+    train: TrainResult | None = None
+
+
+class SyncResult(PhaseResult, frozen=True, kw_only=True):
+    """One weight transfer, from either side: what moved, how fast, and the weights' digest.
+
+    `seconds` runs from the first bucket to FINALIZED; `ack_s` (the sender) times each bucket
+    from its header to its ACK; `staging_buffers` (the sender) is the session's buffer count.
+    """
+
+    version: int
+    bytes: int
+    tensors: int
+    buckets: int
+    seconds: float
+    checksummed: int = 0
+    ack_s: tuple[float, ...] = ()
+    digest: str = ""
+    staging_buffers: int | None = None
+
+
+class HeldResult(PhaseResult, frozen=True, kw_only=True):
+    """Device memory the worker's engine still holds, in MiB (BARRIER on the trainer, `held`)."""
+
+    held_mb: float
+
+
+class RolloutResult(PhaseResult, frozen=True, kw_only=True):
+    """One ROLLOUT: the samples (opaque to the driver, which hands them to the rank's next
+    TRAIN as they came), the weight version that produced them, and their mean reward."""
+
+    samples: msgspec.Raw
+    version: int | None = None
+    reward_mean: float | None = None
+
+
+class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's answer to `status` on its control lane (answered while work runs)."""
+
+    role: str
+    rank: int
+    pid: int
+    busy: str | None  # the command on its work lane, if any
+    progress: int  # grows while its engine makes progress
+
+
+RESULTS: dict[tuple[str, str], type[PhaseResult]] = {
+    ("bootstrap", "trainer"): BootstrapResult,
+    ("train", "trainer"): TrainResult,
+    ("sync", "trainer"): SyncResult,
+    ("sync", "rollout"): SyncResult,
+    ("barrier", "trainer"): HeldResult,
+    ("rollout", "rollout"): RolloutResult,
+    ("held", "trainer"): HeldResult,
+    ("held", "rollout"): HeldResult,
+}
+COMMANDS = frozenset(
+    {"bootstrap", "train", "offload", "sync", "barrier", "resume", "rollout", "held"}
+)
+
+
+def result_type(command: str, role: str) -> type[PhaseResult]:
+    """The type `role`'s answer to `command` has (PhaseResult where it has nothing to report)."""
+    if command not in COMMANDS:
+        raise ValueError(f"no worker command {command!r}; commands are {sorted(COMMANDS)}")
+    return RESULTS.get((command, role), PhaseResult)
