@@ -27,7 +27,8 @@ import msgspec
 import structlog
 
 from timeshare.config import load_config
-from timeshare.daemon.driver import RunSummary, run_cycle
+from timeshare.cycle import RunSummary, run_cycle
+from timeshare.protocols.commands.results import SyncResult
 from timeshare.state import Phase
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
@@ -56,9 +57,9 @@ def row(ranks: int, summary: RunSummary) -> dict[str, Any]:
     cycles = summary.step - summary.first_step
     seconds = {phase.value: summary.phase_seconds[phase.value] for phase in Phase}
     seconds["sync-xfer"] = [
-        r.seconds - float(r.results["trainer"]["seconds"])
-        for r in summary.records
-        if r.phase is Phase.SYNC
+        r.seconds - r.trainer.seconds
+        for r in summary.reports
+        if r.phase is Phase.SYNC and isinstance(r.trainer, SyncResult)
     ]
     phases = {
         name: {

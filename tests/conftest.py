@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import stat
 import tempfile
@@ -12,6 +13,12 @@ import pytest
 import structlog
 
 from timeshare.protocols.weights.shm import SEGMENT_PREFIX, SHM_DIR
+
+# torch's TCPStore resolves the peer's address back to a name on every connection (client and
+# server side, for its log lines). On a machine whose DNS server drops a query now and then,
+# glibc waits 5 s before it asks again: one job-store connection in a few dozen stalls 5 s.
+# Every process of a test inherits this: a dropped query then costs 1 s.
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:2")
 
 # Tests read logs from stderr only; stdout of peer processes carries their JSON events.
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(__import__("sys").stderr))

@@ -3,7 +3,9 @@
     timeshare run CONFIG [--summary PATH] [--ranks N] [--steps N]
                                     run the cycle in the foreground
     timeshare config show CONFIG    the effective config, each key with where it came from
-    timeshare state diagram         the phase machine's table as a Mermaid diagram
+    timeshare state diagram [job|service]
+                                    the job's phase machine, or the service's lifecycle,
+                                    as a Mermaid diagram
 
 Exit codes: 0 done, 1 the run failed (the error names rank, role and phase), 2 bad input (an
 unusable config names the key and its source), 128 + signal number when stopped by a signal.
@@ -21,9 +23,9 @@ import msgspec
 
 from timeshare import logs
 from timeshare.config import Config, effective_lines, load_config
-from timeshare.daemon.foreground import Interrupted, run_foreground
-from timeshare.errors import ConfigError, CycleFailed
-from timeshare.state.diagram import mermaid
+from timeshare.daemon.foreground import run_foreground
+from timeshare.errors import ConfigError, CycleFailed, Interrupted
+from timeshare.state.diagram import DIAGRAMS
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -35,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "config":
             sys.stdout.write("\n".join(effective_lines(load_config(args.config))) + "\n")
         elif args.command == "state":
-            sys.stdout.write(mermaid())
+            sys.stdout.write(DIAGRAMS[args.table]())
         elif args.command == "run":
             return _run(_with_overrides(load_config(args.config).config, args), args.summary)
     except ConfigError as exc:
@@ -88,9 +90,10 @@ def _parser() -> argparse.ArgumentParser:
     config_commands = config.add_subparsers(dest="config_command", required=True)
     show = config_commands.add_parser("show", help="print the effective config and its sources")
     show.add_argument("config", type=Path)
-    state = commands.add_parser("state", help="the job's phase machine")
+    state = commands.add_parser("state", help="the tables every decision of the job comes from")
     state_commands = state.add_subparsers(dest="state_command", required=True)
-    state_commands.add_parser("diagram", help="print the transition table as a Mermaid diagram")
+    diagram = state_commands.add_parser("diagram", help="print a table as a Mermaid diagram")
+    diagram.add_argument("table", nargs="?", choices=sorted(DIAGRAMS), default="job")
     return parser
 
 

@@ -11,19 +11,15 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import anyio
 
 from timeshare.config import Config
-from timeshare.daemon.driver import (
-    BootstrapRecord,
-    CycleHooks,
-    PhaseRecord,
-    RunSummary,
-    run_cycle,
-)
-from timeshare.daemon.steps import StepLog, SummaryFile
+from timeshare.cycle import BootstrapReport, CycleHooks, PhaseReport, RunSummary, run_cycle
+from timeshare.cycle.steps import StepFigures, StepLog
+from timeshare.daemon.summary import SummaryFile
+from timeshare.errors import Interrupted
 
 
 @dataclass
@@ -37,20 +33,20 @@ class Progress:
     gbps: float | None = None
     drawn: bool = field(default=False)
 
-    def phase(self, record: PhaseRecord) -> None:
+    def phase(self, report: PhaseReport) -> None:
         if self.tty:
-            self._draw(f"phase {record.phase.value:<8} rank {record.rank}", record.step)
+            self._draw(f"phase {report.phase.value:<8} rank {report.rank}", report.step)
 
-    def step(self, entry: dict[str, Any]) -> None:
-        self.reward, self.gbps = entry["reward_mean"], entry["sync"]["gbps"]
+    def step(self, figures: StepFigures) -> None:
+        self.reward, self.gbps = figures.reward_mean, figures.sync.gbps
         if self.tty:
-            self._draw("", entry["step"])
+            self._draw("", figures.step)
             return
         print(
-            f"step {entry['step']:>4}/{self.steps}  reward {entry['reward_mean']:.3f}  "
-            f"step {entry['step_s']:.2f} s  sync {entry['sync']['gbps']:.3f} GB/s  "
-            f"weights_match {entry['weights_match']}  "
-            f"logprob_diff {entry['logprob_max_abs_diff']:.1e}",
+            f"step {figures.step:>4}/{self.steps}  reward {_number(figures.reward_mean, '.3f')}  "
+            f"step {figures.step_s:.2f} s  sync {figures.sync.gbps:.3f} GB/s  "
+            f"weights_match {figures.weights_match}  "
+            f"logprob_diff {_number(figures.logprob_max_abs_diff, '.1e')}",
             file=self.out,
             flush=True,
         )
@@ -62,8 +58,7 @@ class Progress:
     def _draw(self, detail: str, step: int) -> None:
         done = min(step, self.steps)
         bar = "#" * (20 * done // max(self.steps, 1))
-        reward = "-" if self.reward is None else f"{self.reward:.3f}"
-        gbps = "-" if self.gbps is None else f"{self.gbps:.3f}"
+        reward, gbps = _number(self.reward, ".3f"), _number(self.gbps, ".3f")
         line = f"[{bar:<20}] step {step}/{self.steps} {detail} reward {reward} sync {gbps} GB/s"
         self.out.write(f"\r{line:<100}")
         self.out.flush()
@@ -77,23 +72,23 @@ async def run_foreground(config: Config, summary_path: Path | None) -> RunSummar
     steps = StepLog(config.job.ranks)
     writing = anyio.Lock()  # one summary write at a time (ranks finish phases concurrently)
 
-    async def observe(record: PhaseRecord | BootstrapRecord) -> None:
-        if isinstance(record, PhaseRecord):
-            progress.phase(record)
-            entry = steps.add(record)
-            if entry is not None:
+    async def observe(report: PhaseReport | BootstrapReport) -> None:
+        if isinstance(report, PhaseReport):
+            progress.phase(report)
+            figures = steps.add(report)
+            if figures is not None:
                 if summary is not None:
                     async with writing:  # fsync: off the event loop
-                        await anyio.to_thread.run_sync(summary.append, entry)
-                progress.step(entry)
+                        await anyio.to_thread.run_sync(summary.append, figures)
+                progress.step(figures)
             return
         # Bootstrapped at the committed step: keep what the summary says up to it, and finish
         # that step here if a crash cut it short after its TRAIN.
-        if summary is not None and record.rank == 0:
+        if summary is not None and report.rank == 0:
             async with writing:
-                await anyio.to_thread.run_sync(summary.resume_from, record.step)
-        if summary is None or not summary.has(record.step):
-            steps.resume(record)
+                await anyio.to_thread.run_sync(summary.resume_from, report.step)
+        if summary is None or not summary.has(report.step):
+            steps.resume(report)
 
     try:
         async with anyio.create_task_group() as group:
@@ -120,9 +115,5 @@ async def _stop_on_signal() -> None:
             raise Interrupted(signum)
 
 
-class Interrupted(Exception):
-    """The run was asked to stop by a signal."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)

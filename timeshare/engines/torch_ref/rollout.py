@@ -24,9 +24,9 @@ from timeshare.engines.base import (
 from timeshare.engines.torch_ref.model import CausalLM, KVCache, ModelConfig, token_logprobs
 from timeshare.engines.torch_ref.spec import TorchRefSpec
 from timeshare.errors import TimeshareError
+from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
-MB = 2**20
 
 
 class EngineAsleep(TimeshareError):
@@ -58,10 +58,10 @@ class TorchRefRollout(RolloutEngine):
             if self.model is None:
                 raise EngineAsleep("wake kv_cache: the weights are asleep (wake them first)")
             self.cache = KVCache(self.config, self.spec.batch_size, self.spec.kv_cache_len)
-            log.info("rollout.wake", rank=self.rank, tag="kv_cache", mb=self.cache.nbytes / MB)
+            log.info("rollout.wake", rank=self.rank, tag="kv_cache", mb=self.cache.nbytes / MIB)
 
     def sleep(self) -> None:
-        freed = self.weights_mb + (self.cache.nbytes / MB if self.cache else 0.0)
+        freed = self.weights_mb + (self.cache.nbytes / MIB if self.cache else 0.0)
         self.model = None
         self.cache = None
         self.torn = True  # the weights are gone: only a whole transfer brings them back
@@ -71,10 +71,10 @@ class TorchRefRollout(RolloutEngine):
     def weights_mb(self) -> float:
         if self.model is None:
             return 0.0
-        return sum(p.nbytes for p in self.model.parameters()) / MB
+        return sum(p.nbytes for p in self.model.parameters()) / MIB
 
     def held_mb(self) -> float:
-        return self.weights_mb + (self.cache.nbytes / MB if self.cache else 0.0)
+        return self.weights_mb + (self.cache.nbytes / MIB if self.cache else 0.0)
 
     # -- weights -------------------------------------------------------------------------------
 

@@ -27,9 +27,9 @@ from timeshare.engines.torch_ref.model import CausalLM, init_model, load_pretrai
 from timeshare.engines.torch_ref.spec import TorchRefSpec
 from timeshare.errors import TimeshareError
 from timeshare.protocols.store import JobStore
+from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
-MB = 2**20
 
 
 class OffPolicy(TimeshareError):
@@ -114,7 +114,7 @@ class TorchRefTrainer(TrainerEngine):
                 freed += parameter.grad.nbytes
                 parameter.grad = None
         self.host_optimizer = store if self.host_optimizer is None else self.host_optimizer | store
-        log.info("trainer.offload", rank=self.rank, freed_mb=round(freed / MB, 3))
+        log.info("trainer.offload", rank=self.rank, freed_mb=round(freed / MIB, 3))
 
     def offload_params(self) -> None:
         freed = 0
@@ -124,7 +124,7 @@ class TorchRefTrainer(TrainerEngine):
             freed += parameter.data.nbytes
             parameter.data = torch.empty(0)
         self.host_params = host
-        log.info("trainer.offload_params", rank=self.rank, freed_mb=round(freed / MB, 3))
+        log.info("trainer.offload_params", rank=self.rank, freed_mb=round(freed / MIB, 3))
 
     def held_mb(self) -> float:
         held = sum(p.data.nbytes for p in self.model.parameters())
@@ -134,7 +134,7 @@ class TorchRefTrainer(TrainerEngine):
             for v in state.values()
             if isinstance(v, torch.Tensor)
         )
-        return held / MB
+        return held / MIB
 
     # -- weights -------------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.jobs import assert_nothing_left, config, run
+from tests.configs import config
+from tests.cycle.jobs import assert_nothing_left, run
 from timeshare.config import Config
 from timeshare.errors import CycleFailed, WorkerError
 from timeshare.state import MEMORY_FENCES, Phase

@@ -20,9 +20,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from tests.daemon.jobs import assert_nothing_left, config, run
+from tests.configs import config
+from tests.cycle.jobs import assert_nothing_left, run
 from timeshare.config import Config
-from timeshare.daemon.workers import worker_spec
+from timeshare.cycle.workers import worker_spec
 from timeshare.errors import (
     AckTimeout,
     CollectiveTimeout,
@@ -33,6 +34,7 @@ from timeshare.errors import (
     WorkerStalled,
 )
 from timeshare.protocols.commands import WorkerId, WorkerLanes
+from timeshare.protocols.commands.results import SyncResult
 from timeshare.protocols.store import JobStore
 from timeshare.state import Phase
 
@@ -183,15 +185,16 @@ async def test_transfer_and_engine_keys_act_in_a_real_run(runtime_dir: Path) -> 
         engine={"simulated": {"tensors": 3, "tensor_numel": 32768, "account_memory": False}},
     )
     summary = await run(cfg)
-    syncs = [r for r in summary.records if r.phase is Phase.SYNC]
+    syncs = [r for r in summary.reports if r.phase is Phase.SYNC]
     assert sorted((r.step, r.rank) for r in syncs) == [(s, r) for s in range(3) for r in range(2)]
-    for record in syncs:
-        trainer, rollout = record.results["trainer"], record.results["rollout"]
-        assert trainer["staging_buffers"] == 1
+    for report in syncs:
+        trainer, rollout = report.trainer, report.rollout
+        assert isinstance(trainer, SyncResult) and isinstance(rollout, SyncResult)
+        assert trainer.staging_buffers == 1
         for side in (trainer, rollout):
-            assert (side["tensors"], side["bytes"]) == (3, 3 * 32768 * 4)
-            assert side["buckets"] == side["checksummed"] == 2
-            assert side["version"] == record.step
+            assert (side.tensors, side.bytes) == (3, 3 * 32768 * 4)
+            assert side.buckets == side.checksummed == 2
+            assert side.version == report.step
     assert_nothing_left(runtime_dir)
 
 

@@ -1,7 +1,9 @@
-"""The driver with real worker processes: a clean run, and the fault matrix.
+"""The cycle with real worker processes: a clean run, each fault class end to end, reaping.
 
-Every phase x {raise, hang, SIGKILL} x {trainer, rollout} must end in CycleFailed naming rank,
-role and phase, within the configured deadline (+2 s), with no process, staging or socket left.
+Each fault class (raise, hang, SIGKILL) is proven once per role with real processes, each in a
+different phase; test_runner.py drives the whole matrix against in-process fakes. A failure
+ends in CycleFailed naming rank, role and phase, within the configured deadline (+2 s), with no
+process, staging or socket left.
 """
 
 from __future__ import annotations
@@ -10,25 +12,28 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, cast
 
-import anyio
 import pytest
 
-from tests.daemon.jobs import assert_nothing_left, config, processes_of, run
+from tests.configs import config
+from tests.cycle.jobs import assert_nothing_left, processes_of, run
 from tests.protocols.weights.peers import wait_until
-from timeshare.config import DeadlineSection
-from timeshare.daemon.driver import _verify_released
-from timeshare.daemon.workers import prepare_runtime
+from timeshare.cycle.workers import prepare_runtime
 from timeshare.errors import CycleFailed, WorkerDied, WorkerError, WorkerStalled
-from timeshare.protocols.commands import WorkerId
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.shm import process_start_time
-from timeshare.state import Phase
 
 STALL_S = 1.5
 CAUSES = {"raise": WorkerError, "kill": WorkerDied, "hang": WorkerStalled}
+# (role, phase, kind): every kind for every role once, and every phase once.
+FAULTS = [
+    ("trainer", "offload", "raise"),
+    ("rollout", "resume", "raise"),
+    ("trainer", "barrier", "hang"),
+    ("rollout", "rollout", "hang"),
+    ("trainer", "sync", "kill"),
+    ("rollout", "train", "kill"),
+]
 
 
 @pytest.mark.asyncio
@@ -51,22 +56,30 @@ async def test_a_clean_run_of_two_ranks(runtime_dir: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kind", ["raise", "hang", "kill"])
-@pytest.mark.parametrize("role", ["trainer", "rollout"])
-@pytest.mark.parametrize("phase", [p.value for p in Phase])
-async def test_fault_matrix(runtime_dir: Path, phase: str, role: str, kind: str) -> None:
-    cfg = config(runtime_dir, faults=[{"role": role, "rank": 0, "phase": phase, "kind": kind}])
+@pytest.mark.parametrize(("role", "phase", "kind"), FAULTS, ids=["-".join(f) for f in FAULTS])
+async def test_each_fault_class_ends_the_run_naming_where(
+    runtime_dir: Path, role: str, phase: str, kind: str
+) -> None:
+    log_file = runtime_dir / "log.jsonl"
+    cfg = config(
+        runtime_dir,
+        faults=[{"role": role, "rank": 0, "phase": phase, "kind": kind}],
+        log={"file": str(log_file)},
+    )
     with pytest.raises(CycleFailed) as info:
         await run(cfg)
     failed = info.value
     assert (failed.rank, failed.role, failed.phase) == (0, role, phase)
     assert f"{role} rank 0 failed in phase {phase}" in str(failed)
     assert isinstance(failed.cause, CAUSES[kind])
-    if kind == "raise":
-        assert isinstance(failed.cause, WorkerError)
+    if isinstance(failed.cause, WorkerError):
         assert failed.cause.remote_type == "SimulatedFault"
     deadline = STALL_S if kind == "hang" else 0.0
     assert failed.after_s is not None and failed.after_s < deadline + 2.0
+    if kind == "hang":  # the stalled call was aborted where it hung, and said so in its log
+        events = [json.loads(line) for line in log_file.read_text().splitlines()]
+        aborted = [e for e in events if e["event"] == "worker.call.aborted"]
+        assert [(e["role"], e["command"]) for e in aborted] == [(role, phase)]
     assert_nothing_left(runtime_dir)
 
 
@@ -101,35 +114,3 @@ def test_reaping_leaves_a_reused_process_group_alone(runtime_dir: Path) -> None:
     finally:
         bystander.kill()
         bystander.wait(timeout=10)
-
-
-class _HeldLanes:
-    """The lanes as `_verify_released` sees them: each worker says what it holds."""
-
-    def __init__(self, held: dict[str, float]) -> None:
-        self.held = held
-
-    async def call(self, worker: WorkerId, command: str, params: Any, *, deadline_s: float) -> Any:
-        assert command == "held" and deadline_s > 0
-        return {"held_mb": self.held[f"{worker.role}{worker.rank}"]}
-
-
-@pytest.mark.parametrize(
-    ("held", "failed_role"),
-    [
-        ({"trainer0": 0.0, "rollout0": 0.0, "trainer1": 0.0, "rollout1": 0.0}, None),
-        ({"trainer0": 0.0, "rollout0": 0.0, "trainer1": 0.0, "rollout1": 512.0}, "rollout"),
-        ({"trainer0": 64.0, "rollout0": 0.0, "trainer1": 0.0, "rollout1": 0.0}, "trainer"),
-    ],
-)
-def test_a_pause_that_released_nothing_is_a_failure(
-    held: dict[str, float], failed_role: str | None
-) -> None:
-    job = SimpleNamespace(lanes=_HeldLanes(held), deadlines=DeadlineSection())
-    workers = [WorkerId(role, rank) for rank in (0, 1) for role in ("trainer", "rollout")]
-    failure = anyio.run(_verify_released, cast(Any, job), workers)
-    if failed_role is None:
-        assert failure is None
-    else:
-        assert failure is not None and failure.role == failed_role and failure.phase == "pause"
-        assert "still held" in str(failure)

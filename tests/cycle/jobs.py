@@ -1,43 +1,32 @@
-"""Running the driver in tests, and checking that a run left nothing behind."""
+"""Running the cycle in tests, and checking that a run left nothing behind."""
 
 from __future__ import annotations
 
 import stat
 from pathlib import Path
-from typing import Any
 
 import anyio
-import msgspec
 import psutil
 
 from timeshare.config import Config
-from timeshare.daemon.driver import RunSummary, run_cycle
+from timeshare.cycle import CycleHooks, RunSummary, run_cycle
+from timeshare.cycle.workers import WorkerSpawner, spawn_workers
 from timeshare.protocols.store import JobStore
 from timeshare.state import MEMORY_FENCES, Phase
 
-
-def config(runtime_dir: Path, **sections: dict[str, Any] | list[Any]) -> Config:
-    """A small, fast job in `runtime_dir`; `sections` override whole keys of each section."""
-    data: dict[str, Any] = {
-        "job": {
-            "runtime_dir": str(runtime_dir / "run"),
-            "checkpoint_dir": str(runtime_dir / "checkpoints"),
-            "ranks": 1,
-            "steps": 1,
-        },
-        "deadlines": {"phase_s": 12.0, "stall_s": 1.5, "barrier_s": 10.0},
-        "transfer": {"bucket_mb": 1.0, "ack_timeout_s": 10.0},
-    }
-    for name, value in sections.items():
-        data[name] = {**data.get(name, {}), **value} if isinstance(value, dict) else value
-    return msgspec.convert(data, Config)
+RUN_TIMEOUT_S = 120
 
 
 async def run(
-    cfg: Config, store: JobStore | None = None, fences: frozenset[Phase] = MEMORY_FENCES
+    cfg: Config,
+    store: JobStore | None = None,
+    fences: frozenset[Phase] = MEMORY_FENCES,
+    *,
+    spawn: WorkerSpawner = spawn_workers,
+    hooks: CycleHooks | None = None,
 ) -> RunSummary:
-    with anyio.fail_after(120):
-        return await run_cycle(cfg, store, fences=fences)
+    with anyio.fail_after(RUN_TIMEOUT_S):
+        return await run_cycle(cfg, store, fences=fences, spawn=spawn, hooks=hooks)
 
 
 def processes_of(runtime_dir: Path) -> list[psutil.Process]:

@@ -1,0 +1,27 @@
+"""The cycle runner, shared by `timeshare run` and `timeshared`: it performs what state/ decides.
+
+runner.py    `run_cycle`: advance the machine, plan, perform; one inbox of what happened
+phases.py    performing one piece: a phase on a rank's two workers, a barrier meeting, a check
+commands.py  the job store's commands, turned into the machine's events
+workers.py   the seam to the workers (`Workers`) and their real processes (`spawn_workers`)
+hooks.py     how a front end watches and steers a run, and what it is told
+steps.py     one step's figures, from the phase reports: the run summary's and the service's
+"""
+
+from timeshare.cycle.hooks import (
+    BootstrapReport,
+    CycleHooks,
+    PhaseObserver,
+    PhaseReport,
+    RunSummary,
+)
+from timeshare.cycle.runner import run_cycle
+
+__all__ = [
+    "BootstrapReport",
+    "CycleHooks",
+    "PhaseObserver",
+    "PhaseReport",
+    "RunSummary",
+    "run_cycle",
+]

@@ -1,0 +1,77 @@
+"""Commands of the job store, read in order and turned into the machine's events.
+
+An operator's pause, resume, drain, stop or new step limit is written to the job store under a
+fresh generation (by the service, on any node), so that every node applies each one once, in
+order, at the same safe point. A `log_level` goes to every worker's control lane instead (it is
+answered while work runs). A command that names nothing known is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import anyio
+import structlog
+from anyio.streams.memory import MemoryObjectSendStream
+
+from timeshare.cycle.workers import Workers
+from timeshare.errors import TimeshareError
+from timeshare.protocols.commands import WorkerId
+from timeshare.protocols.store import AsyncJobStore, JobCommand
+from timeshare.state import Event, Request, Requested, StepsChanged
+
+log = structlog.get_logger(__name__)
+
+POLL_S = 0.05
+READ_S = 5.0  # a command's generation is taken before its value is written
+LOG_LEVEL_TIMEOUT_S = 5.0
+
+
+def event_of(command: JobCommand) -> Event | None:
+    """The machine's event for a command of the job store, or None for one it cannot name."""
+    if command.command == "steps":
+        steps = command.params.get("steps")
+        return StepsChanged(steps) if isinstance(steps, int) else None
+    try:
+        return Requested(Request(command.command))
+    except ValueError:
+        return None
+
+
+async def watch_commands(
+    store: AsyncJobStore,
+    events: MemoryObjectSendStream[Event],
+    after: int,
+    workers: Workers,
+    worker_ids: list[WorkerId],
+) -> None:
+    """Feed every command written after generation `after` to `events`, until cancelled."""
+    applied = after
+    while True:
+        latest = await store.latest_command()
+        for generation in range(applied + 1, latest + 1):
+            try:
+                command = await store.command(generation, timeout_s=READ_S)
+            except TimeoutError:  # its writer died between taking the generation and writing
+                log.warning("cycle.command.lost", generation=generation, waited_s=READ_S)
+                continue
+            if command is not None and command.command == "log_level":
+                await _set_log_level(workers, worker_ids, command)
+                continue
+            event = None if command is None else event_of(command)
+            if command is None or event is None:
+                log.warning("cycle.command.unknown", generation=generation, command=command)
+                continue
+            log.info("cycle.command.received", generation=generation, command=command.command)
+            await events.send(event)
+        applied = latest
+        await anyio.sleep(POLL_S)
+
+
+async def _set_log_level(workers: Workers, worker_ids: list[WorkerId], command: JobCommand) -> None:
+    """Over the control lanes, answered while work runs; a worker that misses it is logged."""
+    for worker in worker_ids:
+        try:
+            await workers.control(
+                worker, "log_level", command.params, timeout_s=LOG_LEVEL_TIMEOUT_S
+            )
+        except TimeshareError as exc:
+            log.warning("cycle.log_level.missed", worker=str(worker), error=str(exc))

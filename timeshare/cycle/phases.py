@@ -1,0 +1,176 @@
+"""Performing what the plan says, one piece at a time: each returns what happened, or raises.
+
+A phase is a command on both workers of a rank; the first failure cancels the other call (it
+would only wait for a dead peer) and is raised as `CycleFailed` naming rank, role and phase.
+A call that passed its deadline or stalled is aborted first (best effort, on the control lane):
+the worker's call ends with `Aborted` where it was stuck, so its log shows the place.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, TypeVar
+
+import anyio
+import structlog
+
+from timeshare.cycle.workers import Workers
+from timeshare.errors import (
+    CommandTimeout,
+    CycleFailed,
+    TimeshareError,
+    WorkerFailure,
+    WorkerStalled,
+)
+from timeshare.protocols.barrier import Barrier
+from timeshare.protocols.commands import WorkerId
+from timeshare.protocols.commands.results import (
+    ROLES,
+    BootstrapResult,
+    HeldResult,
+    PhaseResult,
+    result_type,
+)
+from timeshare.state import Blame, Held, Phase
+
+log = structlog.get_logger(__name__)
+
+R = TypeVar("R")
+ABORT_TIMEOUT_S = 2.0
+BARRIER_NAME = "barrier"
+
+
+def cycle_failed(
+    rank: int, role: str, phase: str, exc: BaseException, *, started: float | None = None
+) -> CycleFailed:
+    """The run's failure: where it happened, its typed cause, and how long into the phase."""
+    failed = CycleFailed(
+        f"{role} rank {rank} failed in phase {phase}: {type(exc).__name__}: {exc}",
+        rank=rank,
+        role=role,
+        phase=phase,
+        cause=exc,
+        after_s=None if started is None else time.monotonic() - started,
+    )
+    failed.__cause__ = exc
+    return failed
+
+
+def blame_of(failed: CycleFailed) -> Blame:
+    return Blame(failed.rank, failed.role, failed.phase)
+
+
+async def bootstrap(workers: Workers, ranks: int, deadline_s: float) -> list[BootstrapResult]:
+    """Every worker loads the last committed checkpoint; the trainers' results, by rank."""
+    results: dict[int, BootstrapResult] = {}
+
+    async def load(worker: WorkerId) -> None:
+        returns = result_type("bootstrap", worker.role)
+        result = await _call(
+            workers, worker, "bootstrap", {}, deadline_s=deadline_s, returns=returns
+        )
+        if isinstance(result, BootstrapResult):
+            results[worker.rank] = result
+
+    try:
+        async with anyio.create_task_group() as group:
+            for rank in range(ranks):
+                for role in ROLES:
+                    group.start_soon(load, WorkerId(role, rank))
+    except* WorkerFailure as failures:
+        first = failures.exceptions[0]
+        assert isinstance(first, WorkerFailure)
+        raise cycle_failed(first.rank, first.role, "bootstrap", first) from first
+    return [results[rank] for rank in range(ranks)]
+
+
+async def run_phase(
+    workers: Workers,
+    rank: int,
+    phase: Phase,
+    params: dict[str, dict[str, Any]],
+    deadline_s: float,
+) -> dict[str, PhaseResult]:
+    """Both workers of `rank` run `phase` with their `params` (by role); their results."""
+    started = time.monotonic()
+    results: dict[str, PhaseResult] = {}
+
+    async def run(role: str) -> None:
+        returns = result_type(phase.value, role)
+        worker = WorkerId(role, rank)
+        results[role] = await _call(
+            workers, worker, phase.value, params[role], deadline_s=deadline_s, returns=returns
+        )
+
+    try:
+        async with anyio.create_task_group() as group:
+            for role in ROLES:
+                group.start_soon(run, role)
+    except* WorkerFailure as failures:
+        first = failures.exceptions[0]
+        assert isinstance(first, WorkerFailure)
+        raise cycle_failed(rank, first.role, phase.value, first, started=started) from first
+    return results
+
+
+async def meet_at_barrier(barrier: Barrier, cycle: int, timeout_s: float) -> None:
+    """This rank waits for every rank at the store barrier (the RESUME fence across nodes).
+
+    The barrier is named per cycle: a later cycle on the same store starts its generations
+    afresh and must not find the keys an earlier cycle left.
+    """
+    started = time.monotonic()
+    try:
+        await barrier.wait(f"{BARRIER_NAME}/{cycle}", timeout_s=timeout_s)
+    except TimeshareError as exc:
+        raise cycle_failed(
+            barrier.rank, "trainer", Phase.BARRIER.value, exc, started=started
+        ) from exc
+
+
+async def held_memory(workers: Workers, ranks: int, deadline_s: float) -> tuple[Held, ...]:
+    """What device memory every worker says it holds (the job stands at the pause boundary)."""
+    held: dict[WorkerId, float] = {}
+
+    async def ask(worker: WorkerId) -> None:
+        result = await _call(workers, worker, "held", {}, deadline_s=deadline_s, returns=HeldResult)
+        held[worker] = result.held_mb
+
+    try:
+        async with anyio.create_task_group() as group:
+            for rank in range(ranks):
+                for role in ROLES:
+                    group.start_soon(ask, WorkerId(role, rank))
+    except* WorkerFailure as failures:
+        first = failures.exceptions[0]
+        assert isinstance(first, WorkerFailure)
+        raise cycle_failed(first.rank, first.role, "pause", first) from first
+    in_order = sorted(held.items(), key=lambda item: (item[0].rank, item[0].role != "trainer"))
+    return tuple(Held(worker.role, worker.rank, mb) for worker, mb in in_order)
+
+
+async def _call(
+    workers: Workers,
+    worker: WorkerId,
+    command: str,
+    params: dict[str, Any],
+    *,
+    deadline_s: float,
+    returns: type[R],
+) -> R:
+    try:
+        return await workers.call(worker, command, params, deadline_s=deadline_s, returns=returns)
+    except (CommandTimeout, WorkerStalled):
+        await _abort(workers, worker)
+        raise
+
+
+async def _abort(workers: Workers, worker: WorkerId) -> None:
+    """Interrupt the worker's stuck call where it is; it is killed with the cycle anyway."""
+    with anyio.CancelScope(shield=True):
+        try:
+            command = await workers.control(worker, "abort", timeout_s=ABORT_TIMEOUT_S)
+        except WorkerFailure as exc:
+            log.warning("cycle.abort.missed", worker=str(worker), error=str(exc))
+        else:
+            log.warning("cycle.abort.sent", worker=str(worker), aborted=command)

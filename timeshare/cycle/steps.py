@@ -1,0 +1,167 @@
+"""One step's figures, from the phase reports: what `timeshare run --summary` writes and what
+the service shows, logs and keeps as its last step. One definition of each figure, here.
+
+Step n is TRAIN n (on the samples of weight version n-1), OFFLOAD, SYNC of version n, BARRIER,
+RESUME, and the ROLLOUT that samples version n for step n+1. A step is complete when every rank
+has run all six of its phases. For each step:
+
+- `reward_mean`: the mean reward of the samples TRAIN n learned from, over ranks (those samples
+  were drawn by weight version n-1: `sample_version`). This is the reward of the policy that
+  produced the batch, as verl and OpenRLHF report it; None when the task scores nothing.
+- `phases`: the wall time of each phase on its slowest rank; `per_rank`: each rank's.
+- `sync`: bytes moved by every rank, over the slowest rank's transfer time, as GB/s.
+- `weights_match`: every rollout holds exactly the trainer's weights (their digests agree);
+  `ranks_agree`: every rank's trainer sent the same weights.
+- `logprob_max_abs_diff`: the largest difference between the trainer's and the rollout's
+  logprobs of the sampled tokens (None: the engine does not measure it).
+- `bubble_s`: the part of a rank's step spent in no engine call and no transfer (fence waits,
+  orchestration), averaged over ranks; `step_s`: the slowest rank's wall time for the step.
+- `committed_step`: the step every rank made durable (None: the engine keeps no checkpoints).
+- `resumed`: TRAIN n was done before a crash and comes from the checkpoint: a run killed after
+  TRAIN k was committed resumes at k and finishes step k as its bootstrap.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import TypeVar
+
+import msgspec
+
+from timeshare.cycle.hooks import BootstrapReport, PhaseReport
+from timeshare.protocols.commands.results import PhaseResult, SyncResult, TrainResult
+from timeshare.state import Phase
+from timeshare.units import gbps
+
+PHASES = [phase.value for phase in Phase]
+R = TypeVar("R", bound=PhaseResult)
+
+
+class SyncFigures(msgspec.Struct, frozen=True):
+    bytes: int
+    seconds: float
+    gbps: float
+
+
+class RankFigures(msgspec.Struct, frozen=True):
+    rank: int
+    phases: dict[str, float]
+
+
+class StepFigures(msgspec.Struct, frozen=True, kw_only=True):
+    step: int
+    weight_version: int
+    sample_version: int
+    reward_mean: float | None
+    phases: dict[str, float]
+    per_rank: list[RankFigures]
+    bubble_s: float
+    step_s: float
+    sync: SyncFigures
+    weights_match: bool
+    ranks_agree: bool
+    logprob_max_abs_diff: float | None
+    committed_step: int | None
+    resumed: bool
+
+
+class StepLog:
+    """Collects phase reports; `add` returns a step's figures once every rank ran all six."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self._pending: dict[int, list[PhaseReport]] = defaultdict(list)
+        self._resumed: set[int] = set()  # steps whose TRAIN comes from the checkpoint
+
+    def resume(self, report: BootstrapReport) -> None:
+        """Step `report.step` was trained before a crash and ends in this run: seed its TRAIN
+        (from the checkpoint's figures) and OFFLOAD (done again by the bootstrap) for the rank.
+
+        Nothing to seed at step 0, or when the engine keeps no figures in its checkpoints.
+        """
+        train = report.trainer.train
+        if train is None:
+            return
+        now = time.monotonic()
+        resumed = msgspec.structs.replace(train, engine_s=train.train_s)
+        idle = PhaseResult()
+        self._pending[report.step] += [
+            PhaseReport(
+                report.step,
+                report.rank,
+                Phase.TRAIN,
+                now - train.train_s,
+                train.train_s,
+                resumed,
+                idle,
+            ),
+            PhaseReport(report.step, report.rank, Phase.OFFLOAD, now, 0.0, idle, idle),
+        ]
+        self._resumed.add(report.step)
+
+    def add(self, report: PhaseReport) -> StepFigures | None:
+        """Take one phase report; the step's figures if this report completed the step."""
+        if report.phase is Phase.TRAIN or report.step in self._pending:
+            self._pending[report.step].append(report)
+        reports = self._pending.get(report.step, [])
+        if len(reports) < self.ranks * len(PHASES):
+            return None
+        del self._pending[report.step]
+        resumed = report.step in self._resumed
+        self._resumed.discard(report.step)
+        return step_figures(report.step, reports, self.ranks, resumed=resumed)
+
+    def clear(self) -> None:
+        """Forget steps a stopped cycle left unfinished."""
+        self._pending.clear()
+        self._resumed.clear()
+
+
+def step_figures(
+    step: int, reports: list[PhaseReport], ranks: int, *, resumed: bool = False
+) -> StepFigures:
+    by_rank: dict[int, dict[str, PhaseReport]] = defaultdict(dict)
+    for report in reports:
+        by_rank[report.rank][report.phase.value] = report
+    trains = [_as(TrainResult, by_rank[r]["train"].trainer) for r in range(ranks)]
+    sent = [_as(SyncResult, by_rank[r]["sync"].trainer) for r in range(ranks)]
+    received = [_as(SyncResult, by_rank[r]["sync"].rollout) for r in range(ranks)]
+    transfer_bytes = sum(s.bytes for s in sent)
+    transfer_s = max(s.seconds for s in sent)
+    rewards = [t.reward_mean for t in trains if t.reward_mean is not None]
+    logprob_diffs = [t.logprob_max_abs_diff for t in trains if t.logprob_max_abs_diff is not None]
+    committed = [t.committed for t in trains]
+    return StepFigures(
+        step=step,
+        weight_version=sent[0].version,
+        sample_version=step - 1,
+        reward_mean=sum(rewards) / len(rewards) if rewards else None,
+        phases={p: max(by_rank[r][p].seconds for r in range(ranks)) for p in PHASES},
+        per_rank=[RankFigures(r, {p: by_rank[r][p].seconds for p in PHASES}) for r in range(ranks)],
+        bubble_s=sum(_bubble(by_rank[r]) for r in range(ranks)) / ranks,
+        step_s=max(_wall(by_rank[r]) for r in range(ranks)),
+        sync=SyncFigures(transfer_bytes, transfer_s, gbps(transfer_bytes, transfer_s)),
+        weights_match=all(s.digest == r.digest for s, r in zip(sent, received, strict=True)),
+        ranks_agree=len({s.digest for s in sent}) == 1,
+        logprob_max_abs_diff=max(logprob_diffs) if logprob_diffs else None,
+        committed_step=None if None in committed else min(c for c in committed if c is not None),
+        resumed=resumed,
+    )
+
+
+def _as(kind: type[R], result: PhaseResult) -> R:
+    if not isinstance(result, kind):
+        raise TypeError(f"expected a {kind.__name__}, got {type(result).__name__}")
+    return result
+
+
+def _wall(phases: dict[str, PhaseReport]) -> float:
+    start = min(r.started for r in phases.values())
+    return max(r.started + r.seconds for r in phases.values()) - start
+
+
+def _bubble(phases: dict[str, PhaseReport]) -> float:
+    """A rank's step less the time its engines worked (each phase: the longer of the two)."""
+    working = sum(max(r.trainer.engine_s, r.rollout.engine_s) for r in phases.values())
+    return max(_wall(phases) - working, 0.0)

@@ -1,0 +1,230 @@
+"""The job's workers: the seam the cycle drives them through, and their real processes.
+
+`Workers` is what the cycle needs of its workers (calls on their lanes, with deadlines);
+`spawn_workers` is the real thing: one trainer and one rollout process per rank. Tests of the
+cycle's logic pass an in-process fake instead, as httpcore's pool takes a network backend.
+
+Each worker process runs in its own session and process group, so that killing the group takes
+its grandchildren too. The groups are recorded in the runtime directory (pgid and start time)
+so that a driver started after a killed one reaps what it left, and never a group whose pgid an
+unrelated process reused. The service manager's variables never reach a worker. Whatever way
+the cycle ends, every group is killed and the runtime directory swept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import anyio
+import msgspec
+import structlog
+
+from timeshare.config import Config
+from timeshare.durable import write_atomically
+from timeshare.engines.worker import WorkerSpec
+from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
+from timeshare.protocols.commands.results import ROLES
+from timeshare.protocols.store import JobStore
+from timeshare.protocols.weights import sweep_stale
+from timeshare.protocols.weights.shm import process_start_time
+
+log = structlog.get_logger(__name__)
+
+WORKERS_FILE = "workers.json"
+R = TypeVar("R")
+# The service manager's variables (sd_notify, watchdog, socket activation): never a worker's.
+SERVICE_VARIABLES = (
+    "NOTIFY_SOCKET",
+    "WATCHDOG_PID",
+    "WATCHDOG_USEC",
+    "LISTEN_FDS",
+    "LISTEN_PID",
+    "LISTEN_FDNAMES",
+)
+
+
+class Workers(Protocol):
+    """The job's workers as the cycle drives them: a trainer and a rollout worker per rank."""
+
+    async def wait_ready(self, *, timeout_s: float) -> None:
+        """Until every worker is up and answering; a `WorkerFailure` naming one that is not."""
+
+    async def call(
+        self,
+        worker: WorkerId,
+        command: str,
+        params: dict[str, Any] | None = None,
+        *,
+        deadline_s: float,
+        returns: type[R],
+    ) -> R:
+        """Run `command` on the worker; its typed result, or a `WorkerFailure` naming it."""
+
+    async def control(
+        self,
+        worker: WorkerId,
+        command: str,
+        params: dict[str, Any] | None = None,
+        *,
+        timeout_s: float,
+    ) -> Any:
+        """A control command (`abort`, `log_level`, `status`), answered while work runs."""
+
+    async def shut_down(self, *, deadline_s: float) -> None:
+        """Ask every worker to exit, after a cycle that ended well."""
+
+
+# What `run_cycle` starts its workers with: the job's config and store in, workers out; on
+# leaving the context, nothing of them is left.
+WorkerSpawner = Callable[[Config, JobStore], AbstractAsyncContextManager[Workers]]
+
+
+def worker_ids(ranks: int) -> list[WorkerId]:
+    return [WorkerId(role, rank) for rank in range(ranks) for role in ROLES]
+
+
+class WorkerProcesses:
+    """`Workers` as real processes, reached over their command lanes."""
+
+    def __init__(self, lanes: WorkerLanes, workers: list[WorkerId]) -> None:
+        self.lanes = lanes
+        self.workers = workers
+
+    async def wait_ready(self, *, timeout_s: float) -> None:
+        await self.lanes.wait_ready(self.workers, timeout_s=timeout_s)
+
+    async def call(
+        self,
+        worker: WorkerId,
+        command: str,
+        params: dict[str, Any] | None = None,
+        *,
+        deadline_s: float,
+        returns: type[R],
+    ) -> R:
+        return await self.lanes.call(
+            worker, command, params, deadline_s=deadline_s, returns=returns
+        )
+
+    async def control(
+        self,
+        worker: WorkerId,
+        command: str,
+        params: dict[str, Any] | None = None,
+        *,
+        timeout_s: float,
+    ) -> Any:
+        return await self.lanes.control(worker, command, params, timeout_s=timeout_s)
+
+    async def shut_down(self, *, deadline_s: float) -> None:
+        for worker in self.workers:
+            await self.lanes.call(worker, "shutdown", deadline_s=deadline_s, returns=type(None))
+
+
+@asynccontextmanager
+async def spawn_workers(config: Config, store: JobStore) -> AsyncIterator[Workers]:
+    """Spawn and watch every worker process of the job; kill them all and sweep on the way out.
+
+    A worker's exit is seen the moment it happens (its pidfd), and ends every call on it.
+    """
+    runtime = Path(config.job.runtime_dir)
+    await anyio.to_thread.run_sync(prepare_runtime, runtime)
+    processes: dict[WorkerId, subprocess.Popen[bytes]] = {}
+    try:
+        async with (
+            WorkerLanes.open(runtime, stall_timeout_s=config.deadlines.stall_s) as lanes,
+            anyio.create_task_group() as watchers,
+        ):
+            for worker in worker_ids(config.job.ranks):
+                lanes.expect(worker)  # before it is spawned, so that its hello is not missed
+                processes[worker] = await spawn(config, lanes, store, worker)
+                watchers.start_soon(watch_process, lanes, worker, processes[worker])
+            await anyio.to_thread.run_sync(record_workers, runtime, processes)
+            yield WorkerProcesses(lanes, list(processes))
+            watchers.cancel_scope.cancel()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(clean_up, runtime, list(processes.values()))
+
+
+def worker_spec(
+    config: Config, worker: WorkerId, lanes: WorkerLanes, store_address: tuple[str, int]
+) -> WorkerSpec:
+    """What a worker process is told: its part of the config, its endpoints, the job store."""
+    host, port = store_address
+    return WorkerSpec(
+        role="trainer" if worker.role == "trainer" else "rollout",
+        rank=worker.rank,
+        world_size=config.job.ranks,
+        work_endpoint=lanes.work_endpoint,
+        control_endpoint=lanes.control_endpoint,
+        weight_endpoint=f"ipc://{config.job.runtime_dir}/w-rank{worker.rank}.sock",
+        store_host=host,
+        store_port=port,
+        checkpoint_dir=f"{config.job.checkpoint_dir}/rank{worker.rank}",
+        transfer=config.transfer,
+        engine=config.engine,
+        faults=config.faults,
+        collective_timeout_s=config.deadlines.phase_s,
+        log_file=config.log.file,
+        log_level=config.log.level,
+    )
+
+
+async def spawn(
+    config: Config, lanes: WorkerLanes, store: JobStore, worker: WorkerId
+) -> subprocess.Popen[bytes]:
+    spec = worker_spec(config, worker, lanes, store.address)
+    argv = [sys.executable, "-m", "timeshare.engines.worker", msgspec.json.encode(spec).decode()]
+    env = {k: v for k, v in os.environ.items() if k not in SERVICE_VARIABLES}
+    # Own session and process group: a kill of the group takes grandchildren too.
+    process = await anyio.to_thread.run_sync(
+        lambda: subprocess.Popen(argv, env=env, start_new_session=True)
+    )
+    log.info("driver.worker.spawned", role=worker.role, rank=worker.rank, pid=process.pid)
+    return process
+
+
+def record_workers(runtime: Path, processes: dict[WorkerId, subprocess.Popen[bytes]]) -> None:
+    """Write the worker process groups so that a restarted driver can reap them."""
+    entries = [{"pgid": p.pid, "start": process_start_time(p.pid)} for p in processes.values()]
+    write_atomically(runtime / WORKERS_FILE, json.dumps(entries).encode())
+
+
+def clean_up(runtime: Path, processes: list[subprocess.Popen[bytes]]) -> None:
+    """Kill every worker process group, then remove what the job left in the runtime dir."""
+    for process in processes:
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+    for process in processes:
+        with suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=10)
+    (runtime / WORKERS_FILE).unlink(missing_ok=True)
+    sweep_stale(runtime)
+
+
+def prepare_runtime(runtime: Path) -> list[int]:
+    """Make the runtime dir; kill the worker groups a killed predecessor recorded; sweep it."""
+    runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+    killed: list[int] = []
+    record = runtime / WORKERS_FILE
+    if record.exists():
+        for entry in json.loads(record.read_text()):
+            pgid = int(entry["pgid"])
+            if entry.get("start") is not None and process_start_time(pgid) == entry["start"]:
+                with suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+                    killed.append(pgid)
+        record.unlink()
+    sweep_stale(runtime)
+    if killed:
+        log.warning("driver.leftovers.reaped", process_groups=killed)
+    return killed

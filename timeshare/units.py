@@ -1,0 +1,10 @@
+"""Units the whole package shares, so that a figure means the same thing everywhere."""
+
+from __future__ import annotations
+
+MIB = 1 << 20  # bytes in a MiB: device memory and staging sizes are given in MiB
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """A transfer rate in gigabytes (1e9 bytes) per second; 0 for a transfer that took no time."""
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
