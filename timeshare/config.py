@@ -23,13 +23,14 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 
 from timeshare.engines.spec import EngineSpec
 from timeshare.engines.worker import Fault
 from timeshare.errors import ConfigError
+from timeshare.logs import LogLevel
 from timeshare.protocols.weights import TransferConfig
 from timeshare.state import Phase
 
@@ -57,7 +58,7 @@ class DeadlineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 class LogSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    level: Literal["debug", "info", "warning", "error"] = "info"
+    level: LogLevel = "info"
     file: str = ""  # structlog JSON lines of the run and its workers; "" for none
 
 
@@ -147,6 +148,32 @@ def flat(config: Config) -> dict[str, Any]:
     """Every leaf key of `config` (`deadlines.phase_s`, ...) with its value."""
     values = msgspec.to_builtins(config)
     return {key: _get(values, key) for key in _leaf_keys(values)}
+
+
+# Keys a running service may change (a reload); any other changed key refuses the reload.
+LIVE_KEYS = ("job.steps", "deadlines.", "log.level")
+
+
+@dataclass(frozen=True)
+class ConfigChanges:
+    """What differs between two configs: every changed key with its new value, and those of
+    them that a running service cannot take (`fixed`)."""
+
+    changed: dict[str, Any]
+    fixed: list[str]
+
+
+def changes(before: Config, after: Config) -> ConfigChanges:
+    old, new = flat(before), flat(after)
+    changed = {k: new.get(k) for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+    return ConfigChanges(changed, [k for k in changed if not k.startswith(LIVE_KEYS)])
+
+
+def with_live_values(running: Config, read: Config) -> Config:
+    """`running` with the live keys' values of `read` (a reloaded file: its values win)."""
+    job = msgspec.structs.replace(running.job, steps=read.job.steps)
+    log = msgspec.structs.replace(running.log, level=read.log.level)
+    return msgspec.structs.replace(running, job=job, deadlines=read.deadlines, log=log)
 
 
 # -- reading -----------------------------------------------------------------------------------

@@ -15,18 +15,20 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO, get_args
 
 import structlog
 
 from timeshare.errors import ConfigError
 
-LEVELS = {
+LogLevel = Literal["debug", "info", "warning", "error"]  # the config's, the socket's, the CLI's
+LEVELS: dict[str, int] = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
     "warning": logging.WARNING,
     "error": logging.ERROR,
 }
+assert tuple(LEVELS) == get_args(LogLevel)
 
 
 # syslog priorities of the levels, for the journal's `<N>` prefix (sd-daemon(3))

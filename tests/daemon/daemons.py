@@ -15,48 +15,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.daemon.jobs import processes_of
-from timeshare.daemon.workers import prepare_runtime
-
-SIMULATED = """
-[job]
-ranks = 2
-steps = {steps}
-runtime_dir = "{root}/run"
-checkpoint_dir = "{root}/checkpoints"
-
-[deadlines]
-phase_s = 30.0
-stall_s = 5.0
-barrier_s = 10.0
-ready_s = 60.0
-
-[transfer]
-bucket_mb = 0.25
-
-[engine]
-kind = "simulated"
-
-[engine.simulated.delays.rollout]
-"0" = {rollout_s}
-"1" = {rollout_s}
-
-[daemon]
-state_dir = "{root}/state"
-metrics_port = 0
-max_request_bytes = 4096
-max_clients = 8
-drain_s = 60.0
-{extra}
-"""
+from tests.configs import SERVICE, toml_file
+from tests.cycle.jobs import processes_of
+from timeshare.cycle.workers import prepare_runtime
 
 
-def simulated_config(
-    root: Path, *, steps: int = 100000, rollout_s: float = 0.02, extra: str = ""
+def service_config(
+    root: Path, *, steps: int = 100_000, rollout_s: float = 0.02, **sections: Any
 ) -> Path:
-    path = root / "timeshared.toml"
-    path.write_text(SIMULATED.format(root=root, steps=steps, rollout_s=rollout_s, extra=extra))
-    return path
+    """A daemon's job with simulated engines (rollouts of `rollout_s` on both ranks)."""
+    delays = {"rollout": {"0": rollout_s, "1": rollout_s}}
+    return toml_file(
+        root,
+        SERVICE,
+        "timeshared.toml",
+        job={"steps": steps},
+        engine={"simulated": {"delays": delays}},
+        **sections,
+    )
 
 
 @dataclass
@@ -111,6 +87,13 @@ class Daemon:
             with suppress(json.JSONDecodeError):
                 events.append(json.loads(line))
         return events
+
+    def wait_until_logged(self, event: str, count: int = 1, timeout: float = 60.0) -> None:
+        """Until the log holds `count` lines of `event` (from the daemon or its workers)."""
+        deadline = time.monotonic() + timeout
+        while sum(1 for e in self.events() if e.get("event") == event) < count:
+            assert time.monotonic() < deadline, f"{event} x{count} not logged in {timeout} s"
+            time.sleep(0.05)
 
     def stop(self, timeout: float = 60.0) -> int:
         self.process.send_signal(signal.SIGTERM)

@@ -17,9 +17,10 @@ from tests.daemon.daemons import (
     Daemon,
     assert_daemon_left_nothing,
     running_daemon,
-    simulated_config,
+    service_config,
 )
-from timeshare.protocols.control import METHODS, ControlError, parse_request
+from timeshare.errors import ControlError
+from timeshare.protocols.control import METHODS, parse_request
 
 pytestmark = pytest.mark.slow
 
@@ -107,7 +108,7 @@ def exchange(daemon: Daemon, line: bytes) -> list[dict[str, Any]]:
 
 
 def test_random_and_malformed_requests_get_errors_and_the_cycle_goes_on(runtime_dir: Path) -> None:
-    with running_daemon(runtime_dir, simulated_config(runtime_dir)) as daemon:
+    with running_daemon(runtime_dir, service_config(runtime_dir)) as daemon:
         before = daemon.wait_for(lambda s: s["lifecycle"] == "running" and (s["step"] or 0) >= 1)
 
         @settings(
@@ -158,7 +159,7 @@ def _is_valid_status(line: bytes) -> bool:
 def test_reload_applies_live_keys_refuses_the_rest_and_survives_a_broken_file(
     runtime_dir: Path,
 ) -> None:
-    config = simulated_config(runtime_dir)
+    config = service_config(runtime_dir)
     original = config.read_text()
     with running_daemon(runtime_dir, config) as daemon:
         daemon.wait_for(lambda s: s["lifecycle"] == "running")
@@ -169,7 +170,7 @@ def test_reload_applies_live_keys_refuses_the_rest_and_survives_a_broken_file(
             )
             + '\n[log]\nlevel = "debug"\n'
         )
-        applied = daemon.ctl("reload", "--wait")
+        applied = daemon.ctl("reload")
         assert applied.returncode == 0, applied.stderr
         for key in ("deadlines.phase_s = 45.0", "job.steps = 90000", "log.level = debug"):
             assert key in applied.stdout

@@ -37,7 +37,7 @@ def test_the_status_table_shows_what_an_operator_asks_first() -> None:
             "last_step": {
                 "step": 11,
                 "phases": {"train": 0.31, "sync": 0.0123},
-                "sync_gbps": 0.25,
+                "sync": {"bytes": 250_000, "seconds": 0.001, "gbps": 0.25},
                 "reward_mean": 0.5,
             },
             "metrics_port": 9464,

@@ -13,48 +13,15 @@ from typing import Any
 
 import pytest
 
-from tests.daemon.jobs import assert_nothing_left
-
-TINY = """
-[job]
-ranks = 2
-steps = {steps}
-runtime_dir = "{root}/run"
-checkpoint_dir = "{root}/checkpoints"
-
-[deadlines]
-phase_s = 30.0
-stall_s = 10.0
-ready_s = 90.0
-
-[transfer]
-bucket_mb = 0.0625
-checksum = true
-
-[engine]
-kind = "torch_ref"
-
-[engine.torch_ref]
-prompts_per_rank = 2
-group_size = 4
-completion_tokens = 4
-kv_cache_len = 16
-
-[engine.torch_ref.model]
-hidden_size = 32
-intermediate_size = 64
-max_position_embeddings = 16
-
-[log]
-file = "{root}/log.jsonl"
-{extra}
-"""
+from tests.configs import TINY, toml_file
+from tests.cycle.jobs import assert_nothing_left
 
 
-def write_config(root: Path, steps: int, extra: str = "") -> Path:
-    path = root / "job.toml"
-    path.write_text(TINY.format(root=root, steps=steps, extra=extra))
-    return path
+def write_config(root: Path, steps: int, **sections: Any) -> Path:
+    """The reference engine at its smallest, logging to `root`/log.jsonl."""
+    return toml_file(
+        root, TINY, job={"steps": steps}, log={"file": f"{root}/log.jsonl"}, **sections
+    )
 
 
 def timeshare_run(
@@ -106,10 +73,10 @@ def test_a_run_writes_every_figure_of_every_step(runtime_dir: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", ["rollout", "sync"])
 def test_a_rollout_killed_mid_phase_stops_the_run_naming_it(runtime_dir: Path, phase: str) -> None:
-    fault = f'[[faults]]\nrole = "rollout"\nrank = 1\nphase = "{phase}"\nkind = "kill"\nstep = 2\n'
+    fault = {"role": "rollout", "rank": 1, "phase": phase, "kind": "kill", "step": 2}
     summary = runtime_dir / "summary.json"
     started = time.monotonic()
-    done = timeshare_run(write_config(runtime_dir, steps=4, extra=fault), summary)
+    done = timeshare_run(write_config(runtime_dir, steps=4, faults=[fault]), summary)
     assert done.returncode == 1, done.stderr
     assert f"rollout rank 1 failed in phase {phase}" in done.stderr
     assert "WorkerDied" in done.stderr
@@ -127,9 +94,15 @@ def test_a_killed_run_resumes_from_its_committed_step(runtime_dir: Path, tmp_pat
     expected = [(s["step"], s["reward_mean"]) for s in steps_of(reference / "s.json")]
 
     # Killed at the worst moment: step 3's TRAIN is committed on every rank, its ROLLOUT hangs.
-    hang = '[[faults]]\nrole = "rollout"\nrank = 0\nphase = "rollout"\nkind = "hang"\nstep = 3\n'
+    hang = {"role": "rollout", "rank": 0, "phase": "rollout", "kind": "hang", "step": 3}
     summary = runtime_dir / "summary.json"
-    argv = [sys.executable, "-m", "timeshare", "run", str(write_config(runtime_dir, 5, hang))]
+    argv = [
+        sys.executable,
+        "-m",
+        "timeshare",
+        "run",
+        str(write_config(runtime_dir, 5, faults=[hang])),
+    ]
     first = subprocess.Popen(
         [*argv, "--summary", str(summary)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -158,7 +131,7 @@ def test_a_killed_run_resumes_from_its_committed_step(runtime_dir: Path, tmp_pat
 
 
 def test_a_bad_config_is_one_line_and_exit_2(runtime_dir: Path) -> None:
-    config = write_config(runtime_dir, steps=2, extra="[engine.torch_ref.modle]\nx = 1\n")
+    config = write_config(runtime_dir, steps=2, engine={"torch_ref": {"modle": {"x": 1}}})
     done = timeshare_run(config, runtime_dir / "summary.json", timeout_s=60)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.daemon.daemons import (
     assert_daemon_left_nothing,
     running_daemon,
-    simulated_config,
+    service_config,
 )
 from timeshare.daemon.records import read_journal, read_progress
 
@@ -28,7 +28,7 @@ CTL = [sys.executable, "-m", "timeshare.daemon.ctl"]
 
 
 def test_operate_the_daemon_with_timesharectl(runtime_dir: Path) -> None:
-    with running_daemon(runtime_dir, simulated_config(runtime_dir)) as daemon:
+    with running_daemon(runtime_dir, service_config(runtime_dir)) as daemon:
         # The socket: 0660 in a 0750 directory.
         assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o660
         assert stat.S_IMODE(daemon.socket.parent.stat().st_mode) == 0o750
@@ -58,16 +58,20 @@ def test_operate_the_daemon_with_timesharectl(runtime_dir: Path) -> None:
         assert any(e.get("event") == "cycle.pause.verified" for e in daemon.events())
         again = daemon.ctl("pause", "--wait")  # repeating is harmless
         assert again.returncode == 0 and daemon.status()["step"] == status["step"]
-        time.sleep(0.5)
+
+        # A log level goes through the job store to every worker's control lane, answered
+        # while paused: once all four said so, the cycle has handled a later command, and
+        # still nothing moved.
+        assert "sync.transfer.finalized" not in daemon.log_text()  # a trainer's debug event
+        level = daemon.ctl("log-level", "debug")
+        assert level.returncode == 0 and daemon.status()["log_level"] == "debug"
+        daemon.wait_until_logged("worker.log_level.set", count=4)
         assert daemon.status()["step"] == status["step"]  # a paused job does not move
+        assert daemon.status()["lifecycle"] == "paused"
 
         assert daemon.ctl("resume").returncode == 0
         daemon.wait_for(lambda s: s["lifecycle"] == "running" and s["step"] > status["step"])
         assert daemon.ctl("resume").returncode == 0  # resuming a running job changes nothing
-
-        assert "sync.transfer.finalized" not in daemon.log_text()  # a trainer's debug event
-        level = daemon.ctl("log-level", "debug")
-        assert level.returncode == 0 and daemon.status()["log_level"] == "debug"
         step = daemon.status()["step"]
         daemon.wait_for(lambda s: s["step"] >= step + 2)
         assert "sync.transfer.finalized" in daemon.log_text()  # the workers' level changed too
@@ -99,7 +103,7 @@ def test_operate_the_daemon_with_timesharectl(runtime_dir: Path) -> None:
 
 
 def test_watch_streams_transitions_and_metrics_scrape(runtime_dir: Path) -> None:
-    with running_daemon(runtime_dir, simulated_config(runtime_dir)) as daemon:
+    with running_daemon(runtime_dir, service_config(runtime_dir)) as daemon:
         watch = subprocess.Popen(
             [*CTL, "--socket", str(daemon.socket), "watch", "--json"],
             stdout=subprocess.PIPE,
@@ -145,7 +149,7 @@ def test_watch_streams_transitions_and_metrics_scrape(runtime_dir: Path) -> None
 
 @pytest.mark.skipif(shutil.which("socat") is None, reason="socat is not installed")
 def test_plain_socat_is_a_client(runtime_dir: Path) -> None:
-    with running_daemon(runtime_dir, simulated_config(runtime_dir, steps=2)) as daemon:
+    with running_daemon(runtime_dir, service_config(runtime_dir, steps=2)) as daemon:
         daemon.wait_for(lambda s: s["lifecycle"] == "idle")
         result = subprocess.run(
             [shutil.which("socat") or "socat", "-", f"UNIX-CONNECT:{daemon.socket}"],
@@ -166,7 +170,7 @@ def test_plain_socat_is_a_client(runtime_dir: Path) -> None:
 def test_while_stopping_pause_and_resume_are_refused_and_stop_is_harmless(
     runtime_dir: Path,
 ) -> None:
-    config = simulated_config(runtime_dir, rollout_s=2.0)  # a drain that takes a while
+    config = service_config(runtime_dir, rollout_s=2.0)  # a drain that takes a while
     with running_daemon(runtime_dir, config) as daemon:
         daemon.wait_for(lambda s: (s["step"] or 0) >= 1 and "rollout" in s["phases"])
         assert daemon.call("stop")["result"]["lifecycle"] == "stopping"
@@ -182,7 +186,7 @@ def test_while_stopping_pause_and_resume_are_refused_and_stop_is_harmless(
 
 
 def test_sigterm_drains_writes_progress_and_exits_0(runtime_dir: Path) -> None:
-    with running_daemon(runtime_dir, simulated_config(runtime_dir)) as daemon:
+    with running_daemon(runtime_dir, service_config(runtime_dir)) as daemon:
         daemon.wait_for(lambda s: s["lifecycle"] == "running" and (s["step"] or 0) >= 3)
         started = time.monotonic()
         assert daemon.stop() == 0
@@ -194,12 +198,20 @@ def test_sigterm_drains_writes_progress_and_exits_0(runtime_dir: Path) -> None:
     assert [e["why"] for e in journal if e["kind"] == "service.stop"] == ["SIGTERM"]
     progress = read_progress(runtime_dir / "state")
     assert progress["weight_version"] >= 2 and progress["last_step"]["step"] >= 2
+    assert set(progress["last_step"]["phases"]) == {
+        "train",
+        "offload",
+        "sync",
+        "barrier",
+        "resume",
+        "rollout",
+    }
     assert_daemon_left_nothing(runtime_dir)
 
 
 def test_a_failed_cycle_exits_1_for_systemd_to_restart(runtime_dir: Path) -> None:
-    kill = '[[faults]]\nrole = "rollout"\nrank = 1\nphase = "rollout"\nkind = "kill"\nstep = 2\n'
-    with running_daemon(runtime_dir, simulated_config(runtime_dir, extra=kill)) as daemon:
+    kill = {"role": "rollout", "rank": 1, "phase": "rollout", "kind": "kill", "step": 2}
+    with running_daemon(runtime_dir, service_config(runtime_dir, faults=[kill])) as daemon:
         assert daemon.process.wait(timeout=60) == 1
     failed = [e for e in read_journal(runtime_dir / "state") if e["kind"] == "cycle.failed"]
     assert len(failed) == 1
@@ -214,7 +226,7 @@ def test_a_metrics_port_in_use_is_exit_2_naming_it(runtime_dir: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        config = simulated_config(runtime_dir)
+        config = service_config(runtime_dir)
         config.write_text(config.read_text().replace("metrics_port = 0", f"metrics_port = {port}"))
         result = subprocess.run(
             [sys.executable, "-m", "timeshare.daemon", "--config", str(config)],

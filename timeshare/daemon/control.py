@@ -23,12 +23,11 @@ from anyio.abc import SocketAttribute, SocketListener, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from timeshare.config import DaemonSection
+from timeshare.daemon.requests import OperatorRequests
 from timeshare.daemon.service import Service
+from timeshare.errors import Busy, ControlError, InvalidTransition, RequestTooLarge, SocketInUse
 from timeshare.protocols.control import (
-    Busy,
     Call,
-    ControlError,
-    RequestTooLarge,
     encode_error,
     encode_event,
     encode_result,
@@ -41,10 +40,6 @@ log = structlog.get_logger(__name__)
 SEND_TIMEOUT_S = 10.0  # a client that does not read its replies for this long is dropped
 SOCKET_MODE = 0o660
 DIRECTORY_MODE = 0o750
-
-
-class SocketInUse(Exception):
-    """Raised when another process already listens on the control socket's path."""
 
 
 def bind_control_socket(path: Path) -> socket.socket:
@@ -73,9 +68,14 @@ def bind_control_socket(path: Path) -> socket.socket:
     return listener
 
 
+# What the daemon answers as a refusal (the request was wrong, or not possible now), by name.
+Refusal = ControlError | InvalidTransition
+
+
 class ControlServer:
-    def __init__(self, service: Service, limits: DaemonSection) -> None:
+    def __init__(self, service: Service, requests: OperatorRequests, limits: DaemonSection) -> None:
         self.service = service
+        self.requests = requests
         self.limits = limits
         self.clients = 0
         self.answering = 0  # requests being answered (not watches): an exit lets them finish
@@ -145,7 +145,7 @@ class ControlServer:
         try:
             call = parse_request(line)
         except ControlError as exc:
-            self.service.metrics.control_requests.labels("-", exc.name).inc()
+            self._count("-", exc)
             log.info("control.request.refused", error=exc.name, message=str(exc), **peer)
             await self._send(stream, self._error(exc.request_id, exc))
             return True
@@ -164,20 +164,20 @@ class ControlServer:
 
     async def _answer_call(self, stream: SocketStream, call: Call) -> bool:
         try:
-            result = await self.service.handle(call)
-        except ControlError as exc:
-            self.service.metrics.control_requests.labels(call.method, exc.name).inc()
+            result = await self.requests.handle(call)
+        except (ControlError, InvalidTransition) as exc:
+            self._count(call.method, exc)
             await self._send(stream, self._error(call.id, exc))
             return True
         except Exception as exc:  # a bug must not take the daemon down with it
             log.exception("control.request.crashed", method=call.method)
-            self.service.metrics.control_requests.labels(call.method, "InternalError").inc()
+            self.service.parts.metrics.control_requests.labels(call.method, "InternalError").inc()
             reply = encode_error(
                 call.id, "InternalError", f"{type(exc).__name__}: {exc}", self._state()
             )
             await self._send(stream, reply)
             return True
-        self.service.metrics.control_requests.labels(call.method, "ok").inc()
+        self.service.parts.metrics.control_requests.labels(call.method, "ok").inc()
         await self._send(stream, encode_result(call.id, result))
         return True
 
@@ -201,11 +201,14 @@ class ControlServer:
         with anyio.fail_after(SEND_TIMEOUT_S):
             await stream.send(data)
 
-    def _error(self, request_id: Any, exc: ControlError) -> bytes:
-        return encode_error(request_id, exc.name, str(exc), self._state())
+    def _count(self, method: str, exc: Refusal) -> None:
+        self.service.parts.metrics.control_requests.labels(method, type(exc).__name__).inc()
+
+    def _error(self, request_id: Any, exc: Refusal) -> bytes:
+        return encode_error(request_id, type(exc).__name__, str(exc), self._state())
 
     def _state(self) -> str:
-        return self.service.shown_lifecycle
+        return self.service.state.value
 
 
 def _peer_credentials(stream: SocketStream) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """`timesharectl`: operate a running `timeshared` through its control socket.
 
     timesharectl [--socket PATH] [--timeout S] status [--json]
-    timesharectl pause [--wait] | resume | drain [--wait] | stop | reload [--wait]
+    timesharectl pause [--wait] | resume | drain [--wait] | stop | reload
     timesharectl watch [--json]          stream transitions until interrupted
     timesharectl log-level LEVEL
 
@@ -19,27 +19,17 @@ import socket
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import msgspec
+
+from timeshare.errors import DaemonRefused, NoDaemon
+from timeshare.logs import LogLevel
 
 DEFAULT_SOCKET = "/run/timeshared/control.sock"
 EXIT_REFUSED = 1
 EXIT_NO_DAEMON = 2
 _ids = itertools.count(1)
-
-
-class NoDaemon(Exception):
-    """Raised when nothing answers on the socket, or the answer is not the protocol."""
-
-
-class Refused(Exception):
-    """Raised when the daemon answers with an error."""
-
-    def __init__(self, error: dict[str, Any]) -> None:
-        name, message, state = error.get("name"), error.get("message"), error.get("state")
-        super().__init__(f"{name}: {message} (state: {state})")
-        self.error = error
 
 
 class Client:
@@ -75,7 +65,7 @@ class Client:
         if not isinstance(reply, dict):
             raise NoDaemon(f"not a reply: {line[:200]!r}")
         if "error" in reply:
-            raise Refused(reply["error"])
+            raise DaemonRefused(reply["error"])
         return reply
 
     def call(self, method: str, params: dict[str, Any] | None = None) -> Any:
@@ -104,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run(client, args)
         finally:
             client.close()
-    except Refused as exc:
+    except DaemonRefused as exc:
         print(f"timesharectl: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except (NoDaemon, OSError) as exc:
@@ -127,7 +117,7 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         return 0
     if command == "log-level":
         result = client.call("set_log_level", {"level": args.level})
-    elif command in ("pause", "drain", "reload"):
+    elif command in ("pause", "drain"):
         result = client.call(command, {"wait": args.wait, "timeout_s": args.timeout})
     else:
         result = client.call(command)
@@ -157,7 +147,7 @@ def status_table(status: dict[str, Any]) -> str:
     if last:
         phases = "  ".join(f"{p} {s * 1000:.1f} ms" for p, s in last.get("phases", {}).items())
         rows.append((f"last step ({last.get('step')})", phases or "-"))
-        gbps = last.get("sync_gbps")
+        gbps = (last.get("sync") or {}).get("gbps")
         rows.append(("sync", "-" if gbps is None else f"{gbps:.3f} GB/s"))
         if last.get("reward_mean") is not None:
             rows.append(("reward", f"{last['reward_mean']:.3f}"))
@@ -200,16 +190,16 @@ def _parser() -> argparse.ArgumentParser:
     for name, text in (
         ("pause", "pause at the next cycle boundary, engines asleep"),
         ("drain", "stop the cycle at the next safe point; the daemon stays up"),
-        ("reload", "re-read the config file"),
     ):
         command = commands.add_parser(name, help=text)
         command.add_argument("--wait", action="store_true", help="return once it took effect")
+    commands.add_parser("reload", help="re-read the config file (answers once it is applied)")
     commands.add_parser("resume", help="resume a paused job (or start the remaining steps)")
     commands.add_parser("stop", help="drain and exit the daemon")
     watch = commands.add_parser("watch", help="stream transitions until interrupted")
     watch.add_argument("--json", action="store_true", help="one JSON object per line")
     level = commands.add_parser("log-level", help="set the daemon's log level")
-    level.add_argument("level", choices=["debug", "info", "warning", "error"])
+    level.add_argument("level", choices=get_args(LogLevel))
     return parser
 
 

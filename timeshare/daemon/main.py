@@ -25,6 +25,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 from contextlib import suppress
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -33,18 +34,20 @@ import structlog
 
 from timeshare import logs
 from timeshare.config import Config, LoadedConfig, load_config
-from timeshare.daemon.control import ControlServer, SocketInUse, bind_control_socket
+from timeshare.daemon.control import ControlServer, bind_control_socket
 from timeshare.daemon.metrics import Metrics, MetricsServer, serve_metrics
-from timeshare.daemon.service import Service, ServicePaths
+from timeshare.daemon.progress import load_saved_progress
+from timeshare.daemon.requests import OperatorRequests
+from timeshare.daemon.service import Service, ServiceParts, ServicePaths
 from timeshare.daemon.systemd import (
     Notifier,
     listen_sockets,
     take_service_variables,
     watchdog_interval_s,
 )
-from timeshare.errors import ConfigError
-from timeshare.protocols.control import ControlError
-from timeshare.protocols.store import JobStore
+from timeshare.errors import ConfigError, ControlError, SocketInUse
+from timeshare.protocols.store import AsyncJobStore
+from timeshare.state.service import ServiceLifecycle
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +56,7 @@ EXIT_BAD_INPUT = 2
 DEFAULT_STATE_DIR = "runs/timeshared"
 ANSWER_GRACE_S = 2.0  # at exit, for replies already being written
 EXTEND_EVERY_S = 5.0  # EXTEND_TIMEOUT_USEC while starting or draining, by twice this
+EXTENDED = frozenset({ServiceLifecycle.DRAINING, ServiceLifecycle.STOPPING})
 
 
 def resolve(
@@ -101,16 +105,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"timeshared: control socket {paths.socket}: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     notifier = Notifier.from_environment(service_variables)
-    metrics = Metrics()
-    service = Service(loaded, config, paths, notifier=notifier, metrics=metrics)
-    if activated:
-        # A connection to the socket started this daemon: it must not start training by itself.
-        service.want_cycle = False
-        service.reason = "socket-activated: `timesharectl resume` starts the cycle"
     try:
-        return anyio.run(
-            _serve, service, control, watchdog_interval_s(service_variables), bool(activated)
+        watchdog_s = watchdog_interval_s(service_variables)
+        serve = partial(
+            _serve,
+            notifier=notifier,
+            control=control,
+            watchdog_s=watchdog_s,
+            activated=bool(activated),
         )
+        return anyio.run(serve, loaded, config, paths)
     finally:
         notifier.close()
         control.close()
@@ -120,46 +124,57 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 async def _serve(
-    service: Service, control: socket.socket, watchdog_s: float | None, activated: bool
+    loaded: LoadedConfig,
+    config: Config,
+    paths: ServicePaths,
+    *,
+    notifier: Notifier,
+    control: socket.socket,
+    watchdog_s: float | None,
+    activated: bool,
 ) -> int:
-    config = service.config
-    log.info(
-        "service.start",
-        config=str(service.paths.config_file),
-        state_dir=str(service.paths.state_dir),
-        socket=str(service.paths.socket),
-        socket_activated=activated,
-        committed_step=service.progress.committed_step,
-    )
+    metrics = Metrics()
     metrics_server: MetricsServer | None = None
     if config.daemon.metrics:
         try:
             metrics_server = await anyio.to_thread.run_sync(
-                serve_metrics, service.metrics, config.daemon.metrics_port
+                serve_metrics, metrics, config.daemon.metrics_port
             )
         except OSError as exc:
             port = config.daemon.metrics_port
             print(f"timeshared: daemon.metrics_port {port}: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        service.metrics_port = metrics_server.port
-    service.store = await anyio.to_thread.run_sync(JobStore.host)
-    server = ControlServer(service, config.daemon)
+    store = await AsyncJobStore.host()
+    bound = None if metrics_server is None else metrics_server.port
+    parts = ServiceParts(notifier, metrics, store, metrics_port=bound, activated=activated)
+    saved = await anyio.to_thread.run_sync(load_saved_progress, paths.state_dir)
+    service = Service(loaded, config, paths, parts, saved)
+    log.info(
+        "service.start",
+        config=str(paths.config_file),
+        state_dir=str(paths.state_dir),
+        socket=str(paths.socket),
+        socket_activated=activated,
+        committed_step=service.progress.committed_step,
+    )
+    requests = OperatorRequests(service)
+    server = ControlServer(service, requests, config.daemon)
     try:
         async with anyio.create_task_group() as group:
             group.start_soon(service.records.run)
             group.start_soon(server.serve, control)
-            group.start_soon(_signals, service)
+            group.start_soon(_signals, requests)
             group.start_soon(_extend_timeouts, service)
             if watchdog_s is not None:
                 group.start_soon(_watchdog, service, watchdog_s)
             group.start_soon(_drain_deadline, service)
-            group.start_soon(service.measure_loop_lag)
+            group.start_soon(service.loop_lag.measure, metrics.loop_lag.set)
             await service.run_cycles()
             await server.wait_answered(timeout_s=ANSWER_GRACE_S)
             group.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
-            service.notifier.stopping(f"stopped: {service.reason or 'requested'}")
+            notifier.stopping(f"stopped: {service.reason or 'requested'}")
             await service.records.close()
             if metrics_server is not None:
                 await anyio.to_thread.run_sync(metrics_server.close)
@@ -167,32 +182,33 @@ async def _serve(
     return service.exit_code
 
 
-async def _signals(service: Service) -> None:
+async def _signals(requests: OperatorRequests) -> None:
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             name = signal.Signals(signum).name
             if signum == signal.SIGHUP:
                 try:
-                    await service.reload()
+                    await requests.reload()
                 except ControlError as exc:
                     log.warning("service.reload.refused", error=str(exc))
             else:
-                await service.stop(name)
+                await requests.stop(name)
 
 
 async def _drain_deadline(service: Service) -> None:
-    """Once an exit is asked for, the cycle has `drain_s` to drain; then it is cut short."""
-    await service.wait_exit_requested()
+    """Once the service stops (or failed), the cycle has `drain_s` to end; then it is cut short."""
+    await service.wait_stopping()
     await anyio.sleep(service.config.daemon.drain_s)
     service.cancel_cycle()
 
 
 async def _extend_timeouts(service: Service) -> None:
     """systemd's start and stop timeouts must not end a long start-up or a drain."""
+    notifier = service.parts.notifier
     while True:
-        starting = not service.ready_sent and service.lifecycle == "starting"
-        if starting or service.shown_lifecycle in ("draining", "stopping"):
-            service.notifier.extend_timeout(2 * EXTEND_EVERY_S)
+        starting = not notifier.ready_sent and service.state is ServiceLifecycle.STARTING
+        if starting or service.state in EXTENDED:
+            notifier.extend_timeout(2 * EXTEND_EVERY_S)
         with anyio.move_on_after(EXTEND_EVERY_S):
             await service.wait_changed()  # a drain that starts is extended at once
 
@@ -201,9 +217,9 @@ async def _watchdog(service: Service, every_s: float) -> None:
     """WATCHDOG=1 at half systemd's interval, only while the cycle makes progress."""
     while True:
         if service.healthy():
-            service.notifier.watchdog()
+            service.parts.notifier.watchdog()
         else:
-            log.error("service.watchdog.withheld", since_progress_s=service.last_progress)
+            log.error("service.watchdog.withheld", state=service.state.value)
         await anyio.sleep(every_s)
 
 

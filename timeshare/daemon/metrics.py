@@ -18,9 +18,11 @@ from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram
 from prometheus_client import start_http_server as _start_http_server
 
 from timeshare.state import Phase
+from timeshare.state.service import ServiceLifecycle
+from timeshare.units import gbps
 
 LOOPBACK = "127.0.0.1"
-LIFECYCLE_STATES = ["starting", "running", "paused", "draining", "idle", "stopping", "failed"]
+LIFECYCLE_STATES = [state.value for state in ServiceLifecycle]
 PHASE_BUCKETS = (
     0.001,
     0.0025,
@@ -92,7 +94,7 @@ class Metrics:
         )
         build = Info("timeshare_build", "Build of this daemon", registry=r)
         build.info({"version": version("timeshare"), "python": platform.python_version()})
-        self.lifecycle.state("starting")
+        self.lifecycle.state(ServiceLifecycle.STARTING.value)
 
     def phase_ended(self, phase: Phase, seconds: float) -> None:
         self.phase_seconds.labels(phase.value).observe(seconds)
@@ -100,7 +102,7 @@ class Metrics:
     def synced(self, nbytes: int, seconds: float, acks: list[float], version: int) -> None:
         self.sync_bytes.inc(nbytes)
         if seconds > 0:
-            self.sync_gbps.set(nbytes / seconds / 1e9)
+            self.sync_gbps.set(gbps(nbytes, seconds))
         for ack in acks:
             self.ack_seconds.observe(ack)
         self.weight_version.set(version)

@@ -16,17 +16,11 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from timeshare.cycle.workers import SERVICE_VARIABLES
+
 log = structlog.get_logger(__name__)
 
 FIRST_LISTEN_FD = 3  # SD_LISTEN_FDS_START
-SERVICE_VARIABLES = (
-    "NOTIFY_SOCKET",
-    "WATCHDOG_USEC",
-    "WATCHDOG_PID",
-    "LISTEN_FDS",
-    "LISTEN_PID",
-    "LISTEN_FDNAMES",
-)
 
 
 @dataclass
@@ -34,6 +28,7 @@ class Notifier:
     """Sends sd_notify messages; without $NOTIFY_SOCKET it only remembers what it would send."""
 
     address: str | None = None
+    ready_sent: bool = False  # READY=1 went out once (start-up is over for systemd)
     stopping_sent: bool = False
     sent: list[str] = field(default_factory=list)  # the last few messages, for `status`
     _socket: socket.socket | None = None
@@ -61,6 +56,7 @@ class Notifier:
             log.warning("systemd.notify.failed", error=str(exc), message=message)
 
     def ready(self, status: str) -> None:
+        self.ready_sent = True
         self.notify(READY=1, STATUS=status)
 
     def status(self, status: str) -> None:

@@ -6,54 +6,23 @@
 
 `watch` answers with one `{"id": …, "event": {...}}` line per transition until the client
 leaves. The id is echoed as given (a number, a string, or null); a request without one gets
-`"id": null`. Every way a line can be wrong is a `ControlError` whose `name` says which, so a
-client can tell a typo from a refusal. No pickle: JSON only (msgspec), with a size limit per
-line that the server sets.
+`"id": null`. Every way a line can be wrong, and every refusal, is an error whose `name` is its
+class's (errors.py: the `ControlError` family, and `InvalidTransition`), so a client can tell a
+typo from a refusal. No pickle: JSON only (msgspec), with a size limit per line that the server
+sets.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 
+from timeshare.errors import BadParams, BadRequest, UnknownMethod
+from timeshare.logs import LogLevel
+
 RequestId = int | str | None
-LogLevel = Literal["debug", "info", "warning", "error"]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
-
-
-class ControlError(Exception):
-    """A request the daemon refuses: `name` is stable for scripts, the message is for people."""
-
-    name = "ControlError"
-
-    def __init__(self, message: str, *, request_id: RequestId = None) -> None:
-        super().__init__(message)
-        self.request_id = request_id
-
-
-class BadRequest(ControlError):
-    """Raised for a line that is not a JSON object with a string `method`."""
-
-    name = "BadRequest"
-
-
-class UnknownMethod(ControlError):
-    """Raised for a method the daemon does not have."""
-
-    name = "UnknownMethod"
-
-
-class BadParams(ControlError):
-    """Raised for parameters of the wrong name, type or range."""
-
-    name = "BadParams"
-
-
-class RequestTooLarge(ControlError):
-    """Raised for a line longer than the server's limit (the connection is then closed)."""
-
-    name = "RequestTooLarge"
 
 
 # -- parameters of each method -------------------------------------------------------------------
@@ -80,7 +49,7 @@ METHODS: dict[str, type[msgspec.Struct]] = {
     "resume": NoParams,
     "drain": WaitParams,
     "stop": NoParams,
-    "reload": WaitParams,
+    "reload": NoParams,  # answered once the new config is applied: nothing to wait for
     "watch": NoParams,
     "set_log_level": LogLevelParams,
 }
@@ -141,34 +110,21 @@ def encode_error(request_id: RequestId, name: str, message: str, state: str) -> 
     return msgspec.json.encode({"id": request_id, "error": error}) + b"\n"
 
 
-# -- refusals of the daemon (the request was well formed) ----------------------------------------
+class ServiceStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """What `status` answers: where the service and its job stand."""
 
-
-class NotRunning(ControlError):
-    """Raised for a request that needs a cycle when none runs (idle, failed)."""
-
-    name = "NotRunning"
-
-
-class TransitionRefused(ControlError):
-    """Raised for a request the job's state does not allow (e.g. resume while draining)."""
-
-    name = "InvalidTransition"
-
-
-class ReloadRefused(ControlError):
-    """Raised when a reloaded config is broken or changes what cannot change live."""
-
-    name = "ReloadRefused"
-
-
-class WaitTimedOut(ControlError):
-    """Raised when `wait` was asked for and the request did not take effect in `timeout_s`."""
-
-    name = "Timeout"
-
-
-class Busy(ControlError):
-    """Raised when the daemon already serves as many clients as it allows."""
-
-    name = "Busy"
+    lifecycle: str  # the service's lifecycle (state/service.py)
+    phases: list[str]  # each rank's phase, while a cycle runs
+    step: int | None  # the job's step (the committed one while no cycle runs)
+    steps: int  # the job's step limit
+    committed_step: int | None
+    weight_version: int | None
+    last_step: dict[str, Any] | None  # the last complete step's figures (cycle/steps.py)
+    reason: str | None  # why the job drains, stopped, failed, or the service idles
+    uptime_s: float
+    pid: int
+    ranks: int
+    engine: str
+    metrics_port: int | None
+    log_level: str
+    loop_lag_max_ms: float
