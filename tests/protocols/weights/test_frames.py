@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from timeshare.errors import ProtocolError
 from timeshare.protocols.weights import frames
+from timeshare.protocols.weights.descriptions import ShmSegments
 from timeshare.protocols.weights.frames import PROTOCOL_VERSION, TensorPiece
-from timeshare.protocols.weights.shm import ShmSegments
 
 SAMPLES: list[frames.Request | frames.Reply] = [
     frames.Offer(PROTOCOL_VERSION, 5, ShmSegments(names=["ts-w-x-1-2-3-0"], buffer_bytes=4096)),

@@ -25,7 +25,7 @@ from typing import Any, Literal
 import msgspec
 
 from timeshare.errors import ProtocolError
-from timeshare.protocols.weights.transport import StagingDescription
+from timeshare.protocols.weights.descriptions import StagingDescription
 
 PROTOCOL_VERSION = 1
 # An error frame carries at most this much text, so a huge message cannot flood the channel.
@@ -34,6 +34,11 @@ MAX_ERROR_TEXT = 4096
 
 class _Frame(msgspec.Struct, frozen=True, tag_field="kind"):
     """Base of every frame: the "kind" field tells them apart on the wire."""
+
+
+# A piece's offset in its staging buffer is a multiple of this, so that every dtype view of the
+# piece is aligned; the receiver refuses a piece that is not.
+ALIGNMENT = 64
 
 
 class TensorPiece(msgspec.Struct, frozen=True, array_like=True):

@@ -17,11 +17,11 @@ import os
 import re
 from pathlib import Path
 
-import msgspec
 import structlog
 import torch
 
 from timeshare.errors import TransferError
+from timeshare.protocols.weights.descriptions import ShmSegments
 from timeshare.protocols.weights.staging import Staging
 
 log = structlog.get_logger(__name__)
@@ -29,13 +29,6 @@ log = structlog.get_logger(__name__)
 SHM_DIR = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
 SEGMENT_PREFIX = "ts-w-"
 _SEGMENT_RE = re.compile(r"^ts-w-(?P<tag>[0-9a-z]+)-(?P<pid>\d+)-(?P<start>\d+)-[0-9a-f]+-\d+$")
-
-
-class ShmSegments(msgspec.Struct, frozen=True, tag="shm"):
-    """The handshake's description of shared-memory staging: one segment name per buffer."""
-
-    names: list[str]
-    buffer_bytes: int
 
 
 def staging_tag(runtime_dir: Path | None) -> str:
