@@ -24,7 +24,7 @@ from timeshare.daemon.workers import prepare_runtime
 from timeshare.errors import CycleFailed, WorkerDied, WorkerError, WorkerStalled
 from timeshare.protocols.commands import WorkerId
 from timeshare.protocols.store import JobStore
-from timeshare.protocols.weights.shm import process_start_time
+from timeshare.runtime import process_start_time
 from timeshare.state import Phase
 
 STALL_S = 1.5

@@ -25,7 +25,7 @@ from timeshare.engines.worker import WorkerSpec
 from timeshare.protocols.commands import WorkerId, WorkerLanes
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import sweep_stale
-from timeshare.protocols.weights.shm import process_start_time
+from timeshare.runtime import process_start_time
 
 log = structlog.get_logger(__name__)
 

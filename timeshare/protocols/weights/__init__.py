@@ -16,10 +16,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
-from timeshare.protocols.weights.endpoint import sweep_stale_sockets
 from timeshare.protocols.weights.receiver import WeightReceiver
 from timeshare.protocols.weights.sender import WeightSender
 from timeshare.protocols.weights.shm import SHM_DIR, staging_tag, sweep_stale_segments
+from timeshare.runtime import sweep_stale_sockets
 
 __all__ = [
     "TransferConfig",

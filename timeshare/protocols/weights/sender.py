@@ -24,7 +24,6 @@ import zmq.asyncio
 from timeshare.errors import AckTimeout, PeerError, ProtocolError, SessionClosed, TransferError
 from timeshare.protocols.weights import frames
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
-from timeshare.protocols.weights.endpoint import Endpoint
 from timeshare.protocols.weights.frames import PROTOCOL_VERSION, Ack
 from timeshare.protocols.weights.layout import (
     BucketPlanner,
@@ -37,6 +36,7 @@ from timeshare.protocols.weights.layout import (
 from timeshare.protocols.weights.shm import staging_tag
 from timeshare.protocols.weights.staging import Staging
 from timeshare.protocols.weights.transport import create_staging
+from timeshare.runtime import Endpoint
 
 log = structlog.get_logger(__name__)
 

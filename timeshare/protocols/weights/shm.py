@@ -23,6 +23,7 @@ import torch
 from timeshare.errors import TransferError
 from timeshare.protocols.weights.descriptions import ShmSegments
 from timeshare.protocols.weights.staging import Staging
+from timeshare.runtime import process_start_time
 
 log = structlog.get_logger(__name__)
 
@@ -36,17 +37,6 @@ def staging_tag(runtime_dir: Path | None) -> str:
     if runtime_dir is None:
         return "tcp"
     return hashlib.sha256(str(runtime_dir.resolve()).encode()).hexdigest()[:10]
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot (from /proc), or None if it does not exist."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # The command name may hold spaces and parentheses: fields count from the last ')'.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19])
 
 
 class SharedMemoryStaging(Staging):
