@@ -36,6 +36,7 @@ from timeshare.protocols.weights.layout import (
 from timeshare.protocols.weights.shm import staging_tag
 from timeshare.protocols.weights.staging import Staging
 from timeshare.protocols.weights.transport import create_staging
+from timeshare.protocols.wire import MAX_ERROR_TEXT
 from timeshare.runtime import Endpoint
 
 log = structlog.get_logger(__name__)
@@ -364,7 +365,9 @@ class WeightSender:
         if not self._socket_idle():
             await self._socket.recv()  # the reply to the header still in flight
         seq = self._next_seq()
-        notice = frames.Abort(PROTOCOL_VERSION, self._session, version, seq, reason[:4096])
+        notice = frames.Abort(
+            PROTOCOL_VERSION, self._session, version, seq, reason[:MAX_ERROR_TEXT]
+        )
         await self._socket.send(frames.encode(notice))
         await self._socket.recv()
 
