@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from timeshare.protocols.weights.shm import SEGMENT_PREFIX, SHM_DIR
+from timeshare.protocols.weights.segments import SEGMENT_PREFIX, SHM_DIR
 
 # Tests read logs from stderr only; stdout of peer processes carries their JSON events.
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(__import__("sys").stderr))

@@ -8,7 +8,8 @@
 
 ZMQ carries small typed headers and ACKs; the bytes sit in staging that both processes map
 (staging.py, shm.py). A pair is a session: staging is set up by the first transfer and reused
-until `close()`. `sweep_stale` removes what a killed process left in a runtime directory.
+until `close()`. `sweep_stale` removes what a killed process left in a runtime directory
+(segments.py, and socket files).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from pathlib import Path
 
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
 from timeshare.protocols.weights.receiver import WeightReceiver
+from timeshare.protocols.weights.segments import SHM_DIR, staging_tag, sweep_stale_segments
 from timeshare.protocols.weights.sender import WeightSender
-from timeshare.protocols.weights.shm import SHM_DIR, staging_tag, sweep_stale_segments
 from timeshare.runtime import sweep_stale_sockets
 
 __all__ = [

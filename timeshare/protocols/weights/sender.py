@@ -33,7 +33,7 @@ from timeshare.protocols.weights.layout import (
     fence,
     pack,
 )
-from timeshare.protocols.weights.shm import staging_tag
+from timeshare.protocols.weights.segments import staging_tag
 from timeshare.protocols.weights.staging import Staging
 from timeshare.protocols.weights.transport import create_staging
 from timeshare.protocols.wire import MAX_ERROR_TEXT
