@@ -49,6 +49,15 @@ def socket_files(directory: Path) -> list[Path]:
     return [p for p in directory.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
 
 
+def required_tool(tool: str) -> str:
+    """The full path of a tool a test runs. A missing one fails the test, naming the tool: tests
+    never skip for a missing tool (`make test` installs them, see the Makefile's test-tools)."""
+    path = shutil.which(tool)
+    if path is None:
+        pytest.fail(f"{tool} is not installed (`make test-tools` installs it)")
+    return path
+
+
 def directory_tags(roots: Iterable[Path]) -> set[str]:
     """The staging tag of each directory under `roots`, the roots included."""
     tags: set[str] = set()
