@@ -1,6 +1,7 @@
 # make demo: create .venv if needed, then the main job (GRPO on a small LM, examples/tiny-grpo.toml)
 #            from scratch, with its per-step summary in runs/tiny-grpo/summary.json.
-# make test: create .venv if needed, then ruff, mypy --strict and pytest.
+# make test: create .venv if needed, then ruff, mypy --strict and pytest; pytest first installs
+#            the tools tests run (test-tools: apt-get, as root), since a test never skips for one.
 # make bench: the weight-channel benchmark, then the control socket's latency under syncs.
 # TORCH_SPEC picks the torch build (default: the CPU build of 2.13.0; a GPU user sets their own).
 PYTHON ?= python3
@@ -8,8 +9,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# apt-get install $(1); the package lists are refreshed only when the first try fails.
+apt_install = apt-get install -y -q $(1) || (apt-get update -q && apt-get install -y -q $(1))
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo test lint typecheck pytest test-tools bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,8 +33,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy timeshare tests benchmarks
 
-pytest: $(STAMP)
+pytest: $(STAMP) test-tools
 	$(PY) -m pytest -q
+
+# socat: a plain client of the control socket; systemd-analyze and systemd-socket-activate
+# (Debian's systemd package): the unit files' checks and socket activation.
+test-tools:
+	command -v socat >/dev/null || ($(call apt_install,socat))
+	(command -v systemd-analyze && command -v systemd-socket-activate) >/dev/null \
+		|| ($(call apt_install,systemd))
 
 bench: $(STAMP)
 	$(PY) benchmarks/weight_sync.py --total-mb 1024 --bucket-mb 64 --depth 1 2 --json runs/weight_sync.json

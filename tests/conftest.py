@@ -1,4 +1,10 @@
-"""Fixtures shared by every test: short runtime directories and a leak check around each test."""
+"""Fixtures shared by every test: short runtime directories and a leak check around each test.
+
+The leak check blames a test only for staging segments that are its own, so that another
+timeshare run on the same machine (someone else's job, a benchmark) cannot fail it: a segment
+is the test's when its tag is that of a directory the test used, or when its owner is this
+process or one of its live descendants (segments.py says how a name carries both).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +12,20 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 import structlog
 
-from timeshare.protocols.weights.shm import SEGMENT_PREFIX, SHM_DIR
+from timeshare.protocols.weights.segments import (
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    parse_segment_name,
+    staging_tag,
+)
+from timeshare.runtime import process_start_time
 
 # torch's TCPStore resolves the peer's address back to a name on every connection (client and
 # server side, for its log lines). On a machine whose DNS server drops a query now and then,
@@ -23,15 +36,64 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:2")
 # Tests read logs from stderr only; stdout of peer processes carries their JSON events.
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(__import__("sys").stderr))
 
+# Fixtures holding the directories a test works in (their tags name its segments).
+DIRECTORY_FIXTURES = ("runtime_dir", "tmp_path")
 
-def staging_segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob(f"{SEGMENT_PREFIX}*")}
+
+def staging_segments(runtime_dir: Path | None = None) -> set[str]:
+    """Names of the staging segments in /dev/shm: all of them, or those of `runtime_dir`."""
+    names = {p.name for p in SHM_DIR.glob(f"{SEGMENT_PREFIX}*")}
+    if runtime_dir is None:
+        return names
+    tag = staging_tag(runtime_dir)
+    return {n for n in names if (parsed := parse_segment_name(n)) and parsed.tag == tag}
 
 
 def socket_files(directory: Path) -> list[Path]:
     if not directory.exists():
         return []
     return [p for p in directory.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+
+
+def required_tool(tool: str) -> str:
+    """The full path of a tool a test runs. A missing one fails the test, naming the tool: tests
+    never skip for a missing tool (`make test` installs them, see the Makefile's test-tools)."""
+    path = shutil.which(tool)
+    if path is None:
+        pytest.fail(f"{tool} is not installed (`make test-tools` installs it)")
+    return path
+
+
+def directory_tags(roots: Iterable[Path]) -> set[str]:
+    """The staging tag of each directory under `roots`, the roots included."""
+    tags: set[str] = set()
+    for root in roots:
+        tags.add(staging_tag(root))  # even if the test removed it
+        # os.walk skips what vanishes while it walks (a worker still exiting may remove its own).
+        tags.update(staging_tag(Path(directory)) for directory, _, _ in os.walk(root))
+    return tags
+
+
+def own_processes() -> set[tuple[int, int]]:
+    """(pid, start time) of this process and of each of its live descendants."""
+    pids = [psutil.Process().pid, *(p.pid for p in psutil.Process().children(recursive=True))]
+    return {(pid, start) for pid in pids if (start := process_start_time(pid)) is not None}
+
+
+def segments_of_this_test(
+    names: Iterable[str], *, tags: set[str], processes: set[tuple[int, int]]
+) -> set[str]:
+    """Which of `names` the test made: tagged with one of `tags` (its directories), or owned by
+    one of `processes` (this process tree). A "tcp" segment has no directory: only its owner
+    can make it the test's."""
+    own = set()
+    for name in names:
+        parsed = parse_segment_name(name)
+        if parsed is None:
+            continue  # not a name timeshare gives (segments.segment_names)
+        if parsed.tag in tags or (parsed.pid, parsed.start) in processes:
+            own.add(name)
+    return own
 
 
 @pytest.fixture
@@ -44,11 +106,17 @@ def runtime_dir() -> Iterator[Path]:
 
 
 @pytest.fixture(autouse=True)
-def no_leaked_staging() -> Iterator[None]:
-    """Every test must leave /dev/shm as it found it."""
+def no_leaked_staging(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test must remove the staging segments it made; others' segments are not its own."""
+    # Requested here, so that they are torn down after this check: the tags of the test's
+    # directories are read while those directories still exist.
+    directories = [
+        request.getfixturevalue(name) for name in DIRECTORY_FIXTURES if name in request.fixturenames
+    ]
     before = staging_segments()
     yield
-    leaked = staging_segments() - before
+    new = staging_segments() - before
+    leaked = segments_of_this_test(new, tags=directory_tags(directories), processes=own_processes())
     assert not leaked, f"staging segments left in /dev/shm: {sorted(leaked)}"
 
 

@@ -15,6 +15,7 @@ from timeshare.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "simulated.toml"
+TINY_GRPO = ROOT / "examples" / "tiny-grpo.toml"  # the torch_ref engine: its settings in full
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -131,3 +132,35 @@ def test_a_section_given_in_part_keeps_the_job_defaults_for_the_rest(tmp_path: P
     assert transfer.config.transfer == msgspec.structs.replace(Config().transfer, bucket_mb=2.0)
     assert transfer.source_of("transfer.bucket_mb").startswith("file ")
     assert transfer.source_of("transfer.begin_timeout_s") == "default"
+
+
+def heavy_modules_imported_by(statements: str) -> list[str]:
+    """Which of torch and zmq a fresh interpreter has imported after running `statements`."""
+    report = "import json, sys\nprint(json.dumps(sorted({'torch', 'zmq'} & set(sys.modules))))"
+    script = f"{statements}\n{report}"
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return msgspec.json.decode(done.stdout.splitlines()[-1], type=list[str])
+
+
+def test_loading_a_config_imports_neither_torch_nor_zmq() -> None:
+    # Reading a config (`timeshare config show`, a tool that checks one) must not pay the second
+    # or more that loading torch takes: every settings module stays free of torch and zmq.
+    load = (
+        "from pathlib import Path\n"
+        "from timeshare.config import load_config\n"
+        f"load_config(Path({str(TINY_GRPO)!r}), environ={{}})"
+    )
+    assert heavy_modules_imported_by(load) == []
+
+
+def test_config_show_imports_neither_torch_nor_zmq() -> None:
+    show = (
+        "import contextlib, io\n"
+        "from timeshare.daemon.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        f"    assert main(['config', 'show', {str(TINY_GRPO)!r}]) == 0"
+    )
+    assert heavy_modules_imported_by(show) == []

@@ -27,11 +27,11 @@ from typing import Annotated, Any
 
 import msgspec
 
+from timeshare.engines.faults import Fault
 from timeshare.engines.spec import EngineSpec
-from timeshare.engines.worker import Fault
 from timeshare.errors import ConfigError
 from timeshare.logs import LogLevel
-from timeshare.protocols.weights import TransferConfig
+from timeshare.protocols.weights.config import TransferConfig
 from timeshare.state import Phase
 
 ENV_PREFIX = "TIMESHARE_"

@@ -21,7 +21,7 @@ from tests.protocols.weights.peers import wait_until
 from timeshare.cycle.workers import prepare_runtime
 from timeshare.errors import CycleFailed, WorkerDied, WorkerError, WorkerStalled
 from timeshare.protocols.store import JobStore
-from timeshare.protocols.weights.shm import process_start_time
+from timeshare.runtime import process_start_time
 
 STALL_S = 1.5
 CAUSES = {"raise": WorkerError, "kill": WorkerDied, "hang": WorkerStalled}

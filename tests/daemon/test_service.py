@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import stat
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.conftest import required_tool
 from tests.daemon.daemons import (
     assert_daemon_left_nothing,
     running_daemon,
@@ -147,12 +147,11 @@ def test_watch_streams_transitions_and_metrics_scrape(runtime_dir: Path) -> None
     assert_daemon_left_nothing(runtime_dir)
 
 
-@pytest.mark.skipif(shutil.which("socat") is None, reason="socat is not installed")
 def test_plain_socat_is_a_client(runtime_dir: Path) -> None:
     with running_daemon(runtime_dir, service_config(runtime_dir, steps=2)) as daemon:
         daemon.wait_for(lambda s: s["lifecycle"] == "idle")
         result = subprocess.run(
-            [shutil.which("socat") or "socat", "-", f"UNIX-CONNECT:{daemon.socket}"],
+            [required_tool("socat"), "-", f"UNIX-CONNECT:{daemon.socket}"],
             input='{"id": 1, "method": "status"}\n{"id": 2, "method": "nope"}\n',
             capture_output=True,
             text=True,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import required_tool
 from tests.cycle.jobs import processes_of
 from tests.daemon.daemons import (
     Daemon,
@@ -38,10 +38,6 @@ from timeshare.state.service import ServiceLifecycle
 UNITS = Path(__file__).parents[2] / "systemd"
 UNIT = "timeshared.service"
 SECURITY_THRESHOLD = 25  # systemd-analyze's scale is 0..100 (shown /10): "2.5 OK" at most
-ANALYZE = shutil.which("systemd-analyze") or "systemd-analyze"
-needs_systemd = pytest.mark.skipif(
-    shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed"
-)
 
 
 def installed_units(directory: Path) -> Path:
@@ -53,11 +49,10 @@ def installed_units(directory: Path) -> Path:
     return directory
 
 
-@needs_systemd
 def test_both_unit_files_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     units = installed_units(tmp_path)
     result = subprocess.run(
-        [ANALYZE, "verify", "timeshared.service", "timeshared.socket"],
+        [required_tool("systemd-analyze"), "verify", "timeshared.service", "timeshared.socket"],
         cwd=units,
         capture_output=True,
         text=True,
@@ -67,11 +62,16 @@ def test_both_unit_files_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 
-@needs_systemd
 def test_the_service_is_hardened_below_the_threshold(tmp_path: Path) -> None:
     units = installed_units(tmp_path)
     result = subprocess.run(
-        [ANALYZE, "security", "--offline=yes", f"--threshold={SECURITY_THRESHOLD}", UNIT],
+        [
+            required_tool("systemd-analyze"),
+            "security",
+            "--offline=yes",
+            f"--threshold={SECURITY_THRESHOLD}",
+            UNIT,
+        ],
         cwd=units,
         capture_output=True,
         text=True,
@@ -91,11 +91,10 @@ def test_the_service_is_hardened_below_the_threshold(tmp_path: Path) -> None:
     assert "\nPrivateDevices=yes" not in service and "\nDevicePolicy=closed" not in service
 
 
-@needs_systemd
 def test_the_threshold_can_fail(tmp_path: Path) -> None:
     units = installed_units(tmp_path)
     result = subprocess.run(
-        [ANALYZE, "security", "--offline=yes", "--threshold=1", UNIT],
+        [required_tool("systemd-analyze"), "security", "--offline=yes", "--threshold=1", UNIT],
         cwd=units,
         capture_output=True,
         text=True,
@@ -224,12 +223,10 @@ def test_notifications_on_a_real_notify_socket(runtime_dir: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="no systemd")
 def test_socket_activation_starts_the_daemon_idle(runtime_dir: Path) -> None:
     config = service_config(runtime_dir)
     path = runtime_dir / "activated.sock"
-    activate = shutil.which("systemd-socket-activate") or "systemd-socket-activate"
-    argv = [activate, "-l", str(path), "--fdname=control"]
+    argv = [required_tool("systemd-socket-activate"), "-l", str(path), "--fdname=control"]
     activator = subprocess.Popen(
         [*argv, sys.executable, "-m", "timeshare.daemon", "--config", str(config)],
         stdout=subprocess.DEVNULL,

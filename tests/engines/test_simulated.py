@@ -16,9 +16,9 @@ from timeshare.engines.simulated import (
     DeviceLedger,
     SimulatedOOM,
     SimulatedRollout,
-    SimulatedSpec,
     SimulatedTrainer,
 )
+from timeshare.engines.spec import SimulatedSpec
 from timeshare.protocols.store import JobStore
 
 

@@ -13,7 +13,8 @@ import msgspec
 import pytest
 
 from tests.conftest import socket_files
-from timeshare.engines.worker import Fault, WorkerSpec
+from timeshare.engines.faults import Fault
+from timeshare.engines.worker import WorkerSpec
 from timeshare.errors import WorkerError
 from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
 from timeshare.protocols.commands.results import RolloutResult

@@ -34,7 +34,7 @@ from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
 from timeshare.protocols.commands.results import ROLES
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import sweep_stale
-from timeshare.protocols.weights.shm import process_start_time
+from timeshare.runtime import process_start_time
 
 log = structlog.get_logger(__name__)
 

@@ -18,12 +18,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import anyio
 import msgspec
 
-from timeshare import logs
 from timeshare.config import Config, effective_lines, load_config
-from timeshare.daemon.foreground import run_foreground
 from timeshare.errors import ConfigError, CycleFailed, Interrupted
 from timeshare.state.diagram import DIAGRAMS
 
@@ -61,6 +58,13 @@ def _with_overrides(config: Config, args: argparse.Namespace) -> Config:
 
 
 def _run(config: Config, summary: Path | None) -> int:
+    # Imported here, not at the top: only `timeshare run` needs the driver (torch and zmq, over
+    # a second to load), anyio and structlog; `config show` and `state diagram` must stay fast.
+    import anyio  # noqa: PLC0415
+
+    from timeshare import logs  # noqa: PLC0415
+    from timeshare.daemon.foreground import run_foreground  # noqa: PLC0415
+
     logs.configure(config.log.level, config.log.file)
     try:
         result = anyio.run(run_foreground, config, summary)

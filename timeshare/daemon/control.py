@@ -33,7 +33,7 @@ from timeshare.protocols.control import (
     encode_result,
     parse_request,
 )
-from timeshare.protocols.weights.endpoint import socket_is_live
+from timeshare.runtime import socket_is_live
 
 log = structlog.get_logger(__name__)
 

@@ -24,8 +24,7 @@ from timeshare.engines.base import (
 from timeshare.engines.simulated import DeviceLedger, SimulatedRollout, SimulatedTrainer
 from timeshare.engines.spec import EngineSpec
 from timeshare.engines.torch_ref import TorchRefRollout, TorchRefTrainer
-from timeshare.engines.torch_ref.model import ModelConfig
-from timeshare.engines.torch_ref.spec import TorchRefSpec
+from timeshare.engines.torch_ref.spec import ModelConfig, TorchRefSpec
 from timeshare.engines.torch_ref.task import RepeatDigit, sampling_seed
 from timeshare.protocols.store import JobStore
 

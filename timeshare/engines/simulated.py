@@ -2,9 +2,9 @@
 
 Device memory is a ledger per simulated accelerator, kept in the job store so that the trainer
 and rollout processes of every rank see the same one; an allocation that does not fit raises
-`SimulatedOOM` naming device, owner and sizes. Sizes come from `SimulatedSpec`. The rollout
-engine may span several ranks' devices (`engine_span`), as a tensor-parallel engine does: its
-leader wakes and sleeps the memory of every device it spans. Weights are real tensors, moved
+`SimulatedOOM` naming device, owner and sizes. Sizes come from `SimulatedSpec` (spec.py). The
+rollout engine may span several ranks' devices (`engine_span`), as a tensor-parallel engine does:
+its leader wakes and sleeps the memory of every device it spans. Weights are real tensors, moved
 through the real weight channel; their values follow the step, so a mismatch is visible.
 """
 
@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import ClassVar
 
-import msgspec
 import torch
 
 from timeshare.engines.base import (
@@ -27,34 +26,12 @@ from timeshare.engines.base import (
     refuse_unsupported,
     weights_digest,
 )
+from timeshare.engines.spec import SimulatedSpec
 from timeshare.errors import TimeshareError
 from timeshare.protocols.store import JobStore
 
 KIB_PER_MB = 1024
 PROGRESS_STEP_S = 0.05
-
-
-class SimulatedSizes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """MiB each part takes on a simulated device."""
-
-    device_mb: float = 100.0
-    params_mb: float = 30.0
-    optimizer_mb: float = 40.0
-    staging_mb: float = 10.0
-    weights_mb: float = 35.0
-    kv_cache_mb: float = 50.0
-
-
-class SimulatedSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Everything the simulated engines of a job need; workers get it as JSON."""
-
-    sizes: SimulatedSizes = SimulatedSizes()
-    engine_span: int = 1  # ranks (devices) one rollout engine spans; its leader wakes them all
-    tensors: int = 4
-    tensor_numel: int = 1024
-    account_memory: bool = True  # off: no ledger at all (to measure orchestration alone)
-    # phase -> rank (a string, as TOML keys are) -> seconds of (progressing) work
-    delays: dict[str, dict[str, float]] = {}
 
 
 class SimulatedOOM(TimeshareError):

@@ -34,6 +34,7 @@ from timeshare.engines.base import (
     TrainerEngine,
     weights_digest,
 )
+from timeshare.engines.faults import Fault
 from timeshare.engines.pairs import EnginePair, Workload
 from timeshare.engines.spec import EngineSpec
 from timeshare.protocols.commands import WorkerServer
@@ -54,17 +55,6 @@ from timeshare.protocols.weights import (
 )
 
 Role = Literal["trainer", "rollout"]
-FaultKind = Literal["raise", "hang", "kill"]
-
-
-class Fault(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Make `role` of `rank` fail as `phase` (of `step`, or of any step) starts."""
-
-    role: str
-    rank: int
-    phase: str
-    kind: FaultKind
-    step: int | None = None
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

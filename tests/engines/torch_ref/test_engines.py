@@ -21,15 +21,15 @@ from timeshare.engines.torch_ref import checkpoint
 from timeshare.engines.torch_ref.grpo import clipped_loss, group_advantages
 from timeshare.engines.torch_ref.model import (
     KVCache,
-    ModelConfig,
     init_model,
     load_pretrained,
     save_pretrained,
 )
 from timeshare.engines.torch_ref.rollout import EngineAsleep, TorchRefRollout
-from timeshare.engines.torch_ref.spec import TorchRefSpec
-from timeshare.engines.torch_ref.task import BOS, SEP, RepeatDigit
+from timeshare.engines.torch_ref.spec import ModelConfig, TorchRefSpec
+from timeshare.engines.torch_ref.task import RepeatDigit
 from timeshare.engines.torch_ref.trainer import OffPolicy, TorchRefTrainer
+from timeshare.engines.torch_ref.vocab import BOS, SEP
 from timeshare.errors import ConfigError
 
 SPEC = TorchRefSpec(prompts_per_rank=2, group_size=4, completion_tokens=5, kv_cache_len=16)

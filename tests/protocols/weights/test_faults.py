@@ -130,31 +130,31 @@ def test_dead_sender_is_an_ack_timeout_on_the_receiver(runtime_dir: Path) -> Non
 
 def test_sweep_removes_staging_of_a_sender_killed_before_the_handshake(runtime_dir: Path) -> None:
     # No receiver: the sender creates its named staging, then waits for the handshake's ACK.
-    before = staging_segments()
+    before = staging_segments(runtime_dir)
     cfg: dict[str, Any] = {**FAST, "handshake_timeout_s": 60.0}
     with Peer(role="sender", endpoint=endpoint(runtime_dir), config=cfg, spec=WEIGHTS) as peer:
         pid = peer.wait_ready()
-        assert wait_until(lambda: len(staging_segments() - before) == 2)
-        left = sorted(staging_segments() - before)
+        assert wait_until(lambda: len(staging_segments(runtime_dir) - before) == 2)
+        left = sorted(staging_segments(runtime_dir) - before)
         assert all(f"-{pid}-" in name for name in left)
         # The owner lives: nothing is swept.
         assert sweep_stale(runtime_dir) == []
         peer.kill()
-    assert staging_segments() - before == set(left)
+    assert staging_segments(runtime_dir) - before == set(left)
     removed = sweep_stale(runtime_dir)
     assert sorted(removed) == sorted(
         [*(f"/dev/shm/{n}" for n in left), f"{runtime_dir}/w-rank0.sock"]
     )
-    assert staging_segments() - before == set()
+    assert staging_segments(runtime_dir) - before == set()
 
 
 def test_sweep_leaves_other_runtime_directories_alone(runtime_dir: Path, tmp_path: Path) -> None:
     other = Path(os.path.realpath(tmp_path))
     cfg: dict[str, Any] = {**FAST, "handshake_timeout_s": 60.0}
-    before = staging_segments()
+    before = staging_segments(runtime_dir)
     with Peer(role="sender", endpoint=endpoint(runtime_dir), config=cfg, spec=WEIGHTS) as peer:
         peer.wait_ready()
-        assert wait_until(lambda: len(staging_segments() - before) == 2)
+        assert wait_until(lambda: len(staging_segments(runtime_dir) - before) == 2)
         peer.kill()
     assert sweep_stale(other) == []
     assert len(sweep_stale(runtime_dir)) == 3

@@ -11,8 +11,9 @@ from hypothesis import strategies as st
 
 from timeshare.errors import ProtocolError
 from timeshare.protocols.weights import frames
+from timeshare.protocols.weights.descriptions import ShmSegments
 from timeshare.protocols.weights.frames import PROTOCOL_VERSION, TensorPiece
-from timeshare.protocols.weights.shm import ShmSegments
+from timeshare.protocols.wire import MAX_ERROR_TEXT
 
 SAMPLES: list[frames.Request | frames.Reply] = [
     frames.Offer(PROTOCOL_VERSION, 5, ShmSegments(names=["ts-w-x-1-2-3-0"], buffer_bytes=4096)),
@@ -64,7 +65,7 @@ def test_pickle_is_not_a_frame() -> None:
 def test_error_text_is_bounded() -> None:
     failure = frames.failure_for(RuntimeError("x" * 100_000), session=1, version=2, seq=3)
     assert failure.type == "RuntimeError"
-    assert len(failure.message) == frames.MAX_ERROR_TEXT
+    assert len(failure.message) == MAX_ERROR_TEXT
 
 
 @given(st.binary(max_size=512))

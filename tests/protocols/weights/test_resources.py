@@ -32,7 +32,7 @@ class Usage:
     def now(cls, runtime_dir: Path) -> Usage:
         return cls(
             fds=len(os.listdir("/proc/self/fd")),
-            segments=len(staging_segments()),
+            segments=len(staging_segments(runtime_dir)),
             sockets=len(socket_files(runtime_dir)),
             threads=threading.active_count(),
             rss=psutil.Process().memory_info().rss,

@@ -18,50 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from timeshare.engines.torch_ref.spec import ModelConfig
 from timeshare.errors import ConfigError
 
 STATE_DICT_FILES = ("pytorch_model.bin", "model.pt")
-
-
-class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The keys of a transformers LlamaConfig that this model uses."""
-
-    vocab_size: int = 16
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 4
-    max_position_embeddings: int = 64
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = False
-
-    def __post_init__(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ConfigError(
-                f"hidden_size ({self.hidden_size}) is not a multiple of num_attention_heads "
-                f"({self.num_attention_heads})"
-            )
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(
-                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @classmethod
-    def from_json(cls, path: Path) -> ModelConfig:
-        """Read a transformers `config.json`, keeping the keys this model uses."""
-        data = json.loads(path.read_text())
-        fields = set(cls.__struct_fields__)
-        try:
-            return msgspec.convert({k: v for k, v in data.items() if k in fields}, cls)
-        except msgspec.ValidationError as exc:
-            raise ConfigError(f"{path}: {exc}") from exc
 
 
 class RMSNorm(nn.Module):

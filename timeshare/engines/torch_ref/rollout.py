@@ -21,8 +21,8 @@ from timeshare.engines.base import (
     refuse_unsupported,
     weights_digest,
 )
-from timeshare.engines.torch_ref.model import CausalLM, KVCache, ModelConfig, token_logprobs
-from timeshare.engines.torch_ref.spec import TorchRefSpec
+from timeshare.engines.torch_ref.model import CausalLM, KVCache, token_logprobs
+from timeshare.engines.torch_ref.spec import ModelConfig, TorchRefSpec
 from timeshare.errors import TimeshareError
 from timeshare.units import MIB
 

@@ -13,11 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-DIGITS = 10
-BOS = 10
-SEP = 11
-MIN_VOCAB = 12  # the digits, BOS and SEP
-PROMPT_TOKENS = 3
+from timeshare.engines.torch_ref.vocab import BOS, DIGITS, PROMPT_TOKENS, SEP
 
 
 @dataclass(frozen=True)

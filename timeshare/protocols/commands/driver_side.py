@@ -38,7 +38,7 @@ from timeshare.errors import (
     WorkerStalled,
 )
 from timeshare.protocols.commands import frames
-from timeshare.protocols.weights.endpoint import Endpoint
+from timeshare.runtime import Endpoint
 
 log = structlog.get_logger(__name__)
 

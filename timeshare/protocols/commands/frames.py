@@ -16,9 +16,7 @@ from typing import Any
 
 import msgspec
 
-from timeshare.errors import ProtocolError
-
-MAX_ERROR_TEXT = 4096
+from timeshare.protocols import wire
 
 
 class _Frame(msgspec.Struct, frozen=True, tag_field="kind"):
@@ -74,19 +72,14 @@ def result(call_id: int, value: object) -> Result:
 
 
 def decode_to_worker(data: bytes) -> ToWorker:
-    try:
-        return _to_worker.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed command frame ({len(data)} bytes): {exc}") from exc
+    return wire.decode(_to_worker, data, "command")
 
 
 def decode_from_worker(data: bytes) -> FromWorker:
-    try:
-        frame: FromWorker = _from_worker.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ProtocolError(f"malformed worker frame ({len(data)} bytes): {exc}") from exc
+    frame: FromWorker = wire.decode(_from_worker, data, "worker")
     return frame
 
 
 def failure(call_id: int, exc: BaseException) -> Failure:
-    return Failure(call_id, type(exc).__name__[:200], str(exc)[:MAX_ERROR_TEXT])
+    """The frame that reports `exc` raised by call `call_id`, its text cut to fit."""
+    return Failure(call_id, *wire.error_text(exc))

@@ -8,18 +8,43 @@
 
 ZMQ carries small typed headers and ACKs; the bytes sit in staging that both processes map
 (staging.py, shm.py). A pair is a session: staging is set up by the first transfer and reused
-until `close()`. `sweep_stale` removes what a killed process left in a runtime directory.
+until `close()`. `sweep_stale` removes what a killed process left in a runtime directory
+(segments.py, and socket files).
+
+The settings, the report and `sweep_stale` import without torch or zmq: the job config embeds
+`TransferConfig`, and reading a config must not load them. `WeightSender` and `WeightReceiver`
+need both, so they are imported on first use (PEP 562 `__getattr__`).
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
-from timeshare.protocols.weights.endpoint import sweep_stale_sockets
-from timeshare.protocols.weights.receiver import WeightReceiver
-from timeshare.protocols.weights.sender import WeightSender
-from timeshare.protocols.weights.shm import SHM_DIR, staging_tag, sweep_stale_segments
+from timeshare.protocols.weights.segments import SHM_DIR, staging_tag, sweep_stale_segments
+from timeshare.runtime import sweep_stale_sockets
+
+if TYPE_CHECKING:
+    # mypy sees the real types through these imports; at run time `__getattr__` below imports
+    # them on first use. mypy never sees that `__getattr__` (it would type every unknown
+    # attribute of this package as its return type, hiding a misspelt import).
+    from timeshare.protocols.weights.receiver import WeightReceiver
+    from timeshare.protocols.weights.sender import WeightSender
+else:
+    _TORCH_AND_ZMQ_NAMES = {
+        "WeightReceiver": "timeshare.protocols.weights.receiver",
+        "WeightSender": "timeshare.protocols.weights.sender",
+    }
+
+    def __getattr__(name: str) -> object:
+        if name not in _TORCH_AND_ZMQ_NAMES:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(_TORCH_AND_ZMQ_NAMES[name]), name)
+        globals()[name] = value  # later lookups skip __getattr__
+        return value
+
 
 __all__ = [
     "TransferConfig",

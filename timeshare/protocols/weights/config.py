@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 
 from timeshare.errors import ConfigError
-from timeshare.protocols.weights.staging import ALIGNMENT
-from timeshare.protocols.weights.transport import Transport
+from timeshare.protocols.weights.frames import ALIGNMENT
+
+# Which staging a session uses; transport.py maps each to its implementation.
+Transport = Literal["auto", "shm"]
 
 MAX_PIPELINE_DEPTH = 2  # REQ/REP keeps one header in flight; deeper needs DEALER with credits
 

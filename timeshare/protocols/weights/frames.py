@@ -25,15 +25,19 @@ from typing import Any, Literal
 import msgspec
 
 from timeshare.errors import ProtocolError
-from timeshare.protocols.weights.transport import StagingDescription
+from timeshare.protocols import wire
+from timeshare.protocols.weights.descriptions import StagingDescription
 
 PROTOCOL_VERSION = 1
-# An error frame carries at most this much text, so a huge message cannot flood the channel.
-MAX_ERROR_TEXT = 4096
 
 
 class _Frame(msgspec.Struct, frozen=True, tag_field="kind"):
     """Base of every frame: the "kind" field tells them apart on the wire."""
+
+
+# A piece's offset in its staging buffer is a multiple of this, so that every dtype view of the
+# piece is aligned; the receiver refuses a piece that is not.
+ALIGNMENT = 64
 
 
 class TensorPiece(msgspec.Struct, frozen=True, array_like=True):
@@ -149,27 +153,29 @@ def decode_reply(data: bytes) -> Reply:
 
 
 def failure_for(exc: BaseException, *, session: int, version: int, seq: int) -> Failure:
-    """The error frame that reports `exc` to the peer, its text cut to MAX_ERROR_TEXT."""
+    """The error frame that reports `exc` to the peer, its text cut to fit (wire.error_text)."""
+    type_name, message = wire.error_text(exc)
     return Failure(
         protocol=PROTOCOL_VERSION,
         session=session,
         version=version,
         seq=seq,
-        type=type(exc).__name__[:200],
-        message=str(exc)[:MAX_ERROR_TEXT],
+        type=type_name,
+        message=message,
     )
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[Any], data: bytes, what: str) -> Any:
     try:
-        return decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return wire.decode(decoder, data, what)
+    except ProtocolError as malformed:
+        # A frame of another protocol version seldom decodes: name the version, not the shape.
         foreign = _foreign_protocol(data)
-        if foreign is not None:
-            raise ProtocolError(
-                f"peer speaks weight-channel protocol {foreign}, this side {PROTOCOL_VERSION}"
-            ) from exc
-        raise ProtocolError(f"malformed {what} frame ({len(data)} bytes): {exc}") from exc
+        if foreign is None:
+            raise
+        raise ProtocolError(
+            f"peer speaks weight-channel protocol {foreign}, this side {PROTOCOL_VERSION}"
+        ) from malformed.__cause__
 
 
 def _foreign_protocol(data: bytes) -> object | None:

@@ -17,8 +17,7 @@ from typing import Any, cast
 import torch
 
 from timeshare.errors import ProtocolError, TransferError
-from timeshare.protocols.weights.frames import TensorPiece, Totals
-from timeshare.protocols.weights.staging import ALIGNMENT
+from timeshare.protocols.weights.frames import ALIGNMENT, TensorPiece, Totals
 
 _DTYPE_NAMES = [
     *("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64"),

@@ -24,11 +24,11 @@ import zmq
 from timeshare.errors import AckTimeout, PeerClosed, ProtocolError, SessionClosed, TransferError
 from timeshare.protocols.weights import frames
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
-from timeshare.protocols.weights.endpoint import Endpoint
 from timeshare.protocols.weights.frames import PROTOCOL_VERSION
 from timeshare.protocols.weights.layout import Assembler, crc32, fence, payload_extent
 from timeshare.protocols.weights.staging import Staging, views_alive
 from timeshare.protocols.weights.transport import attach_staging
+from timeshare.runtime import Endpoint
 
 log = structlog.get_logger(__name__)
 

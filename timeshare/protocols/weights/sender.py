@@ -24,7 +24,6 @@ import zmq.asyncio
 from timeshare.errors import AckTimeout, PeerError, ProtocolError, SessionClosed, TransferError
 from timeshare.protocols.weights import frames
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
-from timeshare.protocols.weights.endpoint import Endpoint
 from timeshare.protocols.weights.frames import PROTOCOL_VERSION, Ack
 from timeshare.protocols.weights.layout import (
     BucketPlanner,
@@ -34,9 +33,11 @@ from timeshare.protocols.weights.layout import (
     fence,
     pack,
 )
-from timeshare.protocols.weights.shm import staging_tag
+from timeshare.protocols.weights.segments import staging_tag
 from timeshare.protocols.weights.staging import Staging
 from timeshare.protocols.weights.transport import create_staging
+from timeshare.protocols.wire import MAX_ERROR_TEXT
+from timeshare.runtime import Endpoint
 
 log = structlog.get_logger(__name__)
 
@@ -364,7 +365,9 @@ class WeightSender:
         if not self._socket_idle():
             await self._socket.recv()  # the reply to the header still in flight
         seq = self._next_seq()
-        notice = frames.Abort(PROTOCOL_VERSION, self._session, version, seq, reason[:4096])
+        notice = frames.Abort(
+            PROTOCOL_VERSION, self._session, version, seq, reason[:MAX_ERROR_TEXT]
+        )
         await self._socket.send(frames.encode(notice))
         await self._socket.recv()
 

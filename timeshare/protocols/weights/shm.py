@@ -1,8 +1,6 @@
 """Shared-memory staging: one /dev/shm segment per buffer, mapped by sender and receiver.
 
-Segments are named ``ts-w-<tag>-<pid>-<starttime>-<session>-<i>`` so that
-`sweep_stale_segments` can tell a segment whose owner is gone (pid dead, or reused by a process
-that started at another time) from a live one. A segment has a name only between `create` and
+A segment's name says whose it is (segments.py). It has a name only between `create` and
 `unlink_names` (the handshake); after that it disappears with its last mapping. The receiver maps
 segments without registering them anywhere (Python 3.11's resource tracker would unlink the
 owner's segment when the receiver exits).
@@ -11,49 +9,18 @@ owner's segment when the receiver exits).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import mmap
 import os
-import re
-from pathlib import Path
 
-import msgspec
 import structlog
 import torch
 
 from timeshare.errors import TransferError
+from timeshare.protocols.weights.descriptions import ShmSegments
+from timeshare.protocols.weights.segments import SEGMENT_PREFIX, SHM_DIR, segment_names
 from timeshare.protocols.weights.staging import Staging
 
 log = structlog.get_logger(__name__)
-
-SHM_DIR = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
-SEGMENT_PREFIX = "ts-w-"
-_SEGMENT_RE = re.compile(r"^ts-w-(?P<tag>[0-9a-z]+)-(?P<pid>\d+)-(?P<start>\d+)-[0-9a-f]+-\d+$")
-
-
-class ShmSegments(msgspec.Struct, frozen=True, tag="shm"):
-    """The handshake's description of shared-memory staging: one segment name per buffer."""
-
-    names: list[str]
-    buffer_bytes: int
-
-
-def staging_tag(runtime_dir: Path | None) -> str:
-    """The part of a segment name that ties it to one runtime directory (or to TCP endpoints)."""
-    if runtime_dir is None:
-        return "tcp"
-    return hashlib.sha256(str(runtime_dir.resolve()).encode()).hexdigest()[:10]
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot (from /proc), or None if it does not exist."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # The command name may hold spaces and parentheses: fields count from the last ')'.
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return int(fields[19])
 
 
 class SharedMemoryStaging(Staging):
@@ -75,9 +42,7 @@ class SharedMemoryStaging(Staging):
         cls, *, count: int, buffer_bytes: int, tag: str, session: int
     ) -> SharedMemoryStaging:
         """Create `count` named shared segments of `buffer_bytes` each, owned by this process."""
-        pid = os.getpid()
-        start = process_start_time(pid) or 0
-        names = [f"{SEGMENT_PREFIX}{tag}-{pid}-{start}-{session:016x}-{i}" for i in range(count)]
+        names = segment_names(tag=tag, session=session, count=count)
         maps: list[mmap.mmap] = []
         try:
             for name in names:
@@ -148,25 +113,6 @@ class SharedMemoryStaging(Staging):
         self._maps = []
         if kept:
             log.warning("staging.close.views_alive", buffers=kept)
-
-
-def sweep_stale_segments(tag: str | None = None) -> list[str]:
-    """Remove staging segments whose owner process is gone; return their names.
-
-    With a `tag`, only that runtime directory's segments are considered.
-    """
-    removed: list[str] = []
-    for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*"):
-        match = _SEGMENT_RE.match(path.name)
-        if match is None or (tag is not None and match["tag"] != tag):
-            continue
-        pid, start = int(match["pid"]), int(match["start"])
-        if process_start_time(pid) == start:
-            continue  # owner alive
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed.append(path.name)
-    return removed
 
 
 def _create_segment(name: str, nbytes: int) -> mmap.mmap:

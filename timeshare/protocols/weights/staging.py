@@ -6,24 +6,19 @@ the staging had (`unlink_names`), so that nothing is left to sweep. Both sides t
 bytes, and every later transfer of the session reuses them.
 
 Implementations: shm.py (/dev/shm segments). CUDA IPC will be a second one, with its own
-description struct.
+description struct in descriptions.py.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
 
 import structlog
 import torch
 
-if TYPE_CHECKING:  # the description types name their implementations; no import at run time
-    from timeshare.protocols.weights.transport import StagingDescription
+from timeshare.protocols.weights.descriptions import StagingDescription
 
 log = structlog.get_logger(__name__)
-
-# Staging offsets are aligned so that every dtype view of a piece is aligned.
-ALIGNMENT = 64
 
 
 class Staging(ABC):

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal, TypeAlias
-
-from timeshare.protocols.weights.shm import SharedMemoryStaging, ShmSegments
+from timeshare.protocols.weights.config import Transport
+from timeshare.protocols.weights.descriptions import StagingDescription
+from timeshare.protocols.weights.shm import SharedMemoryStaging
 from timeshare.protocols.weights.staging import Staging
-
-Transport = Literal["auto", "shm"]
-# The union of every implementation's handshake description (one member until CUDA IPC).
-StagingDescription: TypeAlias = ShmSegments
 
 
 def create_staging(

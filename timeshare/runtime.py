@@ -1,9 +1,13 @@
-"""Endpoints of the weight channel and the socket files behind them.
+"""The runtime directory and its socket files; process identity from /proc.
 
 An endpoint is ``ipc:///<runtime dir>/<name>.sock`` (same machine; the usual case) or
-``tcp://host:port``. libzmq leaves an ipc socket file behind when a process exits, killed or not;
-the binding side removes its own file on close, refuses to take over a file a live process still
-listens on, and `sweep_stale_sockets` removes the files of dead processes.
+``tcp://host:port``; the weight channel and the command lanes bind them, the daemon's control
+socket lives beside them. libzmq leaves an ipc socket file behind when a process exits, killed or
+not; the binding side removes its own file on close, refuses to take over a file a live process
+still listens on, and `sweep_stale_sockets` removes the files of dead processes.
+
+A process is identified by its pid and its start time (`process_start_time`), so that a pid
+reused by a later process is not taken for the one that wrote it down.
 """
 
 from __future__ import annotations
@@ -109,3 +113,14 @@ def sweep_stale_sockets(runtime_dir: Path) -> list[Path]:
             remove_socket_file(entry)
             removed.append(entry)
     return removed
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot (from /proc), or None if it does not exist."""
+    try:
+        line = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # The command name may hold spaces and parentheses: fields count from the last ')'.
+    fields = line[line.rindex(")") + 2 :].split()
+    return int(fields[19])
