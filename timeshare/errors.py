@@ -1,7 +1,9 @@
-"""Every error timeshare raises on purpose: one root, leaves named for what happened.
+"""Every error timeshare raises on purpose, in one place: one root, leaves named for what happened.
 
-Third-party exceptions (pyzmq, msgspec, OS errors) are mapped to these at the boundary where
-they occur, so a caller never has to know which library sat underneath.
+Each class says when it is raised. Third-party exceptions (pyzmq, msgspec, TCPStore, OS errors)
+are mapped to these at the boundary where they occur, so a caller never has to know which
+library sat underneath. Across a socket an error travels by its class's name: a worker's as
+`WorkerError.remote_type`, a refusal of the control socket as the reply's `name`.
 """
 
 from __future__ import annotations
@@ -10,7 +12,34 @@ import signal
 
 
 class TimeshareError(Exception):
-    """Root of every error timeshare raises on purpose."""
+    """Raised never itself: the root of every error timeshare raises on purpose, so that one
+    `except TimeshareError` catches them all."""
+
+
+class ConfigError(TimeshareError, ValueError):
+    """Raised for configuration that cannot work: names the key and where its value came from.
+
+    (A ValueError too, so that msgspec reports one raised while decoding with the key's path.)
+    """
+
+
+# -- the state machines (timeshare/state) ----------------------------------------------------------
+
+
+class InvalidTransition(TimeshareError):
+    """Raised when an event or a request is not legal in a state machine's state.
+
+    Nothing changed. `state` and `event` are the machine's own objects: a `JobState` and an event
+    of the phase machine, or a service lifecycle and an operator request of the service's table.
+    """
+
+    def __init__(self, message: str, *, state: object, event: object) -> None:
+        super().__init__(message)
+        self.state = state
+        self.event = event
+
+
+# -- the weight channel (protocols/weights) --------------------------------------------------------
 
 
 class TransferError(TimeshareError):
@@ -67,17 +96,7 @@ class PeerClosed(TransferError):
     """Raised on a receiver waiting for a transfer when the sender closed the session."""
 
 
-class InvalidTransition(TimeshareError):
-    """Raised when an event or a request is not legal in a state machine's state.
-
-    Nothing changed. `state` and `event` are the machine's own objects: a `JobState` and an event
-    of the phase machine, or a service lifecycle and an operator request of the service's table.
-    """
-
-    def __init__(self, message: str, *, state: object, event: object) -> None:
-        super().__init__(message)
-        self.state = state
-        self.event = event
+# -- the job store and its barriers (protocols/store, protocols/barrier) ---------------------------
 
 
 class StoreError(TimeshareError):
@@ -97,8 +116,12 @@ class CollectiveTimeout(TimeshareError):
         self.missing = missing
 
 
+# -- workers, as their command lanes see them (protocols/commands) ---------------------------------
+
+
 class WorkerFailure(TimeshareError):
-    """Base of the errors that name a worker: its rank and role, and the command it was running."""
+    """Raised when a worker cannot be reached or answered badly (the leaves say how): names its
+    rank and role, and the command it was running."""
 
     def __init__(self, message: str, *, rank: int, role: str, command: str | None) -> None:
         super().__init__(message)
@@ -159,9 +182,16 @@ class UnknownCommand(TimeshareError):
     """Raised (and reported to the driver) for a command a worker has no handler for."""
 
 
+class SimulatedFault(TimeshareError):
+    """Raised inside a worker by an injected `raise` fault (a drill, or a test)."""
+
+
+# -- the cycle (timeshare/cycle) -------------------------------------------------------------------
+
+
 class MemoryHeld(TimeshareError):
-    """The cause of a `CycleFailed` when a worker still holds device memory where the cycle
-    requires it free: its trainer at BARRIER, or any worker once the job paused."""
+    """Raised (as a `CycleFailed`'s cause) when a worker still holds device memory where the
+    cycle requires it free: its trainer at BARRIER, or any worker once the job paused."""
 
 
 class CycleFailed(TimeshareError):
@@ -189,40 +219,37 @@ class CycleFailed(TimeshareError):
         self.after_s = after_s
 
 
-class SocketInUse(TimeshareError):
-    """Raised when another process already listens on the control socket's path."""
+# -- engines (timeshare/engines) -------------------------------------------------------------------
 
 
-class NoDaemon(TimeshareError):
-    """Raised by `timesharectl` when nothing answers on the socket, or the answer is not the
-    protocol."""
+class UnsupportedInput(TimeshareError):
+    """Raised by an engine adapter given a request field it cannot honour (never dropped
+    silently)."""
 
 
-class DaemonRefused(TimeshareError):
-    """Raised by `timesharectl` when the daemon answers with an error (`error`: its fields)."""
-
-    def __init__(self, error: dict[str, object]) -> None:
-        name, message, state = error.get("name"), error.get("message"), error.get("state")
-        super().__init__(f"{name}: {message} (state: {state})")
-        self.error = error
+class WeightsTorn(TimeshareError):
+    """Raised by a rollout engine asked to generate while its weights are not a whole version."""
 
 
-class Interrupted(TimeshareError):
-    """Raised by `timeshare run` when a signal (SIGINT, SIGTERM) stops it; `signum` says which."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-        self.signum = signum
+class SimulatedOOM(TimeshareError):
+    """Raised when an allocation does not fit on a simulated device."""
 
 
-class ConfigError(TimeshareError, ValueError):
-    """Raised for configuration that cannot work: names the key and where its value came from.
-
-    (A ValueError too, so that msgspec reports one raised while decoding with the key's path.)
-    """
+class EngineAsleep(TimeshareError):
+    """Raised by the reference rollout engine asked to load or generate while the memory it
+    needs is released."""
 
 
-# -- the control socket: requests the daemon refuses -----------------------------------------------
+class OffPolicy(TimeshareError):
+    """Raised by the reference trainer when a sample in its batch was produced by weights other
+    than the ones being trained."""
+
+
+class CheckpointError(TimeshareError):
+    """Raised when a checkpoint cannot be written or read."""
+
+
+# -- the control socket: requests the daemon refuses (protocols/control) ---------------------------
 
 
 class ControlError(TimeshareError):
@@ -269,3 +296,32 @@ class WaitTimeout(ControlError):
 
 class Busy(ControlError):
     """Raised when the daemon already serves as many clients as it allows."""
+
+
+# -- the programs (timeshare/daemon) ---------------------------------------------------------------
+
+
+class SocketInUse(TimeshareError):
+    """Raised when another process already listens on the control socket's path."""
+
+
+class NoDaemon(TimeshareError):
+    """Raised by `timesharectl` when nothing answers on the socket, or the answer is not the
+    protocol."""
+
+
+class DaemonRefused(TimeshareError):
+    """Raised by `timesharectl` when the daemon answers with an error (`error`: its fields)."""
+
+    def __init__(self, error: dict[str, object]) -> None:
+        name, message, state = error.get("name"), error.get("message"), error.get("state")
+        super().__init__(f"{name}: {message} (state: {state})")
+        self.error = error
+
+
+class Interrupted(TimeshareError):
+    """Raised by `timeshare run` when a signal (SIGINT, SIGTERM) stops it; `signum` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum

@@ -5,20 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from timeshare.engines.base import (
-    RolloutRequest,
-    SamplingParams,
-    UnsupportedInput,
-    WeightsTorn,
-    refuse_unsupported,
-)
-from timeshare.engines.simulated import (
-    DeviceLedger,
-    SimulatedOOM,
-    SimulatedRollout,
-    SimulatedTrainer,
-)
+from timeshare.engines.base import RolloutRequest, SamplingParams, refuse_unsupported
+from timeshare.engines.simulated import DeviceLedger, SimulatedRollout, SimulatedTrainer
 from timeshare.engines.spec import SimulatedSpec
+from timeshare.errors import SimulatedOOM, UnsupportedInput, WeightsTorn
 from timeshare.protocols.store import JobStore
 
 

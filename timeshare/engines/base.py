@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from timeshare.errors import TimeshareError
+from timeshare.errors import UnsupportedInput, WeightsTorn
 
 
 def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
@@ -29,14 +29,6 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
         digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
         digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-class UnsupportedInput(TimeshareError):
-    """Raised by an adapter given a request field it cannot honour (never dropped silently)."""
-
-
-class WeightsTorn(TimeshareError):
-    """Raised by a rollout engine asked to generate while its weights are not a whole version."""
 
 
 @dataclass(frozen=True)

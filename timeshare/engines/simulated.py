@@ -27,15 +27,11 @@ from timeshare.engines.base import (
     weights_digest,
 )
 from timeshare.engines.spec import SimulatedSpec
-from timeshare.errors import TimeshareError
+from timeshare.errors import SimulatedOOM
 from timeshare.protocols.store import JobStore
 
 KIB_PER_MB = 1024
 PROGRESS_STEP_S = 0.05
-
-
-class SimulatedOOM(TimeshareError):
-    """Raised when an allocation does not fit on a simulated device."""
 
 
 class DeviceLedger:

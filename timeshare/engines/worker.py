@@ -37,6 +37,7 @@ from timeshare.engines.base import (
 from timeshare.engines.faults import Fault
 from timeshare.engines.pairs import EnginePair, Workload
 from timeshare.engines.spec import EngineSpec
+from timeshare.errors import SimulatedFault
 from timeshare.protocols.commands import WorkerServer
 from timeshare.protocols.commands.results import (
     BootstrapResult,
@@ -75,10 +76,6 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     collective_timeout_s: float = 30.0  # the trainers' gloo group, for data-parallel engines
     log_file: str = ""
     log_level: str = "info"
-
-
-class SimulatedFault(Exception):
-    """Raised by an injected `raise` fault."""
 
 
 def fire_faults(spec: WorkerSpec, phase: str, step: int | None) -> None:

@@ -1,6 +1,7 @@
 """Every decision about the job, as pure tables: no I/O, no anyio, no time.
 
 events.py    the vocabulary: lifecycles, phases, requests, and the events the driver observes
+job.py       where a job stands (`JobState`), and the cycle's phases and fences
 machine.py   the phase machine: the job's table and `advance`
 plan.py      what the driver performs after each move (`plan`)
 service.py   the service's own lifecycle, and how it answers an operator's requests
@@ -25,16 +26,8 @@ from timeshare.state.events import (
     Requested,
     StepsChanged,
 )
-from timeshare.state.machine import (
-    MEMORY_FENCES,
-    NEXT_PHASE,
-    TABLE,
-    JobState,
-    Outcome,
-    RankProgress,
-    advance,
-    initial_state,
-)
+from timeshare.state.job import MEMORY_FENCES, NEXT_PHASE, JobState, RankProgress, initial_state
+from timeshare.state.machine import TABLE, Outcome, advance
 from timeshare.state.plan import Plan, plan
 
 __all__ = [

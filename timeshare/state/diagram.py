@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from timeshare.state import service
 from timeshare.state.events import Lifecycle, Request
-from timeshare.state.machine import FIRST_PHASE, MEMORY_FENCES, NEXT_PHASE, TABLE
+from timeshare.state.job import FIRST_PHASE, MEMORY_FENCES, NEXT_PHASE
+from timeshare.state.machine import TABLE
 
 
 def job_mermaid() -> str:

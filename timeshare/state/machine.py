@@ -54,68 +54,14 @@ from timeshare.state.events import (
     StepsChanged,
     describe,
 )
-
-NEXT_PHASE: dict[Phase, Phase] = {
-    Phase.TRAIN: Phase.OFFLOAD,
-    Phase.OFFLOAD: Phase.SYNC,
-    Phase.SYNC: Phase.BARRIER,
-    Phase.BARRIER: Phase.RESUME,
-    Phase.RESUME: Phase.ROLLOUT,
-    Phase.ROLLOUT: Phase.TRAIN,
-}
-FIRST_PHASE = Phase.SYNC  # where bootstrap enters the cycle
-CYCLE_START = Phase.TRAIN  # entering it starts a new step; the boundary before it is the cycle's
-# Phases a rank enters only once every rank has finished the one before: the memory handoffs.
-MEMORY_FENCES: frozenset[Phase] = frozenset({Phase.SYNC, Phase.RESUME, Phase.TRAIN})
-LIVE = (Lifecycle.STARTING, Lifecycle.RUNNING, Lifecycle.PAUSED, Lifecycle.DRAINING)
-
-
-# -- state -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankProgress:
-    """Where one rank stands: in `phase` (working), or done with it and waiting (at a fence,
-    or for the job to start or drain). `meeting`: its BARRIER checked, it waits for the other
-    ranks at the store barrier."""
-
-    phase: Phase
-    done: bool = False
-    meeting: bool = False
-
-
-@dataclass(frozen=True)
-class JobState:
-    lifecycle: Lifecycle
-    ranks: tuple[RankProgress, ...]
-    step: int = 0  # the step the job is in (incremented on entering TRAIN)
-    max_steps: int | None = None
-    requests: frozenset[Request] = frozenset()
-    fences: frozenset[Phase] = MEMORY_FENCES
-    checking_release: bool = False  # at the pause boundary, waiting for `PauseChecked`
-    reason: str | None = None  # why the job is draining, stopped or failed
-    blame: Blame | None = None  # the worker and phase a failure is pinned on
-
-    @property
-    def phases(self) -> tuple[Phase, ...]:
-        return tuple(r.phase for r in self.ranks)
-
-    @property
-    def idle(self) -> bool:
-        """No work in flight: no rank in a phase or at the store barrier, no release check."""
-        return all(r.done for r in self.ranks) and not self.checking_release
-
-
-def initial_state(
-    ranks: int, *, max_steps: int | None = None, fences: frozenset[Phase] = MEMORY_FENCES
-) -> JobState:
-    """A job that is starting: workers not yet up, nothing loaded, nothing running."""
-    if ranks < 1:
-        raise ValueError(f"a job needs at least one rank, got {ranks}")
-    if not fences <= MEMORY_FENCES:
-        raise ValueError(f"fences must be a subset of {sorted(p.value for p in MEMORY_FENCES)}")
-    progress = tuple(RankProgress(FIRST_PHASE, done=True) for _ in range(ranks))
-    return JobState(Lifecycle.STARTING, progress, max_steps=max_steps, fences=fences)
+from timeshare.state.job import (
+    CYCLE_START,
+    FIRST_PHASE,
+    LIVE,
+    NEXT_PHASE,
+    JobState,
+    RankProgress,
+)
 
 
 def refuse(state: JobState, event: Event, why: str = "not allowed") -> InvalidTransition:

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from timeshare.state.events import Lifecycle, Phase
-from timeshare.state.machine import JobState, Outcome
+from timeshare.state.job import JobState
+from timeshare.state.machine import Outcome
 
 ENDED = (Lifecycle.STOPPED, Lifecycle.FAILED)
 

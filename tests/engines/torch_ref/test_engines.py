@@ -13,7 +13,6 @@ from timeshare.engines.base import (
     RolloutRequest,
     RolloutSample,
     SamplingParams,
-    WeightsTorn,
     weights_digest,
 )
 from timeshare.engines.pairs import TaskWorkload
@@ -25,12 +24,12 @@ from timeshare.engines.torch_ref.model import (
     load_pretrained,
     save_pretrained,
 )
-from timeshare.engines.torch_ref.rollout import EngineAsleep, TorchRefRollout
+from timeshare.engines.torch_ref.rollout import TorchRefRollout
 from timeshare.engines.torch_ref.spec import ModelConfig, TorchRefSpec
 from timeshare.engines.torch_ref.task import RepeatDigit
-from timeshare.engines.torch_ref.trainer import OffPolicy, TorchRefTrainer
+from timeshare.engines.torch_ref.trainer import TorchRefTrainer
 from timeshare.engines.torch_ref.vocab import BOS, SEP
-from timeshare.errors import ConfigError
+from timeshare.errors import ConfigError, EngineAsleep, OffPolicy, WeightsTorn
 
 SPEC = TorchRefSpec(prompts_per_rank=2, group_size=4, completion_tokens=5, kv_cache_len=16)
 

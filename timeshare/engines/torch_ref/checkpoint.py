@@ -17,15 +17,11 @@ from typing import Any
 import torch
 
 from timeshare.durable import fsync_directory
-from timeshare.errors import TimeshareError
+from timeshare.errors import CheckpointError
 
 KEEP = 3
 STATE_FILE = "state.pt"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class CheckpointError(TimeshareError):
-    """A checkpoint could not be written or read."""
 
 
 def step_dir(rank_dir: Path, step: int) -> Path:

@@ -23,14 +23,10 @@ from timeshare.engines.base import (
 )
 from timeshare.engines.torch_ref.model import CausalLM, KVCache, token_logprobs
 from timeshare.engines.torch_ref.spec import ModelConfig, TorchRefSpec
-from timeshare.errors import TimeshareError
+from timeshare.errors import EngineAsleep, TimeshareError
 from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
-
-
-class EngineAsleep(TimeshareError):
-    """Asked to load or generate while the memory it needs is released."""
 
 
 class TorchRefRollout(RolloutEngine):

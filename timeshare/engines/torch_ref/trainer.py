@@ -25,15 +25,11 @@ from timeshare.engines.torch_ref import checkpoint
 from timeshare.engines.torch_ref.grpo import clipped_loss, group_advantages
 from timeshare.engines.torch_ref.model import CausalLM, init_model, load_pretrained, token_logprobs
 from timeshare.engines.torch_ref.spec import TorchRefSpec
-from timeshare.errors import TimeshareError
+from timeshare.errors import OffPolicy, TimeshareError
 from timeshare.protocols.store import JobStore
 from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
-
-
-class OffPolicy(TimeshareError):
-    """A sample in the batch was produced by weights other than the ones being trained."""
 
 
 def initial_model(spec: TorchRefSpec) -> CausalLM:

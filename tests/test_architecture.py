@@ -1,0 +1,154 @@
+"""The package's shape: imports only run downwards and never in a circle; every error in one place.
+
+Layers, top to bottom: the programs (daemon) → the cycle runner (cycle) → the config → engines →
+protocols → the pure tables (state) and logging → leaf utilities (errors, units, durable,
+runtime), and errors.py under all. A package may import its own modules and anything below it,
+never above.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+
+import timeshare
+from timeshare import errors
+
+PACKAGE = Path(timeshare.__file__).parent
+LAYERS = {
+    "timeshare": 7,  # __init__ and __main__: the entry points
+    "timeshare.daemon": 6,
+    "timeshare.cycle": 5,
+    "timeshare.config": 4,
+    "timeshare.engines": 3,
+    "timeshare.protocols": 2,
+    "timeshare.state": 1,
+    "timeshare.logs": 1,
+    "timeshare.errors": -1,  # the root of every error: below everything
+    "timeshare.units": 0,
+    "timeshare.durable": 0,
+    "timeshare.runtime": 0,
+}
+
+
+def module_names() -> dict[str, Path]:
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        names[".".join(parts)] = path
+    return names
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every timeshare module `name` imports, wherever the import stands (lazy and
+    TYPE_CHECKING ones included); `from package import module` counts as the module."""
+    found = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}".rstrip(".")
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.add(submodule if submodule in known else base)
+    return {m for m in found if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    modules = module_names()
+    return {name: imports_of(name, path, set(modules)) for name, path in modules.items()}
+
+
+def layer(module: str) -> tuple[str, int]:
+    owner = max((p for p in LAYERS if module == p or module.startswith(f"{p}.")), key=len)
+    return owner, LAYERS[owner]
+
+
+def test_every_module_has_a_layer() -> None:
+    for module in graph():
+        layer(module)  # raises for a module outside every layer
+
+
+def test_imports_run_downwards() -> None:
+    upwards = []
+    for module, imported in graph().items():
+        owner, level = layer(module)
+        for target in imported:
+            target_owner, target_level = layer(target)
+            if target_owner != owner and target_level >= level:
+                upwards.append(f"{module} -> {target}")
+    assert upwards == [], "imports that do not run downwards:\n" + "\n".join(sorted(upwards))
+
+
+def test_no_module_imports_itself_in_a_circle() -> None:
+    edges = graph()
+    cycles = [component for component in _strongly_connected(edges) if len(component) > 1]
+    assert cycles == [], f"import cycles: {cycles}"
+
+
+def test_every_error_lives_in_errors_py_under_the_root_and_says_when() -> None:
+    defined_elsewhere = []
+    for info in pkgutil.walk_packages([str(PACKAGE)], prefix="timeshare."):
+        if info.name.endswith("__main__") or info.name == errors.__name__:
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            is_error = inspect.isclass(value) and issubclass(value, BaseException)
+            if is_error and value.__module__ == info.name and not name.startswith("_"):
+                defined_elsewhere.append(f"{info.name}.{name}")
+    assert defined_elsewhere == []
+    for name, value in vars(errors).items():
+        if inspect.isclass(value) and issubclass(value, BaseException):
+            if value.__module__ == errors.__name__:
+                assert issubclass(value, errors.TimeshareError), name
+                assert value.__doc__ and "aised" in value.__doc__, f"{name}: say when it is raised"
+
+
+def _strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iteratively."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    for root in edges:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                components.append(component)
+    return components
