@@ -89,9 +89,10 @@ class Daemon:
         return events
 
     def wait_until_logged(self, event: str, count: int = 1, timeout: float = 60.0) -> None:
-        """Until the log holds `count` lines of `event` (from the daemon or its workers)."""
+        """Until the log holds `count` lines naming `event` (the daemon's JSON lines, or its
+        workers' console lines: a worker writes to the daemon's stderr)."""
         deadline = time.monotonic() + timeout
-        while sum(1 for e in self.events() if e.get("event") == event) < count:
+        while self.log_text().count(event) < count:
             assert time.monotonic() < deadline, f"{event} x{count} not logged in {timeout} s"
             time.sleep(0.05)
 
