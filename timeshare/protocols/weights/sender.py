@@ -241,7 +241,9 @@ class WeightSender:
         return await anyio.to_thread.run_sync(work)
 
     async def _handshake(self) -> Staging:
-        # Creating staging faults in every page (MAP_POPULATE): tens of ms, off the event loop.
+        # Creating staging touches every page once (shm.py's `fault_in`: torch writes the buffers
+        # and releases the GIL meanwhile; no MAP_POPULATE, which would hold it through the whole
+        # mmap call): tens of ms per buffer, so in a worker thread, off the event loop.
         staging = await anyio.to_thread.run_sync(
             partial(
                 create_staging,
