@@ -40,7 +40,12 @@ RECONNECT_IVL_MS = 50
 
 
 class _Cancelled(Exception):
-    """Raised inside the receiving thread when `receive_async` was cancelled."""
+    """Raised inside the receiving thread when `receive_async` was cancelled.
+
+    A control-flow sentinel, not an error anyone reports: `_next_request` raises it and
+    `_receive_or_none` always catches it, so it never leaves this module (which is why it is
+    private here and not among the errors of errors.py, which callers catch).
+    """
 
 
 class WeightReceiver:
@@ -80,17 +85,10 @@ class WeightReceiver:
         given, must be exactly the set of names sent. `timeout_s` bounds the wait for the transfer
         to begin (default: the config's begin_timeout_s).
         """
-        self._check_usable()
-        self._cancel.clear()
-        expected = None if expected_names is None else frozenset(expected_names)
-        try:
-            return self._receive(on_bucket, finalize, expected, timeout_s)
-        except _Cancelled as exc:
-            self._shutdown(str(exc))
-            raise
-        except BaseException as exc:
-            self._shutdown(f"{type(exc).__name__}: {exc}")
-            raise
+        report = self._receive_or_none(on_bucket, finalize, expected_names, timeout_s)
+        if report is None:  # receive_async's cancel flag was set while this call ran
+            raise self._cancelled_error()
+        return report
 
     async def receive_async(
         self,
@@ -101,12 +99,8 @@ class WeightReceiver:
         timeout_s: float | None = None,
     ) -> TransferReport:
         """`receive` in a worker thread; cancelling it ends the session within a poll slice."""
-
-        def run() -> TransferReport | None:
-            try:
-                return self.receive(on_bucket, finalize, expected_names, timeout_s=timeout_s)
-            except _Cancelled:
-                return None  # the caller's cancellation is raised by to_thread on return
+        # None: the thread saw the flag set below; the caller's cancellation is raised on return.
+        run = partial(self._receive_or_none, on_bucket, finalize, expected_names, timeout_s)
 
         async def flag_cancellation() -> None:
             try:
@@ -121,7 +115,7 @@ class WeightReceiver:
             group.cancel_scope.cancel()
         if report is None:
             await anyio.lowlevel.checkpoint()  # raises the caller's cancellation
-            raise SessionClosed(f"weight receiver {self.endpoint.url}: receive was cancelled")
+            raise self._cancelled_error()
         return report
 
     def close(self) -> None:
@@ -136,6 +130,26 @@ class WeightReceiver:
         self.close()
 
     # -- one transfer -----------------------------------------------------------------------
+
+    def _receive_or_none(
+        self,
+        on_bucket: OnBucket,
+        finalize: Finalize | None,
+        expected_names: Collection[str] | None,
+        timeout_s: float | None,
+    ) -> TransferReport | None:
+        """`receive`, or None when the cancel flag stopped it; either way a failure closes."""
+        self._check_usable()
+        self._cancel.clear()
+        expected = None if expected_names is None else frozenset(expected_names)
+        try:
+            return self._receive(on_bucket, finalize, expected, timeout_s)
+        except _Cancelled as exc:  # the only place it is caught: see _Cancelled
+            self._shutdown(str(exc))
+            return None
+        except BaseException as exc:
+            self._shutdown(f"{type(exc).__name__}: {exc}")
+            raise
 
     def _receive(
         self,
@@ -359,6 +373,9 @@ class WeightReceiver:
                 f"weight receiver {self.endpoint.url} is closed ({self._closed_because}); "
                 "open a new sender/receiver pair"
             )
+
+    def _cancelled_error(self) -> SessionClosed:
+        return SessionClosed(f"weight receiver {self.endpoint.url}: receive was cancelled")
 
 
 def _check_checksum(bucket: frames.Bucket, base: torch.Tensor) -> None:
