@@ -11,9 +11,8 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from functools import partial
-from typing import NamedTuple, TypeAlias, cast
+from typing import NamedTuple, cast
 
 import anyio
 import structlog
@@ -25,15 +24,14 @@ from timeshare.errors import AckTimeout, PeerError, ProtocolError, SessionClosed
 from timeshare.protocols.weights import frames
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
 from timeshare.protocols.weights.frames import PROTOCOL_VERSION, Ack
-from timeshare.protocols.weights.layout import (
-    BucketPlanner,
-    PlannedBucket,
-    check_tensor,
-    crc32,
-    fence,
-    pack,
-)
+from timeshare.protocols.weights.layout import BucketPlanner, PlannedBucket, crc32, fence, pack
 from timeshare.protocols.weights.segments import staging_tag
+from timeshare.protocols.weights.sender_inputs import (
+    NamedTensors,
+    check_version,
+    checked_up_front,
+    pairs,
+)
 from timeshare.protocols.weights.staging import Staging
 from timeshare.protocols.weights.transport import create_staging
 from timeshare.protocols.wire import MAX_ERROR_TEXT
@@ -41,11 +39,6 @@ from timeshare.runtime import Endpoint
 
 log = structlog.get_logger(__name__)
 
-NamedTensors: TypeAlias = (
-    Mapping[str, torch.Tensor]
-    | Iterable[tuple[str, torch.Tensor]]
-    | AsyncIterable[tuple[str, torch.Tensor]]
-)
 # Buckets smaller than this are packed on the event loop: a thread hop would cost more.
 INLINE_PACK_BYTES = 1 << 20
 # An abort notice to the receiver is best effort and never waits longer than this.
@@ -93,12 +86,8 @@ class WeightSender:
         (a dict, list or tuple) are validated whole before anything is sent.
         """
         self._check_usable()
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise TransferError(f"version must be a non-negative int, got {version!r}")
-        if isinstance(weights, Mapping):
-            weights = list(weights.items())
-        if isinstance(weights, list | tuple):
-            _validate_all(weights)
+        check_version(version)
+        weights = checked_up_front(weights)
         self._busy = True
         try:
             return await self._transfer(weights, version)
@@ -149,7 +138,7 @@ class WeightSender:
         index = 0
         self._checksummed = 0
         self._ack_seconds = []
-        async for name, tensor in _pairs(weights):
+        async for name, tensor in pairs(weights):
             for bucket in planner.add(name, tensor):
                 in_flight = await self._send_bucket(bucket, index, version, free, in_flight)
                 index += 1
@@ -403,31 +392,3 @@ class WeightSender:
             )
         if self._busy:
             raise TransferError(f"weight sender {self.endpoint.url} is already sending")
-
-
-async def _pairs(
-    weights: Iterable[object] | AsyncIterable[object],
-) -> AsyncIterator[tuple[str, torch.Tensor]]:
-    if isinstance(weights, AsyncIterable):
-        async for item in weights:
-            yield _unpack_pair(item)
-    else:
-        for item in weights:
-            yield _unpack_pair(item)
-
-
-def _unpack_pair(item: object) -> tuple[str, torch.Tensor]:
-    if not isinstance(item, tuple) or len(item) != 2:
-        raise TransferError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
-    name, tensor = item
-    return name, tensor
-
-
-def _validate_all(
-    pairs: list[tuple[str, torch.Tensor]] | tuple[tuple[str, torch.Tensor], ...],
-) -> None:
-    seen: set[str] = set()
-    for item in pairs:
-        name, tensor = _unpack_pair(item)
-        check_tensor(name, tensor, seen)
-        seen.add(name)
