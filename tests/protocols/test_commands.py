@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import socket_files
 from timeshare.errors import CommandTimeout, WorkerDied, WorkerError, WorkerStalled
-from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
+from timeshare.protocols.commands import WorkerId, WorkerLanes, frames, watch_process
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = WorkerId("trainer", 1)
@@ -49,6 +49,16 @@ async def one_worker(
             if process.poll() is None:
                 process.kill()
             process.wait(timeout=10)
+
+
+async def status_once_busy(lanes: WorkerLanes, command: str, timeout_s: float = 10.0) -> Any:
+    """The trainer's status once it reports `command` busy, or its last status at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await lanes.control(TRAINER, "status", timeout_s=5.0)
+        if status["busy"] == command or time.monotonic() > deadline:
+            return status
+        await anyio.sleep(0.02)
 
 
 @pytest.mark.asyncio
@@ -104,8 +114,9 @@ async def test_deadline_applies_even_while_progressing(runtime_dir: Path) -> Non
     async with one_worker(runtime_dir, stall_timeout_s=5.0) as (lanes, _):
         with pytest.raises(CommandTimeout, match="did not finish work within 1 s"):
             await lanes.call(TRAINER, "work", {"seconds": 3.0}, deadline_s=1.0, returns=object)
-        # The late result is dropped; the next call gets its own answer.
-        await anyio.sleep(2.5)
+        # The late result is dropped; the next call gets its own answer. Called at once, while the
+        # work still runs: the worker runs one call at a time and the lane keeps order, so the
+        # late result surely reaches the driver first, while this call waits for its own answer.
         assert await lanes.call(
             TRAINER, "echo", {"after": True}, deadline_s=10.0, returns=object
         ) == {"after": True}
@@ -125,8 +136,7 @@ async def test_control_lane_answers_while_work_runs_and_abort_interrupts(runtime
 
         async with anyio.create_task_group() as group:
             group.start_soon(run_hang)
-            await anyio.sleep(0.5)
-            status = await lanes.control(TRAINER, "status", timeout_s=5.0)
+            status = await status_once_busy(lanes, "hang")
             assert status["busy"] == "hang" and status["role"] == "trainer"
             asked = time.monotonic()
             assert await lanes.control(TRAINER, "abort", timeout_s=5.0) == "hang"
@@ -143,18 +153,32 @@ async def test_control_lane_answers_while_work_runs_and_abort_interrupts(runtime
 @pytest.mark.asyncio
 async def test_garbage_on_a_lane_is_ignored_and_calls_go_on(runtime_dir: Path) -> None:
     import zmq
+    import zmq.asyncio
 
+    rogue = WorkerId("rogue", 0)
     async with one_worker(runtime_dir) as (lanes, _):
-        context = zmq.Context()
-        rogue = context.socket(zmq.DEALER)
-        rogue.setsockopt(zmq.LINGER, 0)
-        rogue.connect(lanes.work_endpoint)
-        rogue.send(b"\xc1\xc1 not msgpack")
-        rogue.send_multipart([b"a", b"b", b"c"])
-        rogue.send(b"\x81\xa4kind\xa6result")  # a reply to no call
-        await anyio.sleep(0.3)
-        assert await lanes.call(
-            TRAINER, "echo", {"still": "fine"}, deadline_s=10.0, returns=object
-        ) == {"still": "fine"}
-        rogue.close()
-        context.term()
+        context = zmq.asyncio.Context()
+        sockets: list[zmq.asyncio.Socket] = []
+        try:
+            # A rogue peer on each lane (wait_ready wants a hello on both): garbage, then a hello.
+            for lane, url in (("work", lanes.work_endpoint), ("control", lanes.control_endpoint)):
+                socket = context.socket(zmq.DEALER)
+                sockets.append(socket)
+                socket.setsockopt(zmq.LINGER, 0)
+                socket.connect(url)
+                await socket.send(b"\xc1\xc1 not msgpack")
+                await socket.send_multipart([b"a", b"b", b"c"])
+                await socket.send(b"\x81\xa4kind\xa6result")  # a reply to no call
+                # Then a hello: a lane reads one peer's frames in order, so once the driver has
+                # seen it, it has read (and dropped) the garbage sent before it.
+                await socket.send(frames.encode(frames.Hello(rogue.role, rogue.rank, 0, lane)))
+            await lanes.wait_ready([rogue], timeout_s=10.0)
+            assert await lanes.call(
+                TRAINER, "echo", {"still": "fine"}, deadline_s=10.0, returns=object
+            ) == {"still": "fine"}
+            status = await lanes.control(TRAINER, "status", timeout_s=5.0)
+            assert status["busy"] is None and status["role"] == "trainer"
+        finally:
+            for socket in sockets:
+                socket.close()
+            context.term()

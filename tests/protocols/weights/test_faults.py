@@ -293,9 +293,13 @@ async def test_close_is_refused_while_a_transfer_runs(runtime_dir: Path) -> None
 
     with WeightSender(endpoint(runtime_dir), TransferConfig(**FAST)) as sender:
         async with anyio.create_task_group() as group:
-            # No receiver: the send waits for the handshake until cancelled below.
+            # No receiver: the send waits for the handshake until cancelled below. The staging it
+            # makes as the handshake begins shows that it runs.
             group.start_soon(partial(sender.send, {"w": torch.ones(2)}, version=0))
-            await anyio.sleep(0.2)
+            deadline = time.monotonic() + 10.0
+            while sender.staging_buffers == 0:
+                assert time.monotonic() < deadline, "the send did not begin its handshake in 10 s"
+                await anyio.sleep(0.01)
             with pytest.raises(TransferError, match="while a transfer is in progress"):
                 sender.close()
             group.cancel_scope.cancel()

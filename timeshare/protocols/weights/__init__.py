@@ -14,6 +14,22 @@ until `close()`. `sweep_stale` removes what a killed process left in a runtime d
 The settings, the report and `sweep_stale` import without torch or zmq: the job config embeds
 `TransferConfig`, and reading a config must not load them. `WeightSender` and `WeightReceiver`
 need both, so they are imported on first use (PEP 562 `__getattr__`).
+
+Modules:
+
+    sender.py            WeightSender: one session's staging, the bucket pipeline, its ending
+    sender_inputs.py     what `send` accepts, and the checks made before anything is sent
+    sender_socket.py     the sender's REQ socket: requests out, each ACK checked, all bounded
+    receiver.py          WeightReceiver: what each request means; the blocking and async waits
+    receiver_socket.py   the receiver's REP socket: requests checked, each answered exactly once
+    frames.py            the wire format: msgpack Structs, and the sequence of requests
+    layout.py            where tensors sit in a bucket: planning, packing, reassembly
+    config.py            TransferConfig and TransferReport (no torch, no zmq)
+    staging.py           the interface of staging buffers every transport implements
+    transport.py         which staging implementation a session uses
+    shm.py               shared-memory staging (/dev/shm segments)
+    segments.py          names of staging segments, and sweeping those of dead processes
+    descriptions.py      what the handshake tells the receiver about staging
 """
 
 from __future__ import annotations

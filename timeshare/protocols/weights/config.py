@@ -9,6 +9,7 @@ import msgspec
 
 from timeshare.errors import ConfigError
 from timeshare.protocols.weights.frames import ALIGNMENT
+from timeshare.units import MIB, gbps
 
 # Which staging a session uses; transport.py maps each to its implementation.
 Transport = Literal["auto", "shm"]
@@ -65,7 +66,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     @property
     def bucket_bytes(self) -> int:
         """The staging buffer size in bytes, rounded down to the piece alignment."""
-        return int(self.bucket_mb * 2**20) // ALIGNMENT * ALIGNMENT
+        return int(self.bucket_mb * MIB) // ALIGNMENT * ALIGNMENT
 
 
 @dataclass(frozen=True)
@@ -87,4 +88,4 @@ class TransferReport:
     @property
     def gbps(self) -> float:
         """Gigabytes (1e9 bytes) per second."""
-        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+        return gbps(self.bytes, self.seconds)

@@ -5,6 +5,9 @@ stops it within a poll slice when cancelled. Every request that reached the rece
 on every path: an ACK, or a Failure frame naming the exception, after which the receiver re-raises
 its own exception. A bucket is ACKed only after `on_bucket` returned, the device was fenced and no
 view of the staging buffer is left. Any failure ends the session on this side.
+
+How the receiver talks to the sender (the REP socket, the checks on each request, the ACK or
+Failure that answers it) is in receiver_socket.py; this module says what each request means.
 """
 
 from __future__ import annotations
@@ -13,34 +16,35 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from functools import partial
-from typing import NoReturn, TypeAlias
+from typing import TypeAlias
 
 import anyio
 import anyio.lowlevel
-import structlog
 import torch
-import zmq
 
-from timeshare.errors import AckTimeout, PeerClosed, ProtocolError, SessionClosed, TransferError
+from timeshare.errors import ProtocolError, SessionClosed, TransferError
 from timeshare.protocols.weights import frames
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
-from timeshare.protocols.weights.frames import PROTOCOL_VERSION
 from timeshare.protocols.weights.layout import Assembler, crc32, fence, payload_extent
+from timeshare.protocols.weights.receiver_socket import ReceiverSocket
 from timeshare.protocols.weights.staging import Staging, views_alive
 from timeshare.protocols.weights.transport import attach_staging
 from timeshare.runtime import Endpoint
-
-log = structlog.get_logger(__name__)
 
 OnBucket: TypeAlias = Callable[[list[tuple[str, torch.Tensor]]], None]
 Finalize: TypeAlias = Callable[[], None]
 # How often a blocked receive looks at its cancel flag.
 POLL_SLICE_S = 0.05
-RECONNECT_IVL_MS = 50
 
 
 class _Cancelled(Exception):
-    """Raised inside the receiving thread when `receive_async` was cancelled."""
+    """Raised inside the receiving thread when `receive_async` was cancelled.
+
+    A control-flow sentinel, not an error anyone reports: `_next_request` raises it and
+    `_receive_or_none` always catches it, so it never leaves this module (which is why it is
+    private here and not among the errors of errors.py, which callers catch). No work given to
+    `ReceiverSocket.reply_to` waits for a request, so it is never reported to the sender either.
+    """
 
 
 class WeightReceiver:
@@ -52,17 +56,10 @@ class WeightReceiver:
         self.endpoint = Endpoint.parse(endpoint)
         self.config = config or TransferConfig()
         self.device = torch.device(device)
-        self._session: int | None = None
         self._staging: Staging | None = None
-        self._last_seq = 0
         self._closed_because: str | None = None
         self._cancel = threading.Event()
-        self._context = zmq.Context(io_threads=1)
-        self._socket = self._context.socket(zmq.REP)
-        self._socket.setsockopt(zmq.LINGER, int(self.config.linger_s * 1000))
-        self._socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-        self._socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self._socket.connect(self.endpoint.url)
+        self._socket = ReceiverSocket(self.endpoint, linger_s=self.config.linger_s)
 
     def receive(
         self,
@@ -80,17 +77,10 @@ class WeightReceiver:
         given, must be exactly the set of names sent. `timeout_s` bounds the wait for the transfer
         to begin (default: the config's begin_timeout_s).
         """
-        self._check_usable()
-        self._cancel.clear()
-        expected = None if expected_names is None else frozenset(expected_names)
-        try:
-            return self._receive(on_bucket, finalize, expected, timeout_s)
-        except _Cancelled as exc:
-            self._shutdown(str(exc))
-            raise
-        except BaseException as exc:
-            self._shutdown(f"{type(exc).__name__}: {exc}")
-            raise
+        report = self._receive_or_none(on_bucket, finalize, expected_names, timeout_s)
+        if report is None:  # receive_async's cancel flag was set while this call ran
+            raise self._cancelled_error()
+        return report
 
     async def receive_async(
         self,
@@ -101,12 +91,8 @@ class WeightReceiver:
         timeout_s: float | None = None,
     ) -> TransferReport:
         """`receive` in a worker thread; cancelling it ends the session within a poll slice."""
-
-        def run() -> TransferReport | None:
-            try:
-                return self.receive(on_bucket, finalize, expected_names, timeout_s=timeout_s)
-            except _Cancelled:
-                return None  # the caller's cancellation is raised by to_thread on return
+        # None: the thread saw the flag set below; the caller's cancellation is raised on return.
+        run = partial(self._receive_or_none, on_bucket, finalize, expected_names, timeout_s)
 
         async def flag_cancellation() -> None:
             try:
@@ -121,7 +107,7 @@ class WeightReceiver:
             group.cancel_scope.cancel()
         if report is None:
             await anyio.lowlevel.checkpoint()  # raises the caller's cancellation
-            raise SessionClosed(f"weight receiver {self.endpoint.url}: receive was cancelled")
+            raise self._cancelled_error()
         return report
 
     def close(self) -> None:
@@ -137,6 +123,26 @@ class WeightReceiver:
 
     # -- one transfer -----------------------------------------------------------------------
 
+    def _receive_or_none(
+        self,
+        on_bucket: OnBucket,
+        finalize: Finalize | None,
+        expected_names: Collection[str] | None,
+        timeout_s: float | None,
+    ) -> TransferReport | None:
+        """`receive`, or None when the cancel flag stopped it; either way a failure closes."""
+        self._check_usable()
+        self._cancel.clear()
+        expected = None if expected_names is None else frozenset(expected_names)
+        try:
+            return self._receive(on_bucket, finalize, expected, timeout_s)
+        except _Cancelled as exc:  # the only place it is caught: see _Cancelled
+            self._shutdown(str(exc))
+            return None
+        except BaseException as exc:
+            self._shutdown(f"{type(exc).__name__}: {exc}")
+            raise
+
     def _receive(
         self,
         on_bucket: OnBucket,
@@ -147,20 +153,20 @@ class WeightReceiver:
         frame = self._next_request("begin", timeout_s or self.config.begin_timeout_s)
         started = time.perf_counter()
         if isinstance(frame, frames.Offer):
-            self._reply_to(frame, partial(self._map_staging, frame), step="mapped")
+            self._socket.reply_to(frame, partial(self._map_staging, frame), step="mapped")
             frame = self._next_request("bucket", self.config.ack_timeout_s, bucket=0)
             started = time.perf_counter()
         if self._staging is None:
-            self._fail(frame, ProtocolError(f"{type(frame).__name__} before the handshake"))
+            self._socket.fail(frame, ProtocolError(f"{type(frame).__name__} before the handshake"))
         version = getattr(frame, "version", 0)
         assembler = Assembler(expected)
         buckets = checksummed = 0
         released = False
         while isinstance(frame, frames.Bucket) and not released:
-            self._check_bucket(frame, version, buckets)
+            self._socket.check_bucket(frame, version, buckets, len(self._staging.buffers))
             load = partial(self._load, frame, assembler, on_bucket)
             released = frame.last is not None
-            self._reply_to(frame, load, step="released" if released else "bucket")
+            self._socket.reply_to(frame, load, step="released" if released else "bucket")
             buckets += 1
             checksummed += frame.checksum is not None
             if released:
@@ -170,9 +176,11 @@ class WeightReceiver:
         if not released:
             frame = self._release(frame, version, assembler)
         if not isinstance(frame, frames.Finalize):
-            self._fail(frame, ProtocolError(f"expected finalize, got {type(frame).__name__}"))
-        self._check_version(frame, version)
-        self._reply_to(frame, lambda: self._finalize(finalize), step="finalized")
+            self._socket.fail(
+                frame, ProtocolError(f"expected finalize, got {type(frame).__name__}")
+            )
+        self._socket.check_version(frame, version)
+        self._socket.reply_to(frame, lambda: self._finalize(finalize), step="finalized")
         seconds = time.perf_counter() - started
         delivered = len(assembler.delivered)
         return TransferReport(version, assembler.bytes, delivered, buckets, seconds, checksummed)
@@ -180,19 +188,19 @@ class WeightReceiver:
     def _release(self, frame: frames.Request, version: int, assembler: Assembler) -> frames.Request:
         """The Release request of a transfer whose last bucket did not carry the totals."""
         if not isinstance(frame, frames.Release):
-            self._fail(
+            self._socket.fail(
                 frame, ProtocolError(f"expected a bucket or release, got {type(frame).__name__}")
             )
-        self._check_version(frame, version)
+        self._socket.check_version(frame, version)
         totals = frames.Totals(frame.tensors, frame.nbytes)
-        self._reply_to(frame, partial(assembler.check_complete, totals), step="released")
+        self._socket.reply_to(frame, partial(assembler.check_complete, totals), step="released")
         return self._next_request("finalize", self.config.ack_timeout_s)
 
     def _map_staging(self, offer: frames.Offer) -> None:
         if offer.staging.buffer_bytes <= 0 or not offer.staging.names:
             raise ProtocolError(f"offer describes no staging: {offer.staging}")
         self._staging = attach_staging(offer.staging)
-        self._session = offer.session
+        self._socket.session = offer.session
 
     def _load(self, bucket: frames.Bucket, assembler: Assembler, on_bucket: OnBucket) -> None:
         assert self._staging is not None
@@ -228,7 +236,7 @@ class WeightReceiver:
                 f"({self.config.finalize_timeout_s:g} s)"
             )
 
-    # -- frames -----------------------------------------------------------------------------
+    # -- requests ---------------------------------------------------------------------------
 
     def _next_request(
         self, phase: str, timeout: float, bucket: int | None = None
@@ -240,108 +248,9 @@ class WeightReceiver:
                 raise _Cancelled("receive_async was cancelled")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                waiting_for = "" if bucket is None else f"bucket {bucket}, "
-                raise AckTimeout(
-                    f"weight channel {self.endpoint.url}: no frame from the sender in phase "
-                    f"{phase} ({waiting_for}after seq {self._last_seq}) within {timeout:g} s; "
-                    "session closed",
-                    phase=phase,
-                    seq=self._last_seq,
-                    endpoint=self.endpoint.url,
-                    bucket=bucket,
-                )
-            if self._socket.poll(int(min(remaining, POLL_SLICE_S) * 1000) + 1, zmq.POLLIN):
-                break
-        data = self._socket.recv()
-        try:
-            frame = frames.decode_request(data)
-        except ProtocolError as exc:
-            self._send_reply(frames.failure_for(exc, session=self._session or 0, version=0, seq=0))
-            raise
-        self._check_session(frame)
-        if isinstance(frame, frames.Goodbye):
-            self._send_reply(frames.Ack(PROTOCOL_VERSION, frame.session, "goodbye", 0, 0))
-            raise PeerClosed(f"sender at {self.endpoint.url} closed the session")
-        if isinstance(frame, frames.Abort):
-            self._send_reply(
-                frames.Ack(PROTOCOL_VERSION, frame.session, "aborted", frame.version, frame.seq)
-            )
-            raise TransferError(
-                f"sender aborted the transfer of version {frame.version}: {frame.reason}"
-            )
-        return frame
-
-    def _check_session(self, frame: frames.Request) -> None:
-        if isinstance(frame, frames.Offer):
-            if self._session is not None:
-                self._fail(frame, ProtocolError("second handshake on an established session"))
-            return
-        if frame.session != self._session:
-            self._fail(
-                frame,
-                ProtocolError(
-                    f"frame of session {frame.session:x}, this session is "
-                    f"{'none yet' if self._session is None else f'{self._session:x}'}"
-                ),
-            )
-        seq = getattr(frame, "seq", None)
-        if seq is not None:
-            if seq <= self._last_seq:
-                self._fail(
-                    frame, ProtocolError(f"sequence went back: {seq} after {self._last_seq}")
-                )
-            self._last_seq = seq
-
-    def _check_bucket(self, bucket: frames.Bucket, version: int, index: int) -> None:
-        self._check_version(bucket, version)
-        assert self._staging is not None
-        if bucket.index != index or not 0 <= bucket.buffer < len(self._staging.buffers):
-            self._fail(
-                bucket,
-                ProtocolError(
-                    f"bucket {bucket.index} in buffer {bucket.buffer}, expected bucket {index} "
-                    f"in one of {len(self._staging.buffers)} buffers"
-                ),
-            )
-
-    def _check_version(
-        self, frame: frames.Bucket | frames.Release | frames.Finalize, version: int
-    ) -> None:
-        if frame.version != version:
-            self._fail(
-                frame,
-                ProtocolError(f"weight version changed mid-transfer: {version} -> {frame.version}"),
-            )
-
-    def _reply_to(
-        self, frame: frames.Request, work: Callable[[], None], *, step: frames.AckStep
-    ) -> None:
-        """Do `work` for a request, then ACK it; on failure send a Failure frame and re-raise."""
-        try:
-            work()
-        except BaseException as exc:
-            self._fail(frame, exc)
-        version = getattr(frame, "version", 0)
-        seq = getattr(frame, "seq", 0)
-        self._send_reply(frames.Ack(PROTOCOL_VERSION, frame.session, step, version, seq))
-
-    def _fail(self, frame: frames.Request, exc: BaseException) -> NoReturn:
-        failure = frames.failure_for(
-            exc,
-            session=frame.session,
-            version=getattr(frame, "version", 0),
-            seq=getattr(frame, "seq", 0),
-        )
-        self._send_reply(failure)
-        raise exc
-
-    def _send_reply(self, reply: frames.Reply) -> None:
-        # REP holds an outstanding request whenever this runs, so the send does not block.
-        try:
-            self._socket.send(frames.encode(reply), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            # Never replaces the error being reported; the sender's deadline covers a lost reply.
-            log.warning("sync.reply.lost", endpoint=self.endpoint.url, error=repr(exc))
+                raise self._socket.silence(phase, timeout, bucket)
+            if self._socket.poll(min(remaining, POLL_SLICE_S)):
+                return self._socket.read_request()
 
     # -- ending -----------------------------------------------------------------------------
 
@@ -351,7 +260,6 @@ class WeightReceiver:
             self._staging.close()
             self._staging = None
         self._socket.close()
-        self._context.term()
 
     def _check_usable(self) -> None:
         if self._closed_because is not None:
@@ -359,6 +267,9 @@ class WeightReceiver:
                 f"weight receiver {self.endpoint.url} is closed ({self._closed_because}); "
                 "open a new sender/receiver pair"
             )
+
+    def _cancelled_error(self) -> SessionClosed:
+        return SessionClosed(f"weight receiver {self.endpoint.url}: receive was cancelled")
 
 
 def _check_checksum(bucket: frames.Bucket, base: torch.Tensor) -> None:

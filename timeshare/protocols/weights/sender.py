@@ -4,6 +4,9 @@ One `WeightSender` is one session: the first `send` sets up staging (handshake),
 `send` reuses it. With pipeline depth 2 the next bucket is packed while the receiver consumes the
 previous one. Any failure inside a transfer ends the session on this side (staging freed, socket
 closed, socket file removed): a bucket is never re-sent, a new pair is needed.
+
+What `send` accepts and checks up front is in sender_inputs.py; how the sender talks to the
+receiver (the REQ socket, its deadlines, the checks on each ACK) in sender_socket.py.
 """
 
 from __future__ import annotations
@@ -11,41 +14,33 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from functools import partial
-from typing import NamedTuple, TypeAlias, cast
+from typing import NamedTuple
 
 import anyio
 import structlog
 import torch
 import zmq
-import zmq.asyncio
 
 from timeshare.errors import AckTimeout, PeerError, ProtocolError, SessionClosed, TransferError
 from timeshare.protocols.weights import frames
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
-from timeshare.protocols.weights.frames import PROTOCOL_VERSION, Ack
-from timeshare.protocols.weights.layout import (
-    BucketPlanner,
-    PlannedBucket,
-    check_tensor,
-    crc32,
-    fence,
-    pack,
-)
+from timeshare.protocols.weights.frames import PROTOCOL_VERSION
+from timeshare.protocols.weights.layout import BucketPlanner, PlannedBucket, crc32, fence, pack
 from timeshare.protocols.weights.segments import staging_tag
+from timeshare.protocols.weights.sender_inputs import (
+    NamedTensors,
+    check_version,
+    checked_up_front,
+    pairs,
+)
+from timeshare.protocols.weights.sender_socket import SenderSocket
 from timeshare.protocols.weights.staging import Staging
 from timeshare.protocols.weights.transport import create_staging
-from timeshare.protocols.wire import MAX_ERROR_TEXT
 from timeshare.runtime import Endpoint
 
 log = structlog.get_logger(__name__)
 
-NamedTensors: TypeAlias = (
-    Mapping[str, torch.Tensor]
-    | Iterable[tuple[str, torch.Tensor]]
-    | AsyncIterable[tuple[str, torch.Tensor]]
-)
 # Buckets smaller than this are packed on the event loop: a thread hop would cost more.
 INLINE_PACK_BYTES = 1 << 20
 # An abort notice to the receiver is best effort and never waits longer than this.
@@ -68,23 +63,14 @@ class WeightSender:
         self.endpoint = Endpoint.parse(endpoint)
         self.config = config or TransferConfig()
         self._session = secrets.randbits(63)
-        self._seq = 0
         self._staging: Staging | None = None
         self._checksummed = 0  # buckets of the current transfer that carry a crc32
         self._ack_seconds: list[float] = []  # the current transfer's, bucket by bucket
         self._busy = False
         self._closed_because: str | None = None
-        self.endpoint.prepare_bind()
-        self._context = zmq.asyncio.Context(io_threads=1)
-        self._socket = self._context.socket(zmq.REQ)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        try:
-            self._socket.bind(self.endpoint.url)
-        except zmq.ZMQError as exc:
-            self._socket.close()
-            self._context.term()
-            raise TransferError(f"cannot bind weight channel {self.endpoint.url}: {exc}") from exc
-        self._inode = self.endpoint.bound_inode()
+        self._socket = SenderSocket(
+            self.endpoint, session=self._session, ack_timeout_s=self.config.ack_timeout_s
+        )
 
     async def send(self, weights: NamedTensors, *, version: int) -> TransferReport:
         """Send every (name, tensor) of `weights` as weight version `version`.
@@ -93,12 +79,8 @@ class WeightSender:
         (a dict, list or tuple) are validated whole before anything is sent.
         """
         self._check_usable()
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise TransferError(f"version must be a non-negative int, got {version!r}")
-        if isinstance(weights, Mapping):
-            weights = list(weights.items())
-        if isinstance(weights, list | tuple):
-            _validate_all(weights)
+        check_version(version)
+        weights = checked_up_front(weights)
         self._busy = True
         try:
             return await self._transfer(weights, version)
@@ -120,7 +102,7 @@ class WeightSender:
             raise TransferError(
                 f"weight sender {self.endpoint.url}: close() while a transfer is in progress"
             )
-        said_goodbye = self._staging is not None and self._say_goodbye()
+        said_goodbye = self._staging is not None and self._socket.say_goodbye()
         self._shutdown("closed", linger_s=self.config.linger_s if said_goodbye else 0.0)
 
     def __enter__(self) -> WeightSender:
@@ -149,7 +131,7 @@ class WeightSender:
         index = 0
         self._checksummed = 0
         self._ack_seconds = []
-        async for name, tensor in _pairs(weights):
+        async for name, tensor in pairs(weights):
             for bucket in planner.add(name, tensor):
                 in_flight = await self._send_bucket(bucket, index, version, free, in_flight)
                 index += 1
@@ -165,19 +147,21 @@ class WeightSender:
         if last:
             assert in_flight is not None
             limit_s = self.config.ack_timeout_s
-            await self._await_ack(in_flight.seq, version, "released", limit_s, bucket=index - 1)
+            await self._socket.await_ack(
+                in_flight.seq, version, "released", limit_s, bucket=index - 1
+            )
             self._ack_seconds.append(time.perf_counter() - in_flight.sent)
         else:
             if in_flight is not None:
                 await self._await_bucket_ack(in_flight, version)
-            seq = self._next_seq()
+            seq = self._socket.next_seq()
             release = frames.Release(
                 PROTOCOL_VERSION, self._session, version, seq, totals.tensors, totals.nbytes
             )
-            await self._request(release, "released", self.config.ack_timeout_s)
-        seq = self._next_seq()
+            await self._socket.request(release, "released", self.config.ack_timeout_s)
+        seq = self._socket.next_seq()
         finalize = frames.Finalize(PROTOCOL_VERSION, self._session, version, seq)
-        await self._request(finalize, "finalized", self.config.finalize_timeout_s)
+        await self._socket.request(finalize, "finalized", self.config.finalize_timeout_s)
         seconds = time.perf_counter() - started
         report = TransferReport(
             version,
@@ -219,12 +203,12 @@ class WeightSender:
         self._checksummed += checksum is not None
         if in_flight is not None:
             free.append(await self._await_bucket_ack(in_flight, version))
-        seq = self._next_seq()
+        seq = self._socket.next_seq()
         pieces = [p.piece for p in bucket.pieces]
         header = frames.Bucket(
             PROTOCOL_VERSION, self._session, version, seq, index, buffer, pieces, checksum, last
         )
-        await self._send(header, "bucket", seq, bucket=index)
+        await self._socket.send(header, "bucket", seq, bucket=index)
         return InFlight(seq, buffer, index, time.perf_counter())
 
     async def _pack(self, bucket: PlannedBucket, buffer: torch.Tensor) -> int | None:
@@ -241,7 +225,9 @@ class WeightSender:
         return await anyio.to_thread.run_sync(work)
 
     async def _handshake(self) -> Staging:
-        # Creating staging faults in every page (MAP_POPULATE): tens of ms, off the event loop.
+        # Creating staging touches every page once (shm.py's `fault_in`: torch writes the buffers
+        # and releases the GIL meanwhile; no MAP_POPULATE, which would hold it through the whole
+        # mmap call): tens of ms per buffer, so in a worker thread, off the event loop.
         staging = await anyio.to_thread.run_sync(
             partial(
                 create_staging,
@@ -255,86 +241,22 @@ class WeightSender:
         self._staging = staging
         try:
             offer = frames.Offer(PROTOCOL_VERSION, self._session, staging.describe())
-            await self._request(offer, "mapped", self.config.handshake_timeout_s, seq=0)
+            await self._socket.request(offer, "mapped", self.config.handshake_timeout_s, seq=0)
         finally:
             # Named only until the receiver has mapped it (or failed to): nothing to sweep later.
             staging.unlink_names()
         return staging
 
-    # -- frames -----------------------------------------------------------------------------
-
-    async def _request(
-        self, frame: frames.Request, step: str, limit_s: float, seq: int | None = None
-    ) -> Ack:
-        seq = getattr(frame, "seq", 0) if seq is None else seq
-        version = getattr(frame, "version", 0)
-        await self._send(frame, step, seq, limit_s)
-        return await self._await_ack(seq, version, step, limit_s)
-
-    async def _send(
-        self,
-        frame: frames.Request,
-        phase: str,
-        seq: int,
-        limit_s: float | None = None,
-        *,
-        bucket: int | None = None,
-    ) -> None:
-        # A REQ send waits for a connected peer; bounded like every other wait.
-        with anyio.move_on_after(limit_s or self.config.ack_timeout_s) as scope:
-            await self._socket.send(frames.encode(frame))
-        if scope.cancelled_caught:
-            raise self._timeout(phase, seq, "sending", bucket)
+    # -- ACKs -------------------------------------------------------------------------------
 
     async def _await_bucket_ack(self, in_flight: InFlight, version: int) -> int:
         """Wait for a bucket's ACK; return its buffer, free again."""
         limit_s = self.config.ack_timeout_s
-        await self._await_ack(in_flight.seq, version, "bucket", limit_s, bucket=in_flight.bucket)
+        await self._socket.await_ack(
+            in_flight.seq, version, "bucket", limit_s, bucket=in_flight.bucket
+        )
         self._ack_seconds.append(time.perf_counter() - in_flight.sent)
         return in_flight.buffer
-
-    async def _await_ack(
-        self, seq: int, version: int, step: str, limit_s: float, *, bucket: int | None = None
-    ) -> Ack:
-        with anyio.move_on_after(limit_s) as scope:
-            data = await self._socket.recv()
-        if scope.cancelled_caught:
-            raise self._timeout(step, seq, f"waiting {limit_s:g} s for the receiver's ACK", bucket)
-        reply = frames.decode_reply(data)
-        if isinstance(reply, frames.Failure):
-            raise PeerError(
-                f"receiver at {self.endpoint.url} failed ({step}, seq {seq}): "
-                f"{reply.type}: {reply.message}",
-                remote_type=reply.type,
-                remote_message=reply.message,
-            )
-        if (reply.session, reply.seq, reply.version, reply.step) != (
-            self._session,
-            seq,
-            version,
-            step,
-        ):
-            raise ProtocolError(
-                f"unexpected ACK from {self.endpoint.url}: got session {reply.session:x} "
-                f"seq {reply.seq} version {reply.version} step {reply.step}, expected session "
-                f"{self._session:x} seq {seq} version {version} step {step}"
-            )
-        return reply
-
-    def _timeout(self, phase: str, seq: int, doing: str, bucket: int | None) -> AckTimeout:
-        where = f"bucket {bucket}, seq {seq}" if bucket is not None else f"seq {seq}"
-        return AckTimeout(
-            f"weight channel {self.endpoint.url}: no answer in phase {phase} ({where}) "
-            f"while {doing}; session closed",
-            phase=phase,
-            seq=seq,
-            endpoint=self.endpoint.url,
-            bucket=bucket,
-        )
-
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
 
     # -- ending -----------------------------------------------------------------------------
 
@@ -348,7 +270,7 @@ class WeightSender:
         if peer_listens and self._staging is not None:
             with anyio.CancelScope(shield=True), anyio.move_on_after(ABORT_NOTICE_S):
                 try:
-                    await self._send_abort_notice(version, reason)
+                    await self._socket.send_abort_notice(version, reason)
                 except (TransferError, zmq.ZMQError) as notice_exc:
                     log.warning(
                         "sync.abort.notice_failed",
@@ -357,31 +279,6 @@ class WeightSender:
                     )
         self._shutdown(reason)
 
-    def _socket_idle(self) -> bool:
-        """Whether REQ may send now (no header is awaiting its reply)."""
-        return bool(cast(int, self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLOUT)
-
-    async def _send_abort_notice(self, version: int, reason: str) -> None:
-        if not self._socket_idle():
-            await self._socket.recv()  # the reply to the header still in flight
-        seq = self._next_seq()
-        notice = frames.Abort(
-            PROTOCOL_VERSION, self._session, version, seq, reason[:MAX_ERROR_TEXT]
-        )
-        await self._socket.send(frames.encode(notice))
-        await self._socket.recv()
-
-    def _say_goodbye(self) -> bool:
-        """Best effort, never blocks: lets a receiver waiting for the next transfer stop at once."""
-        goodbye = frames.encode(frames.Goodbye(PROTOCOL_VERSION, self._session))
-        blocking_view: zmq.Socket[bytes] = zmq.Socket.shadow(self._socket.underlying)
-        try:
-            blocking_view.send(goodbye, flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            log.debug("sync.goodbye.skipped", endpoint=self.endpoint.url, reason="peer gone")
-            return False
-        return True
-
     def _shutdown(self, reason: str, *, linger_s: float = 0.0) -> None:
         """Free everything; with linger_s 0 (failures) nothing waits, not even term()."""
         self._closed_because = reason
@@ -389,9 +286,7 @@ class WeightSender:
             self._staging.unlink_names()
             self._staging.close()
             self._staging = None
-        self._socket.close(linger=int(linger_s * 1000))
-        self._context.term()
-        self.endpoint.remove_socket_file(self._inode)
+        self._socket.close(linger_s=linger_s)
 
     def _check_usable(self) -> None:
         if self._closed_because is not None:
@@ -401,31 +296,3 @@ class WeightSender:
             )
         if self._busy:
             raise TransferError(f"weight sender {self.endpoint.url} is already sending")
-
-
-async def _pairs(
-    weights: Iterable[object] | AsyncIterable[object],
-) -> AsyncIterator[tuple[str, torch.Tensor]]:
-    if isinstance(weights, AsyncIterable):
-        async for item in weights:
-            yield _unpack_pair(item)
-    else:
-        for item in weights:
-            yield _unpack_pair(item)
-
-
-def _unpack_pair(item: object) -> tuple[str, torch.Tensor]:
-    if not isinstance(item, tuple) or len(item) != 2:
-        raise TransferError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
-    name, tensor = item
-    return name, tensor
-
-
-def _validate_all(
-    pairs: list[tuple[str, torch.Tensor]] | tuple[tuple[str, torch.Tensor], ...],
-) -> None:
-    seen: set[str] = set()
-    for item in pairs:
-        name, tensor = _unpack_pair(item)
-        check_tensor(name, tensor, seen)
-        seen.add(name)
