@@ -107,10 +107,10 @@ def test_every_error_lives_in_errors_py_under_the_root_and_says_when() -> None:
                 defined_elsewhere.append(f"{info.name}.{name}")
     assert defined_elsewhere == []
     for name, value in vars(errors).items():
-        if inspect.isclass(value) and issubclass(value, BaseException):
-            if value.__module__ == errors.__name__:
-                assert issubclass(value, errors.TimeshareError), name
-                assert value.__doc__ and "aised" in value.__doc__, f"{name}: say when it is raised"
+        is_error = inspect.isclass(value) and issubclass(value, BaseException)
+        if is_error and value.__module__ == errors.__name__:
+            assert issubclass(value, errors.TimeshareError), name
+            assert value.__doc__ and "aised" in value.__doc__, f"{name}: say when it is raised"
 
 
 def _strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -120,10 +120,10 @@ def _strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
     stack: list[str] = []
     on_stack: set[str] = set()
     components: list[list[str]] = []
-    for root in edges:
+    for root, targets in edges.items():
         if root in index:
             continue
-        work = [(root, iter(sorted(edges[root])))]
+        work = [(root, iter(sorted(targets)))]
         index[root] = low[root] = len(index)
         stack.append(root)
         on_stack.add(root)
