@@ -18,7 +18,7 @@ import structlog
 from timeshare import logs
 from timeshare.config import changes, load_config, with_live_values
 from timeshare.daemon.service import Service
-from timeshare.errors import ConfigError, ReloadRefused, WaitTimeout
+from timeshare.errors import ConfigError, NotRunning, ReloadRefused, WaitTimeout
 from timeshare.protocols.control import Call, LogLevelParams, ServiceStatus, WaitParams
 from timeshare.state import Request
 from timeshare.state.service import FINAL, Answer, CycleWanted, StopRequested, answer, waited
@@ -136,7 +136,11 @@ class OperatorRequests:
 
     async def _wait_for(self, request: Request, timeout_s: float) -> None:
         with anyio.move_on_after(timeout_s):
-            while not waited(request, self.service.state):
-                await self.service.wait_changed()
+            try:
+                while not waited(request, self.service.state):
+                    await self.service.wait_changed()
+            except NotRunning as exc:  # say why the cycle ended, as status would
+                reason = self.service.reason
+                raise NotRunning(f"{exc}: {reason}" if reason else str(exc)) from None
             return
         raise WaitTimeout(f"{request.value} did not take effect within {timeout_s:g} s")
