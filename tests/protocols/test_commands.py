@@ -106,7 +106,12 @@ async def test_no_progress_is_a_stall_but_slow_progress_is_alive(runtime_dir: Pa
         with pytest.raises(WorkerStalled, match="made no progress in hang for 1 s"):
             await lanes.call(TRAINER, "hang", deadline_s=30.0, returns=object)
         assert time.monotonic() - started < 1.0 + 1.0
-        await lanes.control(TRAINER, "abort", timeout_s=5.0)
+        # The stalled call was aborted before the error: the worker is free again (a hang that
+        # went on would leave it busy, and this echo unanswered behind it).
+        status = await lanes.control(TRAINER, "status", timeout_s=5.0)
+        assert status["busy"] is None
+        echo = await lanes.call(TRAINER, "echo", {"n": 1}, deadline_s=5.0, returns=object)
+        assert echo == {"n": 1}
 
 
 @pytest.mark.asyncio

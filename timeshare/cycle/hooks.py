@@ -68,3 +68,36 @@ class RunSummary:
     first_step: int = 0  # the step the checkpoint held at bootstrap
     phase_seconds: dict[str, list[float]] = field(default_factory=dict)
     reports: list[PhaseReport] = field(default_factory=list)  # in the order phases ended
+
+
+class Telling:
+    """Tells a front end what its hooks ask for, and keeps the run's summary."""
+
+    def __init__(self, hooks: CycleHooks) -> None:
+        self.hooks = hooks
+        self.summary = RunSummary(lifecycle="starting", step=0, reason=None)
+
+    def state(self, state: JobState) -> None:
+        if self.hooks.on_state is not None:
+            self.hooks.on_state(state)
+
+    async def bootstrapped(self, report: BootstrapReport) -> None:
+        if self.hooks.observer is not None:
+            await self.hooks.observer(report)
+
+    async def phase_ended(self, report: PhaseReport) -> None:
+        if self.hooks.keep_reports:
+            self.summary.phase_seconds.setdefault(report.phase.value, []).append(report.seconds)
+            self.summary.reports.append(report)
+        if self.hooks.observer is not None:
+            await self.hooks.observer(report)
+
+    def stopped(self, state: JobState, cycle_seconds: float) -> RunSummary:
+        summary = self.summary
+        summary.lifecycle, summary.step, summary.reason = (
+            state.lifecycle.value,
+            state.step,
+            state.reason,
+        )
+        summary.cycle_seconds = cycle_seconds
+        return summary

@@ -2,8 +2,8 @@
 
 A phase is a command on both workers of a rank; the first failure cancels the other call (it
 would only wait for a dead peer) and is raised as `CycleFailed` naming rank, role and phase.
-A call that passed its deadline or stalled is aborted first (best effort, on the control lane):
-the worker's call ends with `Aborted` where it was stuck, so its log shows the place.
+(A call that passed its deadline or stalled was aborted by the lanes first: its worker's log
+shows where it was stuck.)
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import structlog
 
 from timeshare.cycle.workers import Workers
 from timeshare.errors import (
-    CommandTimeout,
     CycleFailed,
+    MemoryHeld,
     TimeshareError,
     WorkerFailure,
-    WorkerStalled,
 )
 from timeshare.protocols.barrier import Barrier
 from timeshare.protocols.commands import WorkerId
@@ -31,12 +30,11 @@ from timeshare.protocols.commands.results import (
     PhaseResult,
     result_type,
 )
-from timeshare.state import Blame, Held, Phase
+from timeshare.state import Blame, Held, JobState, Phase
 
 log = structlog.get_logger(__name__)
 
 R = TypeVar("R")
-ABORT_TIMEOUT_S = 2.0
 BARRIER_NAME = "barrier"
 
 
@@ -60,15 +58,20 @@ def blame_of(failed: CycleFailed) -> Blame:
     return Blame(failed.rank, failed.role, failed.phase)
 
 
+def rule_broken(state: JobState) -> CycleFailed:
+    """The failure the machine's memory rules found in a FAILED `state` (no task saw one)."""
+    blame = state.blame
+    assert blame is not None and state.reason is not None, state
+    return cycle_failed(blame.rank, blame.role, blame.phase, MemoryHeld(state.reason))
+
+
 async def bootstrap(workers: Workers, ranks: int, deadline_s: float) -> list[BootstrapResult]:
     """Every worker loads the last committed checkpoint; the trainers' results, by rank."""
     results: dict[int, BootstrapResult] = {}
 
     async def load(worker: WorkerId) -> None:
         returns = result_type("bootstrap", worker.role)
-        result = await _call(
-            workers, worker, "bootstrap", {}, deadline_s=deadline_s, returns=returns
-        )
+        result = await workers.call(worker, "bootstrap", {}, deadline_s=deadline_s, returns=returns)
         if isinstance(result, BootstrapResult):
             results[worker.rank] = result
 
@@ -98,8 +101,8 @@ async def run_phase(
     async def run(role: str) -> None:
         returns = result_type(phase.value, role)
         worker = WorkerId(role, rank)
-        results[role] = await _call(
-            workers, worker, phase.value, params[role], deadline_s=deadline_s, returns=returns
+        results[role] = await workers.call(
+            worker, phase.value, params[role], deadline_s=deadline_s, returns=returns
         )
 
     try:
@@ -133,7 +136,7 @@ async def held_memory(workers: Workers, ranks: int, deadline_s: float) -> tuple[
     held: dict[WorkerId, float] = {}
 
     async def ask(worker: WorkerId) -> None:
-        result = await _call(workers, worker, "held", {}, deadline_s=deadline_s, returns=HeldResult)
+        result = await workers.call(worker, "held", {}, deadline_s=deadline_s, returns=HeldResult)
         held[worker] = result.held_mb
 
     try:
@@ -147,30 +150,3 @@ async def held_memory(workers: Workers, ranks: int, deadline_s: float) -> tuple[
         raise cycle_failed(first.rank, first.role, "pause", first) from first
     in_order = sorted(held.items(), key=lambda item: (item[0].rank, item[0].role != "trainer"))
     return tuple(Held(worker.role, worker.rank, mb) for worker, mb in in_order)
-
-
-async def _call(
-    workers: Workers,
-    worker: WorkerId,
-    command: str,
-    params: dict[str, Any],
-    *,
-    deadline_s: float,
-    returns: type[R],
-) -> R:
-    try:
-        return await workers.call(worker, command, params, deadline_s=deadline_s, returns=returns)
-    except (CommandTimeout, WorkerStalled):
-        await _abort(workers, worker)
-        raise
-
-
-async def _abort(workers: Workers, worker: WorkerId) -> None:
-    """Interrupt the worker's stuck call where it is; it is killed with the cycle anyway."""
-    with anyio.CancelScope(shield=True):
-        try:
-            command = await workers.control(worker, "abort", timeout_s=ABORT_TIMEOUT_S)
-        except WorkerFailure as exc:
-            log.warning("cycle.abort.missed", worker=str(worker), error=str(exc))
-        else:
-            log.warning("cycle.abort.sent", worker=str(worker), aborted=command)

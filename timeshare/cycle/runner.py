@@ -21,17 +21,18 @@ from anyio.abc import TaskGroup
 
 from timeshare.config import Config, DeadlineSection
 from timeshare.cycle.commands import watch_commands
-from timeshare.cycle.hooks import BootstrapReport, CycleHooks, PhaseReport, RunSummary
+from timeshare.cycle.hooks import BootstrapReport, CycleHooks, PhaseReport, RunSummary, Telling
 from timeshare.cycle.phases import (
     blame_of,
     bootstrap,
     cycle_failed,
     held_memory,
     meet_at_barrier,
+    rule_broken,
     run_phase,
 )
 from timeshare.cycle.workers import Workers, WorkerSpawner, spawn_workers, worker_ids
-from timeshare.errors import CycleFailed, MemoryHeld, WorkerFailure
+from timeshare.errors import CycleFailed, WorkerFailure
 from timeshare.protocols.barrier import Barrier
 from timeshare.protocols.commands.results import HeldResult, PhaseResult, RolloutResult
 from timeshare.protocols.store import AsyncJobStore, JobStore
@@ -122,7 +123,7 @@ class _Cycle:
         self.hooks = hooks
         self.fences = fences
         self.send, self.inbox = anyio.create_memory_object_stream[_Report](INBOX)
-        self.summary = RunSummary(lifecycle=Lifecycle.STARTING.value, step=0, reason=None)
+        self.telling = Telling(hooks)
         self.failure: CycleFailed | None = None
         self.barriers: list[Barrier] = []
         self.cycle_id = 0  # names this cycle's store barriers
@@ -137,7 +138,7 @@ class _Cycle:
 
     async def run(self) -> RunSummary | CycleFailed:
         state = initial_state(self.ranks, max_steps=self.config.job.steps, fences=self.fences)
-        self._tell(state)
+        self.telling.state(state)
         after = self.hooks.commands_from
         if after is None:  # commands written from now on apply (one sent in start-up waits)
             after = await self.store.latest_command()
@@ -145,20 +146,17 @@ class _Cycle:
             step = await self._bootstrap()
         except CycleFailed as failed:
             return await self._failed(state, failed)
-        self.summary.first_step = step
+        self.telling.summary.first_step = step
         started = time.monotonic()
         async with anyio.create_task_group() as group, self.inbox:
             ids = worker_ids(self.ranks)
             group.start_soon(watch_commands, self.store, self.send, after, self.workers, ids)
             state = await self._drive(group, state, Bootstrapped(step))
             group.cancel_scope.cancel()
-        self.summary.cycle_seconds = time.monotonic() - started
         if state.lifecycle is Lifecycle.FAILED:
             return self._failure_of(state)
-        self.summary.lifecycle, self.summary.step = state.lifecycle.value, state.step
-        self.summary.reason = state.reason
         log.info("cycle.run.stopped", step=state.step, reason=state.reason)
-        return self.summary
+        return self.telling.stopped(state, time.monotonic() - started)
 
     async def _bootstrap(self) -> int:
         """Workers up, the checkpoint loaded; the step the job resumes at (the trainers')."""
@@ -168,9 +166,8 @@ class _Cycle:
             raise cycle_failed(exc.rank, exc.role, "bootstrap", exc) from exc
         loaded = await bootstrap(self.workers, self.ranks, self.deadlines.for_command("bootstrap"))
         step = min(result.step for result in loaded)
-        if self.hooks.observer is not None:
-            for rank, result in enumerate(loaded):
-                await self.hooks.observer(BootstrapReport(step, rank, result))
+        for rank, result in enumerate(loaded):
+            await self.telling.bootstrapped(BootstrapReport(step, rank, result))
         connections = [await self.store.another_connection() for _ in range(self.ranks)]
         self.barriers = [Barrier(c, rank, self.ranks) for rank, c in enumerate(connections)]
         self.cycle_id = await self.store.next_generation("cycle")
@@ -189,7 +186,7 @@ class _Cycle:
                 event = await self._next_event(state)
                 continue
             before, state = state, outcome.state
-            self._tell(state)
+            self.telling.state(state)
             if state.lifecycle is Lifecycle.PAUSED and before.lifecycle is not Lifecycle.PAUSED:
                 log.info("cycle.pause.verified", workers=2 * self.ranks)
             if isinstance(event, BarrierChecked) and event.rank not in outcome.meet:
@@ -213,7 +210,7 @@ class _Cycle:
             self.meetings[rank] = anyio.CancelScope()
             group.start_soon(self._meet, rank, self.meetings[rank])
         if steps.publish:
-            await self._publish(state)
+            await self.store.publish(state)
         if steps.check_release:
             return await self._check_release()
         if steps.finish_drain:
@@ -289,52 +286,22 @@ class _Cycle:
     # -- telling -------------------------------------------------------------------------------
 
     async def _report(self, ran: _Ran) -> None:
+        trainer, rollout = ran.results["trainer"], ran.results["rollout"]
         seconds = time.monotonic() - ran.started
-        report = PhaseReport(
-            ran.step,
-            ran.rank,
-            ran.phase,
-            ran.started,
-            seconds,
-            ran.results["trainer"],
-            ran.results["rollout"],
-        )
-        if self.hooks.keep_reports:
-            self.summary.phase_seconds.setdefault(ran.phase.value, []).append(seconds)
-            self.summary.reports.append(report)
-        if self.hooks.observer is not None:
-            await self.hooks.observer(report)
-
-    def _tell(self, state: JobState) -> None:
-        if self.hooks.on_state is not None:
-            self.hooks.on_state(state)
-
-    async def _publish(self, state: JobState) -> None:
-        """Where the job stands, in the job store: for every node and for operators."""
-        record = {
-            "lifecycle": state.lifecycle.value,
-            "step": state.step,
-            "phases": [p.value for p in state.phases],
-            "reason": state.reason,
-        }
-        await self.store.put("state", record)
+        report = PhaseReport(ran.step, ran.rank, ran.phase, ran.started, seconds, trainer, rollout)
+        await self.telling.phase_ended(report)
 
     async def _failed(self, state: JobState, failed: CycleFailed) -> CycleFailed:
         """A failure before the cycle ran: the machine still learns it, and tells."""
         self.failure = failed
         state = advance(state, Failed(str(failed), blame_of(failed))).state
-        self._tell(state)
-        await self._publish(state)
+        self.telling.state(state)
+        await self.store.publish(state)
         return self._failure_of(state)
 
     def _failure_of(self, state: JobState) -> CycleFailed:
         """The run's failure: the one a task saw, or the one the machine's rules found."""
-        failure = self.failure
-        if failure is None:
-            blame = state.blame
-            assert blame is not None and state.reason is not None, state
-            held = MemoryHeld(state.reason)
-            failure = cycle_failed(blame.rank, blame.role, blame.phase, held)
+        failure = self.failure or rule_broken(state)
         log.error(
             "cycle.run.failed",
             rank=failure.rank,

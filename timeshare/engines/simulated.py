@@ -18,6 +18,7 @@ from typing import ClassVar
 
 import torch
 
+from timeshare.durable import write_atomically
 from timeshare.engines.base import (
     RolloutEngine,
     RolloutRequest,
@@ -157,9 +158,7 @@ class SimulatedTrainer(TrainerEngine):
 
     def save_checkpoint(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        temporary = directory / "trainer.json.tmp"
-        temporary.write_text(json.dumps({"step": self.step}))
-        temporary.replace(directory / "trainer.json")
+        write_atomically(directory / "trainer.json", json.dumps({"step": self.step}).encode())
 
     def load_checkpoint(self, directory: Path) -> None:
         path = directory / "trainer.json"

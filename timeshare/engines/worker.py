@@ -72,7 +72,6 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     engine: EngineSpec = EngineSpec()
     faults: list[Fault] = []
     heartbeat_s: float = 0.2
-    rollout_batch: int = 4  # requests per ROLLOUT of the simulated engine
     collective_timeout_s: float = 30.0  # the trainers' gloo group, for data-parallel engines
     log_file: str = ""
     log_level: str = "info"

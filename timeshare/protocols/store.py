@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
 from timeshare.errors import StoreError
+from timeshare.state import JobState
 
 PREFIX = "timeshare/"
 COMMAND = "command"  # the generation counter and key prefix of cycle-changing commands
@@ -153,6 +154,16 @@ class AsyncJobStore:
 
     async def put(self, key: str, value: Any) -> None:
         await anyio.to_thread.run_sync(self.blocking.put, key, value)
+
+    async def publish(self, state: JobState) -> None:
+        """Where the job stands, under `state`: for every node and for operators."""
+        record = {
+            "lifecycle": state.lifecycle.value,
+            "step": state.step,
+            "phases": [p.value for p in state.phases],
+            "reason": state.reason,
+        }
+        await self.put("state", record)
 
     async def record_command(self, command: str, **params: Any) -> int:
         return await anyio.to_thread.run_sync(

@@ -1,12 +1,14 @@
 """Command lanes between the driver and its workers: a work lane and a control lane over ZMQ.
 
 driver_side.py: `WorkerLanes` (ROUTER per lane; calls with deadlines; exits and stalls seen).
+processes.py: `WorkerId`, and `watch_process` (a worker's exit, seen the moment it happens).
 worker_side.py: `WorkerServer` (DEALER per lane; work in the main thread, control in its own).
 frames.py: the typed msgpack frames both speak.
 results.py: what each command returns, one Struct per (command, role).
 """
 
-from timeshare.protocols.commands.driver_side import WorkerId, WorkerLanes, watch_process
+from timeshare.protocols.commands.driver_side import WorkerLanes
+from timeshare.protocols.commands.processes import WorkerId, watch_process
 from timeshare.protocols.commands.worker_side import WorkerServer
 
 __all__ = ["WorkerId", "WorkerLanes", "WorkerServer", "watch_process"]

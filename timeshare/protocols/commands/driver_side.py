@@ -7,13 +7,16 @@ change for `stall_timeout_s` is `WorkerStalled`, unless the worker says it is wa
 peer, a wait that the weight channel's own deadlines bound). The deadline is `CommandTimeout`.
 A command that raised in the worker comes back as `WorkerError` with the remote type and
 message. `WorkerLanes.control` uses the control lane, answered while the work runs.
+
+A work call that stalled or passed its deadline is aborted before the error is raised: `abort`
+on the control lane interrupts it where it waits, and the worker logs where that was and
+answers the call with `Aborted` (awaited for at most ABORT_S). A call stuck inside C code does
+not end that way; its worker is killed with the cycle.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -38,27 +41,16 @@ from timeshare.errors import (
     WorkerStalled,
 )
 from timeshare.protocols.commands import frames
+from timeshare.protocols.commands.processes import WorkerId, describe_exit, worker_of
 from timeshare.runtime import Endpoint
 
 log = structlog.get_logger(__name__)
 
 # How often a waiting call looks at exits, stalls and its deadline.
 CHECK_S = 0.05
+ABORT_S = 2.0  # for the control lane's answer to `abort`, then for the aborted call's
 LANES = ("work", "control")
 R = TypeVar("R")
-
-
-@dataclass(frozen=True)
-class WorkerId:
-    role: str
-    rank: int
-
-    @property
-    def routing_id(self) -> bytes:
-        return f"{self.role}:{self.rank}".encode()
-
-    def __str__(self) -> str:
-        return f"{self.role} rank {self.rank}"
 
 
 @dataclass
@@ -222,16 +214,32 @@ class WorkerLanes:
             now = time.monotonic()
             if lane == "work" and now - max(started, liveness.progress_at) > self.stall_timeout_s:
                 message = f"{worker} made no progress in {command} for {self.stall_timeout_s:g} s"
+                await self._abort(pending)
                 raise _failure(WorkerStalled, worker, command, message)
             if now - started > deadline_s:
                 message = f"{worker} did not finish {command} within {deadline_s:g} s"
+                if lane == "work":
+                    await self._abort(pending)
                 raise _failure(CommandTimeout, worker, command, message)
+
+    async def _abort(self, pending: _Pending) -> None:
+        """Interrupt the worker's call where it waits, and give it ABORT_S to answer it."""
+        worker = pending.worker
+        with anyio.CancelScope(shield=True):
+            try:
+                aborted = await self.control(worker, "abort", timeout_s=ABORT_S)
+            except WorkerFailure as exc:
+                log.warning("lanes.abort.missed", worker=str(worker), error=str(exc))
+                return
+            with anyio.move_on_after(ABORT_S):
+                await pending.done.wait()
+            log.warning("lanes.call.aborted", worker=str(worker), aborted=aborted)
 
     def _raise_if_exited(self, worker: WorkerId, command: str | None) -> None:
         returncode = self._workers[worker].returncode
         if returncode is not None:
             during = f" during {command}" if command else ""
-            message = f"{worker} exited{during} with {_describe_exit(returncode)}"
+            message = f"{worker} exited{during} with {describe_exit(returncode)}"
             raise WorkerDied(
                 message, rank=worker.rank, role=worker.role, command=command, returncode=returncode
             )
@@ -272,7 +280,7 @@ class WorkerLanes:
             liveness.lanes.add(frame.lane)
             liveness.pid = frame.pid
         elif isinstance(frame, frames.Heartbeat):
-            worker = _worker_of(routing_id)
+            worker = worker_of(routing_id)
             liveness = self._workers.setdefault(worker, _Liveness())
             if frame.progress != liveness.progress or frame.waiting:
                 liveness.progress = frame.progress
@@ -291,25 +299,6 @@ class WorkerLanes:
         self._context.term()
         for lane, endpoint in self.endpoints.items():
             endpoint.remove_socket_file(self._inodes.get(lane))
-
-
-async def watch_process(
-    lanes: WorkerLanes, worker: WorkerId, process: subprocess.Popen[Any]
-) -> int:
-    """Report the worker's exit to `lanes` the moment it happens; return its exit code.
-
-    A pidfd becomes readable when the process exits: no polling, no thread.
-    """
-    pidfd = os.pidfd_open(process.pid)
-    try:
-        if process.poll() is None:
-            await anyio.wait_readable(pidfd)
-        returncode = process.poll()  # readable pidfd: the process has exited, this reaps it
-    finally:
-        os.close(pidfd)
-    assert returncode is not None
-    lanes.worker_exited(worker, returncode)
-    return returncode
 
 
 def _outcome(
@@ -334,14 +323,3 @@ F = TypeVar("F", bound=WorkerFailure)
 def _failure(kind: type[F], worker: WorkerId, command: str | None, message: str) -> F:
     """A failure of `kind` naming the worker and its command."""
     return kind(message, rank=worker.rank, role=worker.role, command=command)
-
-
-def _worker_of(routing_id: bytes) -> WorkerId:
-    role, _, rank = routing_id.decode(errors="replace").rpartition(":")
-    return WorkerId(role, int(rank) if rank.isdigit() else -1)
-
-
-def _describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        return f"signal {-returncode}"
-    return f"exit code {returncode}"

@@ -1,0 +1,63 @@
+"""A worker as the command lanes know it: who it is, and when its process exits.
+
+`WorkerId` is a worker's role and rank, which is also the routing id of its lane sockets.
+`watch_process` reports a worker's exit to the lanes the moment it happens, so that every wait
+on that worker ends at once rather than at a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+
+
+class ExitListener(Protocol):
+    def worker_exited(self, worker: WorkerId, returncode: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class WorkerId:
+    role: str
+    rank: int
+
+    @property
+    def routing_id(self) -> bytes:
+        return f"{self.role}:{self.rank}".encode()
+
+    def __str__(self) -> str:
+        return f"{self.role} rank {self.rank}"
+
+
+async def watch_process(
+    lanes: ExitListener, worker: WorkerId, process: subprocess.Popen[Any]
+) -> int:
+    """Report the worker's exit to `lanes` the moment it happens; return its exit code.
+
+    A pidfd becomes readable when the process exits: no polling, no thread.
+    """
+    pidfd = os.pidfd_open(process.pid)
+    try:
+        if process.poll() is None:
+            await anyio.wait_readable(pidfd)
+        returncode = process.poll()  # readable pidfd: the process has exited, this reaps it
+    finally:
+        os.close(pidfd)
+    assert returncode is not None
+    lanes.worker_exited(worker, returncode)
+    return returncode
+
+
+def worker_of(routing_id: bytes) -> WorkerId:
+    """The worker a routing id names (rank -1 for one that names none)."""
+    role, _, rank = routing_id.decode(errors="replace").rpartition(":")
+    return WorkerId(role, int(rank) if rank.isdigit() else -1)
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        return f"signal {-returncode}"
+    return f"exit code {returncode}"
