@@ -39,6 +39,12 @@ def processes_of(runtime_dir: Path) -> list[psutil.Process]:
     return found
 
 
+def workers_of(runtime_dir: Path) -> list[psutil.Process]:
+    """The job's worker processes (named ts-<role>-<rank>), without their zygote."""
+    names = ("ts-trainer-", "ts-rollout-")
+    return [p for p in processes_of(runtime_dir) if p.name().startswith(names)]
+
+
 def assert_nothing_left(runtime_dir: Path) -> None:
     assert processes_of(runtime_dir) == []
     assert psutil.Process().children(recursive=True) == []

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from tests.configs import TINY, toml_file
-from tests.cycle.jobs import processes_of
+from tests.cycle.jobs import processes_of, workers_of
 from tests.daemon.daemons import Daemon, assert_daemon_left_nothing, reap, spawn_daemon
 from timeshare.daemon.records import read_journal, read_progress
 
@@ -38,7 +38,7 @@ def kill_mid_cycle(daemon: Daemon, after_committed: int) -> list[int]:
         lambda s: s["lifecycle"] == "running" and (s["committed_step"] or 0) >= after_committed,
         timeout=120,
     )
-    workers = [p.pid for p in processes_of(daemon.root) if p.pid != daemon.process.pid]
+    workers = [p.pid for p in workers_of(daemon.root)]
     assert len(workers) == 4
     os.kill(daemon.process.pid, signal.SIGKILL)
     daemon.process.wait(timeout=10)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import required_tool
-from tests.cycle.jobs import processes_of
+from tests.cycle.jobs import processes_of, workers_of
 from tests.daemon.daemons import (
     Daemon,
     assert_daemon_left_nothing,
@@ -168,9 +168,7 @@ def pings(notify: NotifySocket) -> list[float]:
 
 def worker_environments(daemon: Daemon) -> list[dict[str, str]]:
     environments = []
-    for process in processes_of(daemon.root):
-        if process.pid == daemon.process.pid:
-            continue
+    for process in workers_of(daemon.root):
         raw = Path(f"/proc/{process.pid}/environ").read_bytes()
         environments.append(
             dict(e.split("=", 1) for e in raw.decode(errors="replace").split("\0") if "=" in e)

@@ -4,11 +4,12 @@
 `spawn_workers` is the real thing: one trainer and one rollout process per rank. Tests of the
 cycle's logic pass an in-process fake instead, as httpcore's pool takes a network backend.
 
-Each worker process runs in its own session and process group, so that killing the group takes
-its grandchildren too. The groups are recorded in the runtime directory (pgid and start time)
-so that a driver started after a killed one reaps what it left, and never a group whose pgid an
-unrelated process reused. The service manager's variables never reach a worker. Whatever way
-the cycle ends, every group is killed and the runtime directory swept.
+Workers are forked from a zygote that loaded their code once (zygote.py). Each runs in its own
+session and process group, so that killing the group takes its grandchildren too. The groups
+are recorded in the runtime directory (pgid and start time) so that a driver started after a
+killed one reaps what it left, and never a group whose pgid an unrelated process reused. The
+service manager's variables never reach a worker. Whatever way the cycle ends, every group is
+killed and the runtime directory swept.
 """
 
 from __future__ import annotations
@@ -16,21 +17,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import anyio
-import msgspec
 import structlog
 
 from timeshare.config import Config
+from timeshare.cycle.zygote import WorkerFactory
 from timeshare.durable import write_atomically
 from timeshare.engines.worker import WorkerSpec
-from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
+from timeshare.protocols.commands import WorkerId, WorkerLanes
 from timeshare.protocols.commands.results import ROLES
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import sweep_stale
@@ -131,28 +131,40 @@ class WorkerProcesses:
 
 @asynccontextmanager
 async def spawn_workers(config: Config, store: JobStore) -> AsyncIterator[Workers]:
-    """Spawn and watch every worker process of the job; kill them all and sweep on the way out.
-
-    A worker's exit is seen the moment it happens (its pidfd), and ends every call on it.
+    """Fork every worker process of the job from a zygote (zygote.py); kill them all and sweep
+    on the way out. A worker's exit is seen the moment it happens, and ends every call on it.
     """
     runtime = Path(config.job.runtime_dir)
     await anyio.to_thread.run_sync(prepare_runtime, runtime)
-    processes: dict[WorkerId, subprocess.Popen[bytes]] = {}
+    env = {k: v for k, v in os.environ.items() if k not in SERVICE_VARIABLES}
+    factory = await anyio.to_thread.run_sync(WorkerFactory.start, runtime, env)
+    pids: dict[WorkerId, int] = {}
     try:
         async with (
             WorkerLanes.open(runtime, stall_timeout_s=config.deadlines.stall_s) as lanes,
-            anyio.create_task_group() as watchers,
+            anyio.create_task_group() as watcher,
         ):
+            watcher.start_soon(factory.watch, partial(_exited, lanes, pids))
             for worker in worker_ids(config.job.ranks):
-                lanes.expect(worker)  # before it is spawned, so that its hello is not missed
-                processes[worker] = await spawn(config, lanes, store, worker)
-                watchers.start_soon(watch_process, lanes, worker, processes[worker])
-            await anyio.to_thread.run_sync(record_workers, runtime, processes)
-            yield WorkerProcesses(lanes, list(processes))
-            watchers.cancel_scope.cancel()
+                lanes.expect(worker)  # before it is forked, so that its hello is not missed
+                spec = worker_spec(config, worker, lanes, store.address)
+                pids[worker] = await factory.fork(spec, timeout_s=config.deadlines.ready_s)
+                log.info(
+                    "driver.worker.spawned", role=worker.role, rank=worker.rank, pid=pids[worker]
+                )
+            groups = [factory.pid, *pids.values()]
+            await anyio.to_thread.run_sync(record_workers, runtime, groups)
+            yield WorkerProcesses(lanes, list(pids))
+            watcher.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(clean_up, runtime, list(processes.values()))
+            await anyio.to_thread.run_sync(clean_up, runtime, list(pids.values()), factory)
+
+
+def _exited(lanes: WorkerLanes, pids: dict[WorkerId, int], pid: int, returncode: int) -> None:
+    for worker, worker_pid in pids.items():
+        if worker_pid == pid:
+            lanes.worker_exited(worker, returncode)
 
 
 def worker_spec(
@@ -179,34 +191,18 @@ def worker_spec(
     )
 
 
-async def spawn(
-    config: Config, lanes: WorkerLanes, store: JobStore, worker: WorkerId
-) -> subprocess.Popen[bytes]:
-    spec = worker_spec(config, worker, lanes, store.address)
-    argv = [sys.executable, "-m", "timeshare.engines.worker", msgspec.json.encode(spec).decode()]
-    env = {k: v for k, v in os.environ.items() if k not in SERVICE_VARIABLES}
-    # Own session and process group: a kill of the group takes grandchildren too.
-    process = await anyio.to_thread.run_sync(
-        lambda: subprocess.Popen(argv, env=env, start_new_session=True)
-    )
-    log.info("driver.worker.spawned", role=worker.role, rank=worker.rank, pid=process.pid)
-    return process
-
-
-def record_workers(runtime: Path, processes: dict[WorkerId, subprocess.Popen[bytes]]) -> None:
-    """Write the worker process groups so that a restarted driver can reap them."""
-    entries = [{"pgid": p.pid, "start": process_start_time(p.pid)} for p in processes.values()]
+def record_workers(runtime: Path, groups: list[int]) -> None:
+    """Write the job's process groups (the zygote's, each worker's) for a restarted driver."""
+    entries = [{"pgid": pgid, "start": process_start_time(pgid)} for pgid in groups]
     write_atomically(runtime / WORKERS_FILE, json.dumps(entries).encode())
 
 
-def clean_up(runtime: Path, processes: list[subprocess.Popen[bytes]]) -> None:
-    """Kill every worker process group, then remove what the job left in the runtime dir."""
-    for process in processes:
+def clean_up(runtime: Path, workers: list[int], factory: WorkerFactory) -> None:
+    """Kill every worker process group, let the zygote reap them and exit, sweep the runtime dir."""
+    for pid in workers:
         with suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-    for process in processes:
-        with suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=10)
+            os.killpg(pid, signal.SIGKILL)
+    factory.close()
     (runtime / WORKERS_FILE).unlink(missing_ok=True)
     sweep_stale(runtime)
 

@@ -1,0 +1,264 @@
+"""The worker factory: one process that loads the worker's code once and forks each worker.
+
+Importing a worker's code (torch above all) costs about 2 s of CPU; a job of N ranks paid it 2N
+times at every start. The zygote pays it once per cycle and forks each worker in milliseconds:
+
+    python -m timeshare.cycle.zygote RUNTIME_DIR          (the directory only names the job)
+
+It reads one JSON line per worker on stdin, `{"id": n, "spec": <WorkerSpec as JSON>}`, forks,
+and answers on the file descriptor `--replies` names: `{"id": n, "pid": p}` (or `"error"`),
+and `{"exited": p, "returncode": r}` the moment a worker exits (SIGCHLD). JSON, never pickle.
+
+A forked worker starts its own session (its own process group: a kill of the group takes its
+children too), names itself `ts-<role>-<rank>` for `ps`, dies with the zygote (parent-death
+signal), and leaves the zygote's pipes alone. The zygote stays single-threaded and touches no
+tensor, so forking it is safe. When its stdin closes (the driver is done, or was killed), it
+kills every worker group it started and exits: no worker outlives its driver by more than that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import itertools
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+
+from timeshare.engines.worker import WorkerSpec, run
+from timeshare.errors import WorkersNotReady
+
+log = structlog.get_logger(__name__)
+
+PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
+NAME_LIMIT = 15  # bytes of a task's name, not counting its NUL
+REAP_S = 5.0  # for the killed workers to be reaped before the zygote exits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="timeshare.cycle.zygote")
+    parser.add_argument("runtime_dir", help="the job's runtime directory (names the job)")
+    parser.add_argument("--replies", type=int, required=True, help="descriptor for the replies")
+    args = parser.parse_args()
+    _set_name("ts-zygote")
+    Zygote(sys.stdin.fileno(), args.replies).serve()
+
+
+class Zygote:
+    def __init__(self, requests_fd: int, replies_fd: int) -> None:
+        self.requests_fd = requests_fd
+        self.replies_fd = replies_fd
+        self.children: set[int] = set()
+        self.unread = b""  # requests read but not yet a whole line
+        self.wakeup_r, self.wakeup_w = os.pipe()
+        os.set_blocking(self.wakeup_w, False)
+        signal.set_wakeup_fd(self.wakeup_w)  # SIGCHLD wakes the loop below
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+
+    def serve(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self.requests_fd, selectors.EVENT_READ)
+        selector.register(self.wakeup_r, selectors.EVENT_READ)
+        try:
+            while True:
+                for key, _ in selector.select():
+                    if key.fileobj == self.wakeup_r:
+                        os.read(self.wakeup_r, 4096)
+                    elif not self._take_requests():
+                        return
+                self._reap()
+        finally:
+            self._kill_children()
+
+    def _take_requests(self) -> bool:
+        """Fork a worker per whole request line; False once the driver closed the requests."""
+        data = os.read(self.requests_fd, 1 << 16)
+        if not data:
+            return False
+        *lines, self.unread = (self.unread + data).split(b"\n")
+        for line in lines:
+            self._fork(line)
+        return True
+
+    def _fork(self, line: bytes) -> None:
+        try:
+            request = json.loads(line)
+            spec = msgspec.json.decode(request["spec"], type=WorkerSpec)
+        except (ValueError, KeyError, TypeError, msgspec.DecodeError) as exc:
+            self._reply({"id": None, "error": f"a bad request: {exc}"})
+            return
+        zygote = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            self._become_worker(spec, zygote)
+        self.children.add(pid)
+        self._reply({"id": request.get("id"), "pid": pid})
+
+    def _become_worker(self, spec: WorkerSpec, zygote: int) -> None:
+        """In the forked child: cut every tie to the zygote's loop, then run the worker."""
+        code = 1
+        try:
+            os.setsid()
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _die_with(zygote)
+            _set_name(f"ts-{spec.role}-{spec.rank}")
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)  # stdin was the zygote's request pipe
+            for fd in (devnull, self.replies_fd, self.wakeup_r, self.wakeup_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            run(spec)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+
+    def _reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.children.discard(pid)
+            self._reply({"exited": pid, "returncode": os.waitstatus_to_exitcode(status)})
+
+    def _kill_children(self) -> None:
+        """Every worker group still alive is killed, and every worker reaped (no zombies)."""
+        for pid in self.children:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        deadline = time.monotonic() + REAP_S
+        while self.children and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.01)
+
+    def _reply(self, message: dict[str, object]) -> None:
+        with contextlib.suppress(OSError):  # the driver is gone: nobody to tell
+            os.write(self.replies_fd, json.dumps(message).encode() + b"\n")
+
+
+def _die_with(zygote: int) -> None:
+    """SIGKILL this process when the zygote (its parent) dies, however it dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != zygote:  # the zygote died before the signal was armed
+        os._exit(1)
+
+
+def _set_name(name: str) -> None:
+    """The name `ps` and /proc/<pid>/comm show."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_NAME, name.encode()[:NAME_LIMIT])
+
+
+# -- the driver's end ---------------------------------------------------------------------------
+
+
+class WorkerFactory:
+    """The driver's handle on its zygote: ask for workers, hear of their exits, close."""
+
+    def __init__(self, process: subprocess.Popen[bytes], replies_fd: int) -> None:
+        self.process = process
+        self.replies_fd = replies_fd
+        self._ids = itertools.count(1)
+        self._forked: dict[int, int] = {}  # request id -> pid
+        self._answered = anyio.Event()
+        self._lines = b""
+
+    @classmethod
+    def start(cls, runtime: Path, env: dict[str, str]) -> WorkerFactory:
+        """Start the zygote (blocking: call it in a worker thread)."""
+        replies_r, replies_w = os.pipe()
+        argv = [sys.executable, "-m", __name__, str(runtime), "--replies", str(replies_w)]
+        # BLAS would start a thread at import; forking from one thread only is the safe way.
+        env = {**env, "OPENBLAS_NUM_THREADS": "1"}
+        try:
+            process = subprocess.Popen(  # its own session: a terminal's ^C is for the driver
+                argv, stdin=subprocess.PIPE, pass_fds=(replies_w,), env=env, start_new_session=True
+            )
+        finally:
+            os.close(replies_w)
+        os.set_blocking(replies_r, False)
+        return cls(process, replies_r)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def fork(self, spec: WorkerSpec, *, timeout_s: float) -> int:
+        """A new worker running `spec`; its pid."""
+        request_id = next(self._ids)
+        line = json.dumps({"id": request_id, "spec": msgspec.json.encode(spec).decode()})
+        await anyio.to_thread.run_sync(self._send, line.encode() + b"\n")
+        with anyio.move_on_after(timeout_s):
+            while request_id not in self._forked:
+                if self.process.poll() is not None:
+                    why = f"the zygote exited with {self.process.returncode}"
+                    raise WorkersNotReady(why, rank=spec.rank, role=spec.role, command=None)
+                with anyio.move_on_after(0.1):
+                    await self._answered.wait()
+            return self._forked.pop(request_id)
+        why = f"the zygote forked no {spec.role} rank {spec.rank} within {timeout_s:g} s"
+        raise WorkersNotReady(why, rank=spec.rank, role=spec.role, command=None)
+
+    async def watch(self, exited: Callable[[int, int], None]) -> None:
+        """Read the zygote's replies until it is gone; tell `exited(pid, returncode)`."""
+        while True:
+            await anyio.wait_readable(self.replies_fd)
+            data = os.read(self.replies_fd, 1 << 16)
+            if not data:
+                return
+            *lines, self._lines = (self._lines + data).split(b"\n")
+            for line in lines:
+                self._take_reply(json.loads(line), exited)
+
+    def close(self) -> None:
+        """The zygote kills what is left of its workers, reaps them, exits (blocking)."""
+        with contextlib.suppress(OSError):
+            if self.process.stdin is not None:
+                self.process.stdin.close()
+        try:
+            self.process.wait(timeout=REAP_S + 5.0)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=10.0)
+        os.close(self.replies_fd)
+
+    def _send(self, data: bytes) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(data)
+        self.process.stdin.flush()
+
+    def _take_reply(self, reply: dict[str, Any], exited: Callable[[int, int], None]) -> None:
+        if "exited" in reply:
+            exited(int(reply["exited"]), int(reply["returncode"]))
+        elif "pid" in reply:
+            self._forked[int(reply["id"])] = int(reply["pid"])
+            self._answered.set()
+            self._answered = anyio.Event()
+        else:
+            log.error("zygote.request.refused", error=reply.get("error"))
+
+
+if __name__ == "__main__":
+    main()
