@@ -20,7 +20,13 @@ from timeshare.config import Config
 FAST: dict[str, Any] = {
     "job": {"ranks": 1, "steps": 1},
     "deadlines": {"phase_s": 12.0, "stall_s": 1.5, "barrier_s": 10.0},
-    "transfer": {"bucket_mb": 1.0, "ack_timeout_s": 10.0},
+    "transfer": {  # every channel deadline inside a phase's, as the config's loader requires
+        "bucket_mb": 1.0,
+        "ack_timeout_s": 10.0,
+        "finalize_timeout_s": 10.0,
+        "handshake_timeout_s": 10.0,
+        "begin_timeout_s": 10.0,
+    },
 }
 SERVICE: dict[str, Any] = {
     "job": {"ranks": 2, "steps": 100_000},
@@ -57,7 +63,9 @@ def job(root: Path, preset: Mapping[str, Any], **sections: Any) -> dict[str, Any
 
 
 def config(root: Path, preset: Mapping[str, Any] = FAST, **sections: Any) -> Config:
-    """An in-process job: a fast one with simulated engines unless told otherwise."""
+    """An in-process job: a fast one with simulated engines unless told otherwise. Typed and
+    range-checked, but not checked for nesting deadlines, so that a test may set one deadline
+    tight and leave the others at values that would not nest with it."""
     return msgspec.convert(job(root, preset, **sections), Config)
 
 

@@ -17,6 +17,7 @@ import errno
 import os
 import socket
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,8 +100,13 @@ def remove_socket_file(path: Path) -> None:
         os.unlink(path)
 
 
-def sweep_stale_sockets(runtime_dir: Path) -> list[Path]:
-    """Remove socket files in `runtime_dir` on which nothing listens; return them."""
+def sweep_stale_sockets(runtime_dir: Path, *, owners_gone: bool = False) -> list[Path]:
+    """Remove socket files in `runtime_dir` on which nothing listens; return them.
+
+    `owners_gone`: every process that could have bound one has exited, so all are stale. (An
+    exited process that nobody reaped yet may still answer a connect on some kernels, gVisor's
+    among them, so the probe alone would keep its socket file.)
+    """
     removed: list[Path] = []
     if not runtime_dir.is_dir():
         return removed
@@ -109,7 +115,7 @@ def sweep_stale_sockets(runtime_dir: Path) -> list[Path]:
             is_socket = stat.S_ISSOCK(entry.lstat().st_mode)
         except FileNotFoundError:
             continue
-        if is_socket and not socket_is_live(entry):
+        if is_socket and (owners_gone or not socket_is_live(entry)):
             remove_socket_file(entry)
             removed.append(entry)
     return removed
@@ -117,10 +123,34 @@ def sweep_stale_sockets(runtime_dir: Path) -> list[Path]:
 
 def process_start_time(pid: int) -> int | None:
     """Start time of `pid` in clock ticks since boot (from /proc), or None if it does not exist."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[19])
+
+
+def running_since(pid: int) -> int | None:
+    """Like `process_start_time`, but None for a zombie too: a process that has exited holds no
+    memory and no mapping, even while nobody has reaped it yet."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Until every process of `pids` has exited (zombies count as exited); those that have not."""
+    deadline = time.monotonic() + timeout_s
+    left = [pid for pid in pids if running_since(pid) is not None]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.01)
+        left = [pid for pid in left if running_since(pid) is not None]
+    return left
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state first), or None."""
     try:
         line = Path(f"/proc/{pid}/stat").read_text()
     except (FileNotFoundError, ProcessLookupError):
         return None
     # The command name may hold spaces and parentheses: fields count from the last ')'.
-    fields = line[line.rindex(")") + 2 :].split()
-    return int(fields[19])
+    return line[line.rindex(")") + 2 :].split()

@@ -4,6 +4,8 @@ runner.py    `run_cycle`: advance the machine, plan, perform; one inbox of what 
 phases.py    performing one piece: a phase on a rank's two workers, a barrier meeting, a check
 commands.py  the job store's commands, turned into the machine's events
 workers.py   the seam to the workers (`Workers`) and their real processes (`spawn_workers`)
+zygote.py    the worker factory: loads the workers' code once, forks each worker (factory.py:
+             the driver's end)
 hooks.py     how a front end watches and steers a run, and what it is told
 steps.py     one step's figures, from the phase reports: the run summary's and the service's
 """

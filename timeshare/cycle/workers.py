@@ -19,7 +19,6 @@ import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
-from functools import partial
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -27,18 +26,19 @@ import anyio
 import structlog
 
 from timeshare.config import Config
-from timeshare.cycle.zygote import WorkerFactory
+from timeshare.cycle.factory import Forked, Refused, WorkerFactory
 from timeshare.durable import write_atomically
 from timeshare.engines.worker import WorkerSpec
 from timeshare.protocols.commands import WorkerId, WorkerLanes
 from timeshare.protocols.commands.results import ROLES
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import sweep_stale
-from timeshare.runtime import process_start_time
+from timeshare.runtime import process_start_time, wait_gone
 
 log = structlog.get_logger(__name__)
 
 WORKERS_FILE = "workers.json"
+GONE_S = 10.0  # for killed workers to exit before their staging is swept
 R = TypeVar("R")
 # The service manager's variables (sd_notify, watchdog, socket activation): never a worker's.
 SERVICE_VARIABLES = (
@@ -133,6 +133,7 @@ class WorkerProcesses:
 async def spawn_workers(config: Config, store: JobStore) -> AsyncIterator[Workers]:
     """Fork every worker process of the job from a zygote (zygote.py); kill them all and sweep
     on the way out. A worker's exit is seen the moment it happens, and ends every call on it.
+    Workers are asked for, not waited for: `wait_ready` waits, under `[deadlines].ready_s`.
     """
     runtime = Path(config.job.runtime_dir)
     await anyio.to_thread.run_sync(prepare_runtime, runtime)
@@ -140,31 +141,51 @@ async def spawn_workers(config: Config, store: JobStore) -> AsyncIterator[Worker
     factory = await anyio.to_thread.run_sync(WorkerFactory.start, runtime, env)
     pids: dict[WorkerId, int] = {}
     try:
+        await anyio.to_thread.run_sync(record_workers, runtime, [factory.pid])
         async with (
             WorkerLanes.open(runtime, stall_timeout_s=config.deadlines.stall_s) as lanes,
             anyio.create_task_group() as watcher,
         ):
-            watcher.start_soon(factory.watch, partial(_exited, lanes, pids))
-            for worker in worker_ids(config.job.ranks):
+            asked = dict(enumerate(worker_ids(config.job.ranks), start=1))
+            watcher.start_soon(_follow, factory, lanes, runtime, asked, pids)
+            for request_id, worker in asked.items():
                 lanes.expect(worker)  # before it is forked, so that its hello is not missed
-                spec = worker_spec(config, worker, lanes, store.address)
-                pids[worker] = await factory.fork(spec, timeout_s=config.deadlines.ready_s)
-                log.info(
-                    "driver.worker.spawned", role=worker.role, rank=worker.rank, pid=pids[worker]
-                )
-            groups = [factory.pid, *pids.values()]
-            await anyio.to_thread.run_sync(record_workers, runtime, groups)
-            yield WorkerProcesses(lanes, list(pids))
+                await factory.fork(request_id, worker_spec(config, worker, lanes, store.address))
+            yield WorkerProcesses(lanes, list(asked.values()))
             watcher.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(clean_up, runtime, list(pids.values()), factory)
 
 
-def _exited(lanes: WorkerLanes, pids: dict[WorkerId, int], pid: int, returncode: int) -> None:
-    for worker, worker_pid in pids.items():
-        if worker_pid == pid:
-            lanes.worker_exited(worker, returncode)
+async def _follow(
+    factory: WorkerFactory,
+    lanes: WorkerLanes,
+    runtime: Path,
+    asked: dict[int, WorkerId],
+    pids: dict[WorkerId, int],
+) -> None:
+    """Each worker's pid as it is forked (recorded for a later driver), each exit as it comes;
+    if the zygote itself dies, its workers died with it (their parent-death signal)."""
+    exited: set[WorkerId] = set()
+    async for reply in factory.replies():
+        if isinstance(reply, Refused):
+            log.error("driver.zygote.refused", error=reply.error)
+            continue
+        if isinstance(reply, Forked):
+            worker = asked[reply.request_id]
+            pids[worker] = reply.pid
+            log.info("driver.worker.spawned", role=worker.role, rank=worker.rank, pid=reply.pid)
+            groups = [factory.pid, *pids.values()]
+            await anyio.to_thread.run_sync(record_workers, runtime, groups)
+            continue
+        for worker, pid in pids.items():
+            if pid == reply.pid:
+                exited.add(worker)
+                lanes.worker_exited(worker, reply.returncode)
+    log.error("driver.zygote.gone", returncode=factory.process.poll())
+    for worker in set(asked.values()) - exited:
+        lanes.worker_exited(worker, -signal.SIGKILL)
 
 
 def worker_spec(
@@ -203,8 +224,13 @@ def clean_up(runtime: Path, workers: list[int], factory: WorkerFactory) -> None:
         with suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
     factory.close()
+    # A worker orphaned by a dead zygote is reaped by whoever adopted it, maybe late: its
+    # staging is stale once it has exited, reaped or not.
+    left = wait_gone(workers, GONE_S)
+    if left:
+        log.error("driver.workers.survived", pids=left)
     (runtime / WORKERS_FILE).unlink(missing_ok=True)
-    sweep_stale(runtime)
+    sweep_stale(runtime, owners_gone=not left)
 
 
 def prepare_runtime(runtime: Path) -> list[int]:

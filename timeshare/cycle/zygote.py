@@ -21,32 +21,22 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import itertools
 import json
 import os
 import selectors
 import signal
-import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
-import anyio
 import msgspec
-import structlog
 
 from timeshare.engines.worker import WorkerSpec, run
-from timeshare.errors import WorkersNotReady
-
-log = structlog.get_logger(__name__)
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 NAME_LIMIT = 15  # bytes of a task's name, not counting its NUL
-REAP_S = 5.0  # for the killed workers to be reaped before the zygote exits
+REAP_S = 5.0  # for the killed workers to be reaped before the zygote exits (factory.py waits)
 
 
 def main() -> None:
@@ -169,95 +159,6 @@ def _set_name(name: str) -> None:
     """The name `ps` and /proc/<pid>/comm show."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_NAME, name.encode()[:NAME_LIMIT])
-
-
-# -- the driver's end ---------------------------------------------------------------------------
-
-
-class WorkerFactory:
-    """The driver's handle on its zygote: ask for workers, hear of their exits, close."""
-
-    def __init__(self, process: subprocess.Popen[bytes], replies_fd: int) -> None:
-        self.process = process
-        self.replies_fd = replies_fd
-        self._ids = itertools.count(1)
-        self._forked: dict[int, int] = {}  # request id -> pid
-        self._answered = anyio.Event()
-        self._lines = b""
-
-    @classmethod
-    def start(cls, runtime: Path, env: dict[str, str]) -> WorkerFactory:
-        """Start the zygote (blocking: call it in a worker thread)."""
-        replies_r, replies_w = os.pipe()
-        argv = [sys.executable, "-m", __name__, str(runtime), "--replies", str(replies_w)]
-        # BLAS would start a thread at import; forking from one thread only is the safe way.
-        env = {**env, "OPENBLAS_NUM_THREADS": "1"}
-        try:
-            process = subprocess.Popen(  # its own session: a terminal's ^C is for the driver
-                argv, stdin=subprocess.PIPE, pass_fds=(replies_w,), env=env, start_new_session=True
-            )
-        finally:
-            os.close(replies_w)
-        os.set_blocking(replies_r, False)
-        return cls(process, replies_r)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    async def fork(self, spec: WorkerSpec, *, timeout_s: float) -> int:
-        """A new worker running `spec`; its pid."""
-        request_id = next(self._ids)
-        line = json.dumps({"id": request_id, "spec": msgspec.json.encode(spec).decode()})
-        await anyio.to_thread.run_sync(self._send, line.encode() + b"\n")
-        with anyio.move_on_after(timeout_s):
-            while request_id not in self._forked:
-                if self.process.poll() is not None:
-                    why = f"the zygote exited with {self.process.returncode}"
-                    raise WorkersNotReady(why, rank=spec.rank, role=spec.role, command=None)
-                with anyio.move_on_after(0.1):
-                    await self._answered.wait()
-            return self._forked.pop(request_id)
-        why = f"the zygote forked no {spec.role} rank {spec.rank} within {timeout_s:g} s"
-        raise WorkersNotReady(why, rank=spec.rank, role=spec.role, command=None)
-
-    async def watch(self, exited: Callable[[int, int], None]) -> None:
-        """Read the zygote's replies until it is gone; tell `exited(pid, returncode)`."""
-        while True:
-            await anyio.wait_readable(self.replies_fd)
-            data = os.read(self.replies_fd, 1 << 16)
-            if not data:
-                return
-            *lines, self._lines = (self._lines + data).split(b"\n")
-            for line in lines:
-                self._take_reply(json.loads(line), exited)
-
-    def close(self) -> None:
-        """The zygote kills what is left of its workers, reaps them, exits (blocking)."""
-        with contextlib.suppress(OSError):
-            if self.process.stdin is not None:
-                self.process.stdin.close()
-        try:
-            self.process.wait(timeout=REAP_S + 5.0)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=10.0)
-        os.close(self.replies_fd)
-
-    def _send(self, data: bytes) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(data)
-        self.process.stdin.flush()
-
-    def _take_reply(self, reply: dict[str, Any], exited: Callable[[int, int], None]) -> None:
-        if "exited" in reply:
-            exited(int(reply["exited"]), int(reply["returncode"]))
-        elif "pid" in reply:
-            self._forked[int(reply["id"])] = int(reply["pid"])
-            self._answered.set()
-            self._answered = anyio.Event()
-        else:
-            log.error("zygote.request.refused", error=reply.get("error"))
 
 
 if __name__ == "__main__":

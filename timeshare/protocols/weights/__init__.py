@@ -71,13 +71,14 @@ __all__ = [
 ]
 
 
-def sweep_stale(runtime_dir: str | Path) -> list[str]:
+def sweep_stale(runtime_dir: str | Path, *, owners_gone: bool = False) -> list[str]:
     """Remove staging segments and socket files that dead processes left for `runtime_dir`.
 
-    Segments whose owner process is alive, and sockets on which something listens, stay.
+    Segments whose owner process is alive, and sockets on which something listens, stay;
+    `owners_gone` says every process of the directory has exited: all its sockets go.
     Returns the paths removed.
     """
     directory = Path(runtime_dir)
     removed = [str(SHM_DIR / name) for name in sweep_stale_segments(staging_tag(directory))]
-    removed += [str(p) for p in sweep_stale_sockets(directory)]
+    removed += [str(p) for p in sweep_stale_sockets(directory, owners_gone=owners_gone)]
     return removed

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from timeshare.runtime import process_start_time
+from timeshare.runtime import process_start_time, running_since
 
 SHM_DIR = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
 SEGMENT_PREFIX = "ts-w-"
@@ -63,7 +63,7 @@ def sweep_stale_segments(tag: str | None = None) -> list[str]:
         parsed = parse_segment_name(path.name)
         if parsed is None or (tag is not None and parsed.tag != tag):
             continue
-        if process_start_time(parsed.pid) == parsed.start:
+        if running_since(parsed.pid) == parsed.start:
             continue  # owner alive
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
