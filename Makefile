@@ -33,8 +33,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy timeshare tests benchmarks
 
+# Three pytest workers on two cores: the tests wait (for processes, deadlines, sockets) more than
+# they compute; one worker keeps a core about 80% busy. Slow tests are scheduled first.
 pytest: $(STAMP) test-tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 3 --dist worksteal
 
 # socat: a plain client of the control socket; systemd-analyze and systemd-socket-activate
 # (Debian's systemd package): the unit files' checks and socket activation.

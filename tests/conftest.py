@@ -121,9 +121,15 @@ def no_leaked_staging(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `gpu` need a CUDA device; without one they are skipped, saying so."""
+    """Tests marked `slow` (real engines, real daemons) run first, the daemons' first of all,
+    so that with several pytest workers (`make test`) the longest are not left for last. Tests
+    marked `gpu` need a CUDA device; without one they are skipped, saying so."""
     import torch
 
+    def longest_first(item: pytest.Item) -> tuple[bool, bool]:
+        return "slow" not in item.keywords, not item.nodeid.startswith("tests/daemon/")
+
+    items.sort(key=longest_first)  # stable: within a group, files stay in order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; none here")

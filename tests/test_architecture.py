@@ -1,7 +1,7 @@
 """The package's shape: imports only run downwards and never in a circle; every error in one place.
 
 Layers, top to bottom: the programs (daemon) → the cycle runner (cycle) → the config → engines →
-protocols → the pure tables (state) and logging → leaf utilities (errors, units, durable,
+protocols → the pure tables (state) and logging → leaf utilities (errors, units, levels, durable,
 runtime), and errors.py under all. A package may import its own modules and anything below it,
 never above.
 """
@@ -29,6 +29,7 @@ LAYERS = {
     "timeshare.logs": 1,
     "timeshare.errors": -1,  # the root of every error: below everything
     "timeshare.units": 0,
+    "timeshare.levels": 0,
     "timeshare.durable": 0,
     "timeshare.runtime": 0,
 }

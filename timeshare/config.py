@@ -30,7 +30,7 @@ import msgspec
 from timeshare.engines.faults import Fault
 from timeshare.engines.spec import EngineSpec
 from timeshare.errors import ConfigError
-from timeshare.logs import LogLevel
+from timeshare.levels import LogLevel
 from timeshare.protocols.weights.config import TransferConfig
 from timeshare.state import Phase
 

@@ -15,20 +15,20 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal, TextIO, get_args
+from typing import Any, TextIO
 
 import structlog
 
 from timeshare.errors import ConfigError
+from timeshare.levels import LOG_LEVELS
 
-LogLevel = Literal["debug", "info", "warning", "error"]  # the config's, the socket's, the CLI's
 LEVELS: dict[str, int] = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
     "warning": logging.WARNING,
     "error": logging.ERROR,
 }
-assert tuple(LEVELS) == get_args(LogLevel)
+assert tuple(LEVELS) == LOG_LEVELS
 
 
 # syslog priorities of the levels, for the journal's `<N>` prefix (sd-daemon(3))

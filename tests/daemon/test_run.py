@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +47,37 @@ def steps_of(summary: Path) -> list[dict[str, Any]]:
     return steps
 
 
+@dataclass(frozen=True)
+class FiveSteps:
+    """One uninterrupted run of five steps, shared by the tests that read it."""
+
+    root: Path
+    done: subprocess.CompletedProcess[str]
+
+    @property
+    def summary(self) -> Path:
+        return self.root / "summary.json"
+
+
+@pytest.fixture(scope="module")
+def five_steps() -> Iterator[FiveSteps]:
+    root = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))  # short: ipc paths are bounded
+    try:
+        summary = root / "summary.json"
+        yield FiveSteps(root, timeshare_run(write_config(root, steps=5), summary))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.mark.slow
-def test_a_run_writes_every_figure_of_every_step(runtime_dir: Path) -> None:
-    summary = runtime_dir / "summary.json"
-    done = timeshare_run(write_config(runtime_dir, steps=3), summary)
+def test_a_run_writes_every_figure_of_every_step(five_steps: FiveSteps) -> None:
+    done, root = five_steps.done, five_steps.root
     assert done.returncode == 0, done.stderr
-    assert "stopped at step 3" in done.stdout
-    data = json.loads(summary.read_text())
+    assert "stopped at step 5" in done.stdout
+    data = json.loads(five_steps.summary.read_text())
     assert data["ranks"] == 2
     steps = data["steps"]
-    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
     for entry in steps:
         assert entry["weight_version"] == entry["step"]
         assert entry["sample_version"] == entry["step"] - 1  # on policy
@@ -64,10 +89,10 @@ def test_a_run_writes_every_figure_of_every_step(runtime_dir: Path) -> None:
         assert 0.0 <= entry["bubble_s"] < entry["step_s"]
         assert entry["sync"]["bytes"] > 0 and entry["sync"]["gbps"] > 0
         assert entry["committed_step"] == entry["step"]
-    events = [json.loads(line) for line in (runtime_dir / "log.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (root / "log.jsonl").read_text().splitlines()]
     assert {e.get("role") for e in events} >= {"trainer", "rollout"}
     assert any(e["event"] == "trainer.offload" and e["freed_mb"] > 0 for e in events)
-    assert_nothing_left(runtime_dir)
+    assert_nothing_left(root)
 
 
 @pytest.mark.slow
@@ -86,12 +111,12 @@ def test_a_rollout_killed_mid_phase_stops_the_run_naming_it(runtime_dir: Path, p
 
 
 @pytest.mark.slow
-def test_a_killed_run_resumes_from_its_committed_step(runtime_dir: Path, tmp_path: Path) -> None:
+def test_a_killed_run_resumes_from_its_committed_step(
+    runtime_dir: Path, five_steps: FiveSteps
+) -> None:
     # The same job uninterrupted, for the reward curve the resumed run must continue.
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    assert timeshare_run(write_config(reference, steps=5), reference / "s.json").returncode == 0
-    expected = [(s["step"], s["reward_mean"]) for s in steps_of(reference / "s.json")]
+    assert five_steps.done.returncode == 0, five_steps.done.stderr
+    expected = [(s["step"], s["reward_mean"]) for s in steps_of(five_steps.summary)]
 
     # Killed at the worst moment: step 3's TRAIN is committed on every rank, its ROLLOUT hangs.
     hang = {"role": "rollout", "rank": 0, "phase": "rollout", "kind": "hang", "step": 3}

@@ -9,7 +9,8 @@ shows where it was stuck.)
 from __future__ import annotations
 
 import time
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import anyio
 import structlog
@@ -34,7 +35,6 @@ from timeshare.state import Blame, Held, JobState, Phase
 
 log = structlog.get_logger(__name__)
 
-R = TypeVar("R")
 BARRIER_NAME = "barrier"
 
 
@@ -75,15 +75,7 @@ async def bootstrap(workers: Workers, ranks: int, deadline_s: float) -> list[Boo
         if isinstance(result, BootstrapResult):
             results[worker.rank] = result
 
-    try:
-        async with anyio.create_task_group() as group:
-            for rank in range(ranks):
-                for role in ROLES:
-                    group.start_soon(load, WorkerId(role, rank))
-    except* WorkerFailure as failures:
-        first = failures.exceptions[0]
-        assert isinstance(first, WorkerFailure)
-        raise cycle_failed(first.rank, first.role, "bootstrap", first) from first
+    await _on_every_worker(ranks, load, "bootstrap")
     return [results[rank] for rank in range(ranks)]
 
 
@@ -139,6 +131,15 @@ async def held_memory(workers: Workers, ranks: int, deadline_s: float) -> tuple[
         result = await workers.call(worker, "held", {}, deadline_s=deadline_s, returns=HeldResult)
         held[worker] = result.held_mb
 
+    await _on_every_worker(ranks, ask, "pause")
+    in_order = sorted(held.items(), key=lambda item: (item[0].rank, item[0].role != "trainer"))
+    return tuple(Held(worker.role, worker.rank, mb) for worker, mb in in_order)
+
+
+async def _on_every_worker(
+    ranks: int, ask: Callable[[WorkerId], Coroutine[Any, Any, None]], what: str
+) -> None:
+    """`ask` every worker at once; the first failure is the run's, naming its worker and `what`."""
     try:
         async with anyio.create_task_group() as group:
             for rank in range(ranks):
@@ -147,6 +148,4 @@ async def held_memory(workers: Workers, ranks: int, deadline_s: float) -> tuple[
     except* WorkerFailure as failures:
         first = failures.exceptions[0]
         assert isinstance(first, WorkerFailure)
-        raise cycle_failed(first.rank, first.role, "pause", first) from first
-    in_order = sorted(held.items(), key=lambda item: (item[0].rank, item[0].role != "trainer"))
-    return tuple(Held(worker.role, worker.rank, mb) for worker, mb in in_order)
+        raise cycle_failed(first.rank, first.role, what, first) from first

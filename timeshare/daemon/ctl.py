@@ -19,12 +19,12 @@ import socket
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 import msgspec
 
 from timeshare.errors import DaemonRefused, NoDaemon
-from timeshare.logs import LogLevel
+from timeshare.levels import LOG_LEVELS
 
 DEFAULT_SOCKET = "/run/timeshared/control.sock"
 EXIT_REFUSED = 1
@@ -199,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
     watch = commands.add_parser("watch", help="stream transitions until interrupted")
     watch.add_argument("--json", action="store_true", help="one JSON object per line")
     level = commands.add_parser("log-level", help="set the daemon's log level")
-    level.add_argument("level", choices=get_args(LogLevel))
+    level.add_argument("level", choices=LOG_LEVELS)
     return parser
 
 

@@ -19,7 +19,7 @@ from typing import Annotated, Any
 import msgspec
 
 from timeshare.errors import BadParams, BadRequest, UnknownMethod
-from timeshare.logs import LogLevel
+from timeshare.levels import LogLevel
 
 RequestId = int | str | None
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=86400)]
