@@ -34,8 +34,10 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy timeshare tests benchmarks
 
 # Three pytest workers on two cores: the tests wait (for processes, deadlines, sockets) more than
-# they compute; one worker keeps a core about 80% busy. Slow tests are scheduled first.
+# they compute; one worker keeps a core about 80% busy. Slow tests are scheduled first. Bytecode
+# is compiled first: else the first run's many processes each compile the package at once.
 pytest: $(STAMP) test-tools
+	$(PY) -m compileall -q timeshare tests
 	$(PY) -m pytest -q -n 3 --dist worksteal
 
 # socat: a plain client of the control socket; systemd-analyze and systemd-socket-activate

@@ -202,8 +202,12 @@ def test_reload_applies_live_keys_refuses_the_rest_and_survives_a_broken_file(
         try:
             for client in held:
                 client.connect(str(daemon.socket))
-            time.sleep(0.5)  # accepted: each holds one of the 8 places
+            # Until the server has accepted all 8 (each holds a place), a ninth is still served.
+            deadline = time.monotonic() + 10
             busy = daemon.call("status")
+            while "error" not in busy and time.monotonic() < deadline:
+                time.sleep(0.05)
+                busy = daemon.call("status")
             assert busy["error"]["name"] == "Busy" and "limit is 8" in busy["error"]["message"]
         finally:
             for client in held:

@@ -136,10 +136,6 @@ class NotifySocket:
             assert time.monotonic() < deadline, f"not within {timeout} s: {self.messages[-5:]}"
             time.sleep(0.02)
 
-    def drain(self) -> list[dict[str, str]]:
-        time.sleep(0.3)  # what is on its way
-        return [m for _, m in self.messages]
-
     def wait_for(self, key: str, seen: int = 0, timeout: float = 60.0) -> dict[str, str]:
         """The first message from index `seen` on that carries `key`."""
         deadline = time.monotonic() + timeout
@@ -149,6 +145,12 @@ class NotifySocket:
                     return message
             time.sleep(0.02)
         raise AssertionError(f"no {key} within {timeout} s: {self.messages[-5:]}")
+
+    def read_all(self) -> None:
+        """Until every datagram queued now has been read: ours, sent last, comes last."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+            sender.sendto(b"FLUSHED=1", str(self.path))
+        self.wait_until(lambda m: any("FLUSHED" in x for x in m))
 
     def close(self) -> None:
         self.closing.set()
@@ -208,7 +210,7 @@ def test_notifications_on_a_real_notify_socket(runtime_dir: Path) -> None:
             assert notify.wait_for("READY", seen)["READY"] == "1"  # reloaded
 
             assert daemon.stop() == 0
-        notify.drain()
+        notify.read_all()  # the daemon has exited: everything it sent is queued
         sent = [m for _, m in notify.messages]
         stopping = [m for m in sent if "STOPPING" in m]
         assert len(stopping) == 1 and stopping[0]["STOPPING"] == "1"
