@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import socket
 import stat
 import time
@@ -154,3 +155,15 @@ def _stat_fields(pid: int) -> list[str] | None:
         return None
     # The command name may hold spaces and parentheses: fields count from the last ')'.
     return line[line.rindex(")") + 2 :].split()
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group `pid` leads, or `pid` alone if it has none yet (a worker just
+    forked, before its setsid)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    except PermissionError:
+        pass  # the pid went to another user's process: not ours to kill

@@ -243,7 +243,12 @@ def test_socket_activation_starts_the_daemon_idle(runtime_dir: Path) -> None:
         # Workers are spawned only by a cycle, and a cycle starts only from STARTING, which an
         # activated service reaches by `resume` alone: none can exist now, nor appear later.
         assert [p.pid for p in processes_of(runtime_dir)] == [activator.pid]  # no worker
-        assert daemon.call("resume")["result"]["lifecycle"] in ("idle", "starting")
+        assert daemon.call("resume")["result"]["lifecycle"] == "starting"
+        # A pause sent while the cycle is still starting reaches it (it is not lost to a cycle
+        # that reads the job store's commands only once it runs).
+        paused = daemon.call("pause", wait=True, timeout_s=60)
+        assert paused["result"]["lifecycle"] == "paused", paused
+        assert daemon.call("resume")["result"]["lifecycle"] in ("paused", "running")
         daemon.wait_for(lambda s: s["lifecycle"] == "running" and (s["step"] or 0) >= 1)
         assert all(not set(SERVICE_VARIABLES) & set(e) for e in worker_environments(daemon))
         assert daemon.call("stop")["result"]["lifecycle"] == "stopping"

@@ -488,6 +488,14 @@ def test_a_resume_during_the_release_check_goes_on_after_it() -> None:
     assert outcome.start == ((0, Phase.TRAIN), (1, Phase.TRAIN))
 
 
+def test_a_drain_during_the_release_check_drains_once_it_answered() -> None:
+    state = run(pausing(), Requested(Request.DRAIN))
+    assert state.lifecycle is Lifecycle.RUNNING and state.checking_release
+    outcome = advance(state, PauseChecked(released(2)))
+    assert outcome.state.lifecycle is Lifecycle.DRAINING and outcome.start == ()
+    assert outcome.state.reason == "drain requested" and outcome.state.idle
+
+
 def test_a_stop_during_the_release_check_drains_once_it_answered() -> None:
     state = run(pausing(), Requested(Request.STOP))
     assert state.lifecycle is Lifecycle.DRAINING and not state.idle

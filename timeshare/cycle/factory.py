@@ -21,6 +21,7 @@ import anyio
 import msgspec
 
 from timeshare.engines.worker import WorkerSpec
+from timeshare.errors import WorkersNotReady
 
 PROGRAM = "timeshare.cycle.zygote"
 CLOSE_S = 10.0  # for the zygote to kill and reap what is left, and exit
@@ -78,9 +79,20 @@ class WorkerFactory:
         return self.process.pid
 
     async def fork(self, request_id: int, spec: WorkerSpec) -> None:
-        """Ask for a worker running `spec`; its pid comes to `watch`'s `forked`."""
+        """Ask for a worker running `spec`; its pid comes as `replies` go."""
         line = json.dumps({"id": request_id, "spec": msgspec.json.encode(spec).decode()})
-        await anyio.to_thread.run_sync(self._send, line.encode() + b"\n")
+        try:
+            await anyio.to_thread.run_sync(self._send, line.encode() + b"\n")
+        except OSError as exc:  # the zygote is gone (BrokenPipeError)
+            why = f"the zygote took no request ({self.process.poll()}): {exc}"
+            raise WorkersNotReady(why, rank=spec.rank, role=spec.role, command=None) from exc
+
+    def wait_exited(self, timeout_s: float = 5.0) -> int | None:
+        """The zygote's exit status, once its replies ended (blocking: a worker thread)."""
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
 
     async def replies(self) -> AsyncIterator[Forked | Exited | Refused]:
         """The zygote's replies, as they come, until it is gone."""

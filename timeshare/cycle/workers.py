@@ -29,11 +29,13 @@ from timeshare.config import Config
 from timeshare.cycle.factory import Forked, Refused, WorkerFactory
 from timeshare.durable import write_atomically
 from timeshare.engines.worker import WorkerSpec
+from timeshare.errors import WorkersNotReady
 from timeshare.protocols.commands import WorkerId, WorkerLanes
+from timeshare.protocols.commands.processes import describe_exit
 from timeshare.protocols.commands.results import ROLES
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import sweep_stale
-from timeshare.runtime import process_start_time, wait_gone
+from timeshare.runtime import kill_group, process_start_time, wait_gone
 
 log = structlog.get_logger(__name__)
 
@@ -150,7 +152,12 @@ async def spawn_workers(config: Config, store: JobStore) -> AsyncIterator[Worker
             watcher.start_soon(_follow, factory, lanes, runtime, asked, pids)
             for request_id, worker in asked.items():
                 lanes.expect(worker)  # before it is forked, so that its hello is not missed
-                await factory.fork(request_id, worker_spec(config, worker, lanes, store.address))
+                try:
+                    await factory.fork(
+                        request_id, worker_spec(config, worker, lanes, store.address)
+                    )
+                except WorkersNotReady as exc:  # the cycle fails at wait_ready, naming it
+                    lanes.worker_exited(worker, 1, f"never started: {exc}")
             yield WorkerProcesses(lanes, list(asked.values()))
             watcher.cancel_scope.cancel()
     finally:
@@ -183,9 +190,11 @@ async def _follow(
             if pid == reply.pid:
                 exited.add(worker)
                 lanes.worker_exited(worker, reply.returncode)
-    log.error("driver.zygote.gone", returncode=factory.process.poll())
+    returncode = await anyio.to_thread.run_sync(factory.wait_exited)
+    why = f"its zygote exited with {describe_exit(returncode)}" if returncode is not None else None
+    log.error("driver.zygote.gone", returncode=returncode)
     for worker in set(asked.values()) - exited:
-        lanes.worker_exited(worker, -signal.SIGKILL)
+        lanes.worker_exited(worker, -signal.SIGKILL, why or "its zygote is gone")
 
 
 def worker_spec(
@@ -221,8 +230,7 @@ def record_workers(runtime: Path, groups: list[int]) -> None:
 def clean_up(runtime: Path, workers: list[int], factory: WorkerFactory) -> None:
     """Kill every worker process group, let the zygote reap them and exit, sweep the runtime dir."""
     for pid in workers:
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
+        kill_group(pid)
     factory.close()
     # A worker orphaned by a dead zygote is reaped by whoever adopted it, maybe late: its
     # staging is stale once it has exited, reaped or not.

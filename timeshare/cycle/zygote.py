@@ -32,6 +32,7 @@ import traceback
 import msgspec
 
 from timeshare.engines.worker import WorkerSpec, run
+from timeshare.runtime import kill_group
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
@@ -50,6 +51,7 @@ def main() -> None:
 
 class Zygote:
     def __init__(self, requests_fd: int, replies_fd: int) -> None:
+        self.selector: selectors.BaseSelector | None = None
         self.requests_fd = requests_fd
         self.replies_fd = replies_fd
         self.children: set[int] = set()
@@ -60,7 +62,7 @@ class Zygote:
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
 
     def serve(self) -> None:
-        selector = selectors.DefaultSelector()
+        self.selector = selector = selectors.DefaultSelector()
         selector.register(self.requests_fd, selectors.EVENT_READ)
         selector.register(self.wakeup_r, selectors.EVENT_READ)
         try:
@@ -109,13 +111,15 @@ class Zygote:
             _set_name(f"ts-{spec.role}-{spec.rank}")
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)  # stdin was the zygote's request pipe
+            if self.selector is not None:
+                self.selector.close()  # its epoll descriptor is the zygote's, not the worker's
             for fd in (devnull, self.replies_fd, self.wakeup_r, self.wakeup_w):
                 with contextlib.suppress(OSError):
                     os.close(fd)
             run(spec)
             code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
+        except SystemExit as exc:  # sys.exit() is 0, sys.exit(n) is n, sys.exit("why") is 1
+            code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
         except BaseException:
             traceback.print_exc()
         finally:
@@ -135,8 +139,7 @@ class Zygote:
     def _kill_children(self) -> None:
         """Every worker group still alive is killed, and every worker reaped (no zombies)."""
         for pid in self.children:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+            kill_group(pid)
         deadline = time.monotonic() + REAP_S
         while self.children and time.monotonic() < deadline:
             self._reap()
@@ -150,7 +153,8 @@ class Zygote:
 def _die_with(zygote: int) -> None:
     """SIGKILL this process when the zygote (its parent) dies, however it dies."""
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     if os.getppid() != zygote:  # the zygote died before the signal was armed
         os._exit(1)
 

@@ -157,6 +157,7 @@ async def _serve(
         socket_activated=activated,
         committed_step=service.progress.committed_step,
     )
+    await service.open()  # before the first request can be answered
     requests = OperatorRequests(service)
     server = ControlServer(service, requests, config.daemon)
     try:

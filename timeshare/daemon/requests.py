@@ -21,7 +21,7 @@ from timeshare.daemon.service import Service
 from timeshare.errors import ConfigError, NotRunning, ReloadRefused, WaitTimeout
 from timeshare.protocols.control import Call, LogLevelParams, ServiceStatus, WaitParams
 from timeshare.state import Request
-from timeshare.state.service import FINAL, Answer, CycleWanted, StopRequested, answer, waited
+from timeshare.state.service import FINAL, Answer, StopRequested, answer, waited
 
 log = structlog.get_logger(__name__)
 
@@ -56,7 +56,7 @@ class OperatorRequests:
     async def resume(self) -> ServiceStatus:
         verdict = self._answer(Request.RESUME)
         if verdict is Answer.START_CYCLE:
-            self.service.move(CycleWanted())
+            await self.service.want_cycle()
         elif verdict is Answer.FORWARD:
             await self.service.command("resume")
         return self.service.status()

@@ -22,6 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from timeshare.config import Config, LoadedConfig
 from timeshare.cycle import BootstrapReport, CycleHooks, PhaseReport, run_cycle
+from timeshare.cycle.workers import WorkerSpawner, spawn_workers
 from timeshare.daemon.health import LoopLag, watchdog_fed
 from timeshare.daemon.metrics import Metrics
 from timeshare.daemon.progress import JobProgress, SavedProgress
@@ -35,6 +36,7 @@ from timeshare.state import JobState
 from timeshare.state.service import (
     FINAL,
     CycleEnded,
+    CycleWanted,
     JobMoved,
     ServiceEvent,
     ServiceLifecycle,
@@ -61,6 +63,7 @@ class ServiceParts:
     store: AsyncJobStore
     metrics_port: int | None = None
     activated: bool = False  # started by socket activation: idle until `resume`
+    spawn: WorkerSpawner = spawn_workers  # the workers' processes (a test passes a fake)
 
 
 class Service:
@@ -91,6 +94,7 @@ class Service:
         self._started = time.monotonic()
         self._last_progress = time.monotonic()
         self._cycle_scope: anyio.CancelScope | None = None
+        self._commands_from: int | None = None  # the job store's last command before the cycle
         self._changed = anyio.Event()
         parts.metrics.lifecycle.state(self.state.value)
 
@@ -127,6 +131,17 @@ class Service:
 
     # -- the cycle -------------------------------------------------------------------------------
 
+    async def open(self) -> None:
+        """Before any request is answered: where the job store's commands stand, so that every
+        request forwarded from now on reaches the first cycle, however early it comes."""
+        self._commands_from = await self.parts.store.latest_command()
+
+    async def want_cycle(self) -> None:
+        """A new cycle runs the remaining steps (`resume` while idle); requests forwarded from
+        now on reach it."""
+        self._commands_from = await self.parts.store.latest_command()
+        self.move(CycleWanted())
+
     async def run_cycles(self) -> None:
         """Run a cycle whenever one is wanted and steps remain; idle otherwise; until final."""
         while self.state not in FINAL:
@@ -152,13 +167,14 @@ class Service:
             on_state=self._on_state,
             deadlines=lambda: self.config.deadlines,
             keep_reports=False,
-            commands_from=await self.parts.store.latest_command(),
+            commands_from=self._commands_from,
         )
         failed = False
         try:
             with anyio.CancelScope() as scope:
                 self._cycle_scope = scope
-                summary = await run_cycle(self.config, self.parts.store.blocking, hooks=hooks)
+                store, spawn = self.parts.store.blocking, self.parts.spawn
+                summary = await run_cycle(self.config, store, hooks=hooks, spawn=spawn)
                 self.reason = summary.reason
                 self.journal_add("cycle.stopped", step=summary.step, reason=summary.reason)
             if scope.cancelled_caught:

@@ -215,10 +215,10 @@ def _pause_checked(state: JobState, event: PauseChecked) -> Outcome:
         )
     if checked.lifecycle is Lifecycle.DRAINING:
         return Outcome(checked)
-    if Request.PAUSE in checked.requests:
+    if Request.PAUSE in checked.requests and Request.DRAIN not in checked.requests:
         paused = replace(checked, lifecycle=Lifecycle.PAUSED)
         return Outcome(replace(paused, requests=paused.requests - {Request.PAUSE}))
-    return _decide_at_fence(checked, CYCLE_START)  # a resume came during the check
+    return _decide_at_fence(checked, CYCLE_START)  # a drain or a resume came during the check
 
 
 def _working_rank(state: JobState, event: Event, rank: int, phase: Phase) -> RankProgress:

@@ -146,8 +146,8 @@ class Answer(enum.Enum):
 _FORWARD_IN_CYCLE = {state: Answer.FORWARD for state in CYCLE_STATES}
 REQUESTS: dict[Request, dict[ServiceLifecycle, Answer]] = {
     Request.PAUSE: {
+        # Also while PAUSED: a resume forwarded a moment ago may not have been applied yet.
         **_FORWARD_IN_CYCLE,
-        S.PAUSED: Answer.NOTHING,
         S.DRAINING: Answer.REFUSED,
         S.IDLE: Answer.NOT_RUNNING,
         S.STOPPING: Answer.REFUSED,

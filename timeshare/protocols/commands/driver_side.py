@@ -60,6 +60,7 @@ class _Liveness:
     progress: int = 0
     progress_at: float = field(default_factory=time.monotonic)
     returncode: int | None = None
+    why: str | None = None  # what ended it, when its exit status alone does not say
 
 
 @dataclass
@@ -129,10 +130,12 @@ class WorkerLanes:
         message = f"workers not ready within {timeout_s:g} s: {', '.join(map(str, late))}"
         raise _failure(WorkersNotReady, late[0], None, message)
 
-    def worker_exited(self, worker: WorkerId, returncode: int) -> None:
-        """The worker's process is gone: every wait on it ends now."""
+    def worker_exited(self, worker: WorkerId, returncode: int, why: str | None = None) -> None:
+        """The worker's process is gone (`why`, if its own exit does not say it): every wait on
+        it ends now."""
         liveness = self._workers.setdefault(worker, _Liveness())
         liveness.returncode = returncode
+        liveness.why = why
         for pending in self._pending.values():
             if pending.worker == worker:
                 pending.done.set()
@@ -215,11 +218,13 @@ class WorkerLanes:
             if lane == "work" and now - max(started, liveness.progress_at) > self.stall_timeout_s:
                 message = f"{worker} made no progress in {command} for {self.stall_timeout_s:g} s"
                 await self._abort(pending)
+                self._raise_if_exited(worker, command)  # it died meanwhile: that is what it was
                 raise _failure(WorkerStalled, worker, command, message)
             if now - started > deadline_s:
                 message = f"{worker} did not finish {command} within {deadline_s:g} s"
                 if lane == "work":
                     await self._abort(pending)
+                    self._raise_if_exited(worker, command)
                 raise _failure(CommandTimeout, worker, command, message)
 
     async def _abort(self, pending: _Pending) -> None:
@@ -236,10 +241,12 @@ class WorkerLanes:
             log.warning("lanes.call.aborted", worker=str(worker), aborted=aborted)
 
     def _raise_if_exited(self, worker: WorkerId, command: str | None) -> None:
-        returncode = self._workers[worker].returncode
+        liveness = self._workers[worker]
+        returncode = liveness.returncode
         if returncode is not None:
             during = f" during {command}" if command else ""
-            message = f"{worker} exited{during} with {describe_exit(returncode)}"
+            why = f" ({liveness.why})" if liveness.why else ""
+            message = f"{worker} exited{during} with {describe_exit(returncode)}{why}"
             raise WorkerDied(
                 message, rank=worker.rank, role=worker.role, command=command, returncode=returncode
             )

@@ -16,7 +16,7 @@ import anyio
 
 
 class ExitListener(Protocol):
-    def worker_exited(self, worker: WorkerId, returncode: int) -> None: ...
+    def worker_exited(self, worker: WorkerId, returncode: int, why: str | None = None) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ class WorkerServer:
             self._waiting = False
 
     def serve(self) -> None:
-        """Answer work calls until `shutdown` or until the driver (the parent process) is gone."""
+        """Answer work calls until `shutdown` or until the parent process (the zygote that forked
+        this worker, or whoever started it) is gone."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("WorkerServer.serve() must run in the main thread (abort signal)")
         previous = signal.signal(ABORT_SIGNAL, self._on_abort_signal)
