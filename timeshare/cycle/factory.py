@@ -1,20 +1,19 @@
-"""The driver's end of the zygote (zygote.py): start it, ask it for workers, hear of each exit.
+"""The driver's end of the zygote (zygote.py), and the zygote's wire format.
 
-Asking does not wait: the zygote first loads the worker's code (seconds), then answers each
-request with the worker's pid; `watch` hands every pid and every exit to the driver as they
-come, so that waiting for workers stays the lanes' business (`wait_ready`, under
-`[deadlines].ready_s`).
+Start it, ask it for workers, hear of each exit. Asking does not wait: the zygote first loads
+the worker's code (seconds), then answers each request with the worker's pid; `replies` hands
+every pid and every exit to the driver as they come, so that waiting for workers stays the
+lanes' business (`wait_ready`, under `[deadlines].ready_s`). Both ways, one JSON line per
+message, each a typed msgspec Struct: never pickle, never a dict read by string keys.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -27,27 +26,39 @@ PROGRAM = "timeshare.cycle.zygote"
 CLOSE_S = 10.0  # for the zygote to kill and reap what is left, and exit
 
 
-@dataclass(frozen=True)
-class Forked:
+class ForkRequest(msgspec.Struct, frozen=True):
+    """Driver to zygote: fork a worker that runs `spec`."""
+
+    request_id: int
+    spec: WorkerSpec
+
+
+class _Reply(msgspec.Struct, frozen=True, tag_field="kind"):
+    """Zygote to driver."""
+
+
+class Forked(_Reply, frozen=True, tag="forked"):
     """The worker of request `request_id` runs, as process `pid`."""
 
     request_id: int
     pid: int
 
 
-@dataclass(frozen=True)
-class Exited:
+class Exited(_Reply, frozen=True, tag="exited"):
     """Worker process `pid` exited (`returncode`: negative for the signal that ended it)."""
 
     pid: int
     returncode: int
 
 
-@dataclass(frozen=True)
-class Refused:
+class Refused(_Reply, frozen=True, tag="refused"):
     """The zygote could not take a request (a bug of the driver's: it is logged)."""
 
     error: str
+
+
+Reply = Forked | Exited | Refused
+_replies = msgspec.json.Decoder(Reply)
 
 
 class WorkerFactory:
@@ -80,9 +91,9 @@ class WorkerFactory:
 
     async def fork(self, request_id: int, spec: WorkerSpec) -> None:
         """Ask for a worker running `spec`; its pid comes as `replies` go."""
-        line = json.dumps({"id": request_id, "spec": msgspec.json.encode(spec).decode()})
+        line = msgspec.json.encode(ForkRequest(request_id, spec)) + b"\n"
         try:
-            await anyio.to_thread.run_sync(self._send, line.encode() + b"\n")
+            await anyio.to_thread.run_sync(self._send, line)
         except OSError as exc:  # the zygote is gone (BrokenPipeError)
             why = f"the zygote took no request ({self.process.poll()}): {exc}"
             raise WorkersNotReady(why, rank=spec.rank, role=spec.role, command=None) from exc
@@ -94,7 +105,7 @@ class WorkerFactory:
         except subprocess.TimeoutExpired:
             return None
 
-    async def replies(self) -> AsyncIterator[Forked | Exited | Refused]:
+    async def replies(self) -> AsyncIterator[Reply]:
         """The zygote's replies, as they come, until it is gone."""
         while True:
             await anyio.wait_readable(self.replies_fd)
@@ -103,13 +114,7 @@ class WorkerFactory:
                 return
             *lines, self._lines = (self._lines + data).split(b"\n")
             for line in lines:
-                reply = json.loads(line)
-                if "exited" in reply:
-                    yield Exited(int(reply["exited"]), int(reply["returncode"]))
-                elif "pid" in reply:
-                    yield Forked(int(reply["id"]), int(reply["pid"]))
-                else:
-                    yield Refused(str(reply.get("error")))
+                yield _replies.decode(line)
 
     def close(self) -> None:
         """The zygote kills what is left of its workers, reaps them, exits (blocking)."""

@@ -222,8 +222,7 @@ class _Cycle:
         while True:
             report = await self.inbox.receive()
             if isinstance(report, CycleFailed):
-                self.failure = report
-                return Failed(str(report), blame_of(report))
+                return self._keep(report)
             if isinstance(report, _Ran):
                 return await self._ran(report)
             if isinstance(report, _Met):
@@ -279,8 +278,7 @@ class _Cycle:
         try:
             held = await held_memory(self.workers, self.ranks, self.deadlines.phase_s)
         except CycleFailed as failed:
-            self.failure = failed
-            return Failed(str(failed), blame_of(failed))
+            return self._keep(failed)
         return PauseChecked(held)
 
     # -- telling -------------------------------------------------------------------------------
@@ -293,11 +291,15 @@ class _Cycle:
 
     async def _failed(self, state: JobState, failed: CycleFailed) -> CycleFailed:
         """A failure before the cycle ran: the machine still learns it, and tells."""
-        self.failure = failed
-        state = advance(state, Failed(str(failed), blame_of(failed))).state
+        state = advance(state, self._keep(failed)).state
         self.telling.state(state)
         await self.store.publish(state)
         return self._failure_of(state)
+
+    def _keep(self, failed: CycleFailed) -> Failed:
+        """Keep the failure a task saw as the run's error; the machine's event for it."""
+        self.failure = failed
+        return Failed(str(failed), blame_of(failed))
 
     def _failure_of(self, state: JobState) -> CycleFailed:
         """The run's failure: the one a task saw, or the one the machine's rules found."""

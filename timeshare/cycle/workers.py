@@ -174,27 +174,28 @@ async def _follow(
 ) -> None:
     """Each worker's pid as it is forked (recorded for a later driver), each exit as it comes;
     if the zygote itself dies, its workers died with it (their parent-death signal)."""
-    exited: set[WorkerId] = set()
+    by_pid: dict[int, WorkerId] = {}
     async for reply in factory.replies():
         if isinstance(reply, Refused):
             log.error("driver.zygote.refused", error=reply.error)
-            continue
-        if isinstance(reply, Forked):
-            worker = asked[reply.request_id]
+        elif isinstance(reply, Forked):
+            worker = by_pid[reply.pid] = asked[reply.request_id]
             pids[worker] = reply.pid
             log.info("driver.worker.spawned", role=worker.role, rank=worker.rank, pid=reply.pid)
+            # recorded after each fork, not once at the end: a driver killed mid-spawn still
+            # leaves its successor every group it must kill
             groups = [factory.pid, *pids.values()]
             await anyio.to_thread.run_sync(record_workers, runtime, groups)
-            continue
-        for worker, pid in pids.items():
-            if pid == reply.pid:
-                exited.add(worker)
-                lanes.worker_exited(worker, reply.returncode)
+        elif reply.pid in by_pid:
+            lanes.worker_exited(by_pid.pop(reply.pid), reply.returncode)
     returncode = await anyio.to_thread.run_sync(factory.wait_exited)
-    why = f"its zygote exited with {describe_exit(returncode)}" if returncode is not None else None
     log.error("driver.zygote.gone", returncode=returncode)
+    why = "its zygote is gone"
+    if returncode is not None:
+        why = f"its zygote exited with {describe_exit(returncode)}"
+    exited = set(pids) - set(by_pid.values())  # forked, and reported gone
     for worker in set(asked.values()) - exited:
-        lanes.worker_exited(worker, -signal.SIGKILL, why or "its zygote is gone")
+        lanes.worker_exited(worker, -signal.SIGKILL, why)
 
 
 def worker_spec(

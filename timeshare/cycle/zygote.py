@@ -5,9 +5,9 @@ times at every start. The zygote pays it once per cycle and forks each worker in
 
     python -m timeshare.cycle.zygote RUNTIME_DIR          (the directory only names the job)
 
-It reads one JSON line per worker on stdin, `{"id": n, "spec": <WorkerSpec as JSON>}`, forks,
-and answers on the file descriptor `--replies` names: `{"id": n, "pid": p}` (or `"error"`),
-and `{"exited": p, "returncode": r}` the moment a worker exits (SIGCHLD). JSON, never pickle.
+It reads one `ForkRequest` per line on stdin, forks, and answers on the file descriptor
+`--replies` names: `Forked` (or `Refused`), and `Exited` the moment a worker exits (SIGCHLD).
+JSON lines of typed Structs (factory.py), never pickle.
 
 A forked worker starts its own session (its own process group: a kill of the group takes its
 children too), names itself `ts-<role>-<rank>` for `ps`, dies with the zygote (parent-death
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import json
 import os
 import selectors
 import signal
@@ -31,12 +30,14 @@ import traceback
 
 import msgspec
 
+from timeshare.cycle.factory import Exited, Forked, ForkRequest, Refused, Reply
 from timeshare.engines.worker import WorkerSpec, run
 from timeshare.runtime import kill_group
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 NAME_LIMIT = 15  # bytes of a task's name, not counting its NUL
+_requests = msgspec.json.Decoder(ForkRequest)
 REAP_S = 5.0  # for the killed workers to be reaped before the zygote exits (factory.py waits)
 
 
@@ -88,17 +89,16 @@ class Zygote:
 
     def _fork(self, line: bytes) -> None:
         try:
-            request = json.loads(line)
-            spec = msgspec.json.decode(request["spec"], type=WorkerSpec)
-        except (ValueError, KeyError, TypeError, msgspec.DecodeError) as exc:
-            self._reply({"id": None, "error": f"a bad request: {exc}"})
+            request = _requests.decode(line)
+        except msgspec.DecodeError as exc:  # ValidationError included
+            self._reply(Refused(f"a bad request: {exc}"))
             return
         zygote = os.getpid()
         pid = os.fork()
         if pid == 0:
-            self._become_worker(spec, zygote)
+            self._become_worker(request.spec, zygote)
         self.children.add(pid)
-        self._reply({"id": request.get("id"), "pid": pid})
+        self._reply(Forked(request.request_id, pid))
 
     def _become_worker(self, spec: WorkerSpec, zygote: int) -> None:
         """In the forked child: cut every tie to the zygote's loop, then run the worker."""
@@ -134,7 +134,7 @@ class Zygote:
             if pid == 0:
                 return
             self.children.discard(pid)
-            self._reply({"exited": pid, "returncode": os.waitstatus_to_exitcode(status)})
+            self._reply(Exited(pid, os.waitstatus_to_exitcode(status)))
 
     def _kill_children(self) -> None:
         """Every worker group still alive is killed, and every worker reaped (no zombies)."""
@@ -145,9 +145,9 @@ class Zygote:
             self._reap()
             time.sleep(0.01)
 
-    def _reply(self, message: dict[str, object]) -> None:
+    def _reply(self, reply: Reply) -> None:
         with contextlib.suppress(OSError):  # the driver is gone: nobody to tell
-            os.write(self.replies_fd, json.dumps(message).encode() + b"\n")
+            os.write(self.replies_fd, msgspec.json.encode(reply) + b"\n")
 
 
 def _die_with(zygote: int) -> None:

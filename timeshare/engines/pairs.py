@@ -23,9 +23,10 @@ from timeshare.engines.base import (
 )
 from timeshare.engines.simulated import DeviceLedger, SimulatedRollout, SimulatedTrainer
 from timeshare.engines.spec import EngineSpec
-from timeshare.engines.torch_ref import TorchRefRollout, TorchRefTrainer
+from timeshare.engines.torch_ref.rollout import TorchRefRollout
 from timeshare.engines.torch_ref.spec import ModelConfig, TorchRefSpec
 from timeshare.engines.torch_ref.task import RepeatDigit, sampling_seed
+from timeshare.engines.torch_ref.trainer import TorchRefTrainer
 from timeshare.protocols.store import JobStore
 
 SIMULATED_REQUESTS = 4
