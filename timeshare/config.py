@@ -33,9 +33,11 @@ from timeshare.errors import ConfigError
 from timeshare.levels import LogLevel
 from timeshare.protocols.weights.config import TransferConfig
 from timeshare.state import Phase
+from timeshare.units import MAX_DEADLINE_S
 
 ENV_PREFIX = "TIMESHARE_"
-Positive = Annotated[float, msgspec.Meta(gt=0)]
+# A duration in seconds: positive and finite (at most a week); inf would be a wait without end.
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_DEADLINE_S)]
 
 
 class JobSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -46,11 +48,11 @@ class JobSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
 
 class DeadlineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    phase_s: Positive = 30.0  # one phase's command on a worker
-    stall_s: Positive = 10.0  # a busy worker without progress
-    barrier_s: Positive = 20.0  # waiting for the other ranks at BARRIER
-    ready_s: Positive = 60.0  # workers up and connected
-    commands: dict[str, Positive] = {}  # per command (a phase, bootstrap, shutdown): not phase_s
+    phase_s: Seconds = 30.0  # one phase's command on a worker
+    stall_s: Seconds = 10.0  # a busy worker without progress
+    barrier_s: Seconds = 20.0  # waiting for the other ranks at BARRIER
+    ready_s: Seconds = 60.0  # workers up and connected
+    commands: dict[str, Seconds] = {}  # per command (a phase, bootstrap, shutdown): not phase_s
 
     def for_command(self, command: str) -> float:
         """The deadline of one worker command."""
@@ -69,10 +71,10 @@ class DaemonSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     state_dir: str = ""  # "": $STATE_DIRECTORY, else runs/timeshared
     metrics: bool = True
     metrics_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 9464  # 0: any free port
-    drain_s: Positive = 120.0  # SIGTERM or stop: from the request to exit
+    drain_s: Seconds = 120.0  # SIGTERM or stop: from the request to exit
     max_request_bytes: Annotated[int, msgspec.Meta(ge=256, le=1 << 20)] = 65536
     max_clients: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
-    client_idle_s: Positive = 600.0  # a connection without a request is closed after this
+    client_idle_s: Seconds = 600.0  # a connection without a request is closed after this
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

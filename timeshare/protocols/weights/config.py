@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
 from timeshare.errors import ConfigError
 from timeshare.protocols.weights.frames import ALIGNMENT
-from timeshare.units import MIB, gbps
+from timeshare.units import MAX_DEADLINE_S, MIB, gbps
 
 # Which staging a session uses; transport.py maps each to its implementation.
 Transport = Literal["auto", "shm"]
 
 MAX_PIPELINE_DEPTH = 2  # REQ/REP keeps one header in flight; deeper needs DEALER with credits
+# Every buffer of the pipeline is resident host memory (shared memory on CPU); a bucket larger
+# than this is a typo for a smaller one, not a plan.
+MAX_BUCKET_MB = 64 * 1024
+# close() blocks up to linger_s while the last reply goes out; a minute is already generous.
+MAX_LINGER_S = 60.0
+DEADLINES = ("ack_timeout_s", "finalize_timeout_s", "handshake_timeout_s", "begin_timeout_s")
 
 
 class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -31,6 +38,9 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     linger_s: how long a closing socket keeps trying to deliver its last reply.
     checksum: add a crc32 of each bucket and check it on the receiver.
     transport: "shm" (shared memory) or "auto" (the best one for the device: shm on CPU).
+
+    Any value that cannot work is a ConfigError naming its key, raised here, at construction:
+    not later inside a transfer (whatever built the config, a TOML file or a caller's code).
     """
 
     bucket_mb: float = 64.0
@@ -44,29 +54,59 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     transport: Transport = "auto"
 
     def __post_init__(self) -> None:
-        if not self.bucket_mb > 0:
-            raise ConfigError(f"bucket_mb must be positive, got {self.bucket_mb}")
+        _check_number("bucket_mb", self.bucket_mb, above=0, most=MAX_BUCKET_MB)
         if self.bucket_bytes < ALIGNMENT:
             raise ConfigError(f"bucket_mb={self.bucket_mb} is smaller than {ALIGNMENT} bytes")
+        _check_int("pipeline_depth", self.pipeline_depth)
         if not 1 <= self.pipeline_depth <= MAX_PIPELINE_DEPTH:
             raise ConfigError(
                 f"pipeline_depth must be 1 or {MAX_PIPELINE_DEPTH}, got {self.pipeline_depth}"
             )
-        for key in ("ack_timeout_s", "finalize_timeout_s", "handshake_timeout_s"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"{key} must be positive, got {getattr(self, key)}")
+        for key in DEADLINES:
+            _check_number(key, getattr(self, key), above=0, most=MAX_DEADLINE_S)
         if self.begin_timeout_s < self.ack_timeout_s:
             raise ConfigError(
-                f"begin_timeout_s ({self.begin_timeout_s}) must not be shorter than "
-                f"ack_timeout_s ({self.ack_timeout_s})"
+                f"begin_timeout_s ({self.begin_timeout_s:g} s) must not be shorter than "
+                f"ack_timeout_s ({self.ack_timeout_s:g} s)"
             )
-        if self.linger_s < 0:
-            raise ConfigError(f"linger_s must not be negative, got {self.linger_s}")
+        _check_number("linger_s", self.linger_s, least=0, most=MAX_LINGER_S)
+        if not isinstance(self.checksum, bool):
+            raise ConfigError(f"checksum must be true or false, got {self.checksum!r}")
+        if self.transport not in get_args(Transport):
+            choices = ", ".join(repr(t) for t in get_args(Transport))
+            raise ConfigError(f"transport must be one of {choices}, got {self.transport!r}")
 
     @property
     def bucket_bytes(self) -> int:
         """The staging buffer size in bytes, rounded down to the piece alignment."""
         return int(self.bucket_mb * MIB) // ALIGNMENT * ALIGNMENT
+
+
+def _check_int(key: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key} must be an int, got {value!r}")
+
+
+def _check_number(
+    key: str,
+    value: object,
+    *,
+    above: float | None = None,
+    least: float | None = None,
+    most: float,
+) -> None:
+    """`value` is a finite int or float, > `above` (or >= `least`) and <= `most`."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value}")
+    if above is not None and not value > above:
+        bound = "positive" if above == 0 else f"more than {above:g}"
+        raise ConfigError(f"{key} must be {bound}, got {value:g}")
+    if least is not None and not value >= least:
+        raise ConfigError(f"{key} must be at least {least:g}, got {value:g}")
+    if value > most:
+        raise ConfigError(f"{key} must be at most {most:g}, got {value:g}")
 
 
 @dataclass(frozen=True)
