@@ -5,6 +5,11 @@ all, as a tensor-parallel engine does. Per device: parameters 30, optimiser 40, 
 engine weights 35, KV cache 50, of 100 MiB. Fenced, no device ever holds more than 85. Rank 3
 is slow in TRAIN and SYNC, the leader slow in ROLLOUT; drop any one fence and the leader (or
 rank 3) allocates on a non-leader's device while the other side still holds memory there.
+
+The other ranks take a little time in ROLLOUT too (less than the leader), so that without the
+TRAIN fence their TRAIN starts after the leader's RESUME has woken the KV cache, not in a race
+with it: the allocation that fails is then always TRAIN's, the one the fence holds back (on a
+loaded machine a non-leader could otherwise reach TRAIN first, and the leader's RESUME failed).
 """
 
 from __future__ import annotations
@@ -20,7 +25,11 @@ from timeshare.config import Config
 from timeshare.errors import CycleFailed, WorkerError
 from timeshare.state import MEMORY_FENCES, Phase
 
-SLOW = {"train": {"3": 0.5}, "sync": {"3": 0.5}, "rollout": {"0": 0.5}}
+SLOW = {
+    "train": {"3": 0.5},
+    "sync": {"3": 0.5},
+    "rollout": {"0": 0.5, "1": 0.2, "2": 0.2, "3": 0.2},
+}
 
 
 def four_ranks(runtime_dir: Path) -> Config:
