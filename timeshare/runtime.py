@@ -46,12 +46,37 @@ class Endpoint:
                 )
             return cls(url, Path(raw))
         if url.startswith("tcp://"):
+            host, _, port = url.removeprefix("tcp://").rpartition(":")
+            if not host or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
+                raise TransferError(
+                    f"tcp endpoint must be tcp://host:port (port 0-65535, 0 or * for any free "
+                    f"one), got {url!r}"
+                )
             return cls(url, None)
         raise TransferError(f"endpoint must be ipc:///path or tcp://host:port, got {url!r}")
 
     @property
     def runtime_dir(self) -> Path | None:
         return None if self.path is None else self.path.parent
+
+    @property
+    def bind_url(self) -> str:
+        """The url to bind: a tcp port of 0 asks for any free port, which libzmq spells `*`."""
+        if self.path is None and self.url.endswith(":0"):
+            return f"{self.url[:-2]}:*"
+        return self.url
+
+    def beside(self, suffix: str) -> Endpoint:
+        """Another endpoint next to this one: `<path><suffix>` for ipc, any free port for tcp."""
+        if self.path is None:
+            host = self.url.removeprefix("tcp://").rpartition(":")[0]
+            return Endpoint(f"tcp://{host}:*", None)
+        try:
+            return Endpoint.parse(f"{self.url}{suffix}")
+        except TransferError as exc:
+            raise TransferError(
+                f"endpoint {self.url!r} leaves no room for {suffix!r} after it: {exc}"
+            ) from exc
 
     def prepare_bind(self) -> None:
         """Make the runtime directory (0700) and clear a stale socket file before binding."""

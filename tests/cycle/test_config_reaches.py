@@ -203,19 +203,19 @@ async def test_transfer_and_engine_keys_act_in_a_real_run(runtime_dir: Path) -> 
 @pytest.mark.parametrize(
     ("fault", "transfer", "role", "message"),
     [
-        # The rollout never maps staging: the trainer's handshake ends.
+        # The rollout never answers the invitation: the trainer's handshake ends.
         (
             {"role": "rollout", "phase": "sync", "step": 0},
             {"handshake_timeout_s": 1.5},
             "trainer",
-            r"no answer in phase mapped .* waiting 1.5 s",
+            r"no answer in phase joined .* within 1.5 s, the receiver invited did not answer",
         ),
         # After the handshake (step 0), the rollout never takes step 1's first bucket.
         (
             {"role": "rollout", "phase": "sync", "step": 1},
             {"ack_timeout_s": 1.25},
             "trainer",
-            r"no answer in phase (bucket|released) .* waiting 1.25 s",
+            r"no answer in phase (bucket|released) .* within 1.25 s, waiting for the receiver",
         ),
         # The trainer never begins: the rollout's wait for the first frame ends.
         (

@@ -86,10 +86,18 @@ def run_receiver(args: dict[str, Any]) -> None:
     fail_bucket: int = args.get("bucket", 1)
     expected = args.get("expected_names")
     kept: list[torch.Tensor] = []
+    if "start_when" in args:  # started early (imports done), connects when the file appears
+        wait_for_file(args["start_when"])
     with WeightReceiver(args["endpoint"], cfg) as receiver:
         emit(event="ready", pid=os.getpid())
         for _ in range(args.get("transfers", 1)):
-            loader = FaultyLoader(mode, fail_bucket, kept, args.get("finalize_sleep_s", 3.0))
+            loader = FaultyLoader(
+                mode,
+                fail_bucket,
+                kept,
+                args.get("finalize_sleep_s", 3.0),
+                hang_s=args.get("hang_s", 3600.0),
+            )
             try:
                 report = receiver.receive(
                     loader.on_bucket, loader.finalize, expected_names=expected
@@ -108,16 +116,31 @@ def run_receiver(args: dict[str, Any]) -> None:
             )
 
 
+def wait_for_file(path: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.01)
+
+
 class FaultyLoader:
     """An engine's loading callbacks, failing in the way `mode` says at bucket `fail_bucket`."""
 
     def __init__(
-        self, mode: str, fail_bucket: int, kept: list[torch.Tensor], sleep_s: float
+        self,
+        mode: str,
+        fail_bucket: int,
+        kept: list[torch.Tensor],
+        sleep_s: float,
+        *,
+        hang_s: float,
     ) -> None:
         self.mode = mode
         self.fail_bucket = fail_bucket
         self.kept = kept
         self.sleep_s = sleep_s
+        self.hang_s = hang_s
         self.buckets = 0
         self.digests: dict[str, list[Any]] = {}
 
@@ -130,7 +153,7 @@ class FaultyLoader:
             if self.mode == "kill_on_bucket":
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.mode == "hang_on_bucket":
-                time.sleep(3600)
+                time.sleep(self.hang_s)  # an engine stuck, for a while or for good
             if self.mode == "keep_view":
                 self.kept.append(items[0][1])
         if self.mode == "sink":

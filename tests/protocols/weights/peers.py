@@ -27,21 +27,39 @@ class Peer:
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
-            text=True,
+            bufsize=0,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         assert self.proc.stdout is not None
         self._stdout = self.proc.stdout
+        # Lines read from the pipe and not yet taken: unbuffered reads of our own, so that a
+        # line already read is never hidden from select() in a file object's buffer.
+        self._pending = b""
+
+    def has_event(self) -> bool:
+        """Whether an event is waiting (never blocks)."""
+        return b"\n" in self._pending or self._read_some(0.0)
 
     def next_event(self, timeout: float = 60.0) -> dict[str, Any]:
-        ready, _, _ = select.select([self._stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError(f"peer sent no event in {timeout} s; stderr:\n{self.stderr()}")
-        line = self._stdout.readline()
-        if not line:
-            raise EOFError(f"peer exited (rc={self.proc.poll()}); stderr:\n{self.stderr()}")
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._pending:
+            came = self._read_some(max(0.0, deadline - time.monotonic()))
+            if not came and time.monotonic() >= deadline:
+                raise TimeoutError(f"peer sent no event in {timeout} s; stderr:\n{self.stderr()}")
+        line, self._pending = self._pending.split(b"\n", 1)
         event: dict[str, Any] = json.loads(line)
         return event
+
+    def _read_some(self, timeout: float) -> bool:
+        """Read what the pipe has within `timeout`; whether anything came."""
+        ready, _, _ = select.select([self._stdout], [], [], timeout)
+        if not ready:
+            return False
+        chunk = os.read(self._stdout.fileno(), 65536)
+        if not chunk:
+            raise EOFError(f"peer exited (rc={self.proc.poll()}); stderr:\n{self.stderr()}")
+        self._pending += chunk
+        return True
 
     def wait_ready(self) -> int:
         event = self.next_event(timeout=60.0)
@@ -79,3 +97,14 @@ def wait_until(condition: Any, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return bool(condition())
+
+
+def first_to_speak(peers: list[Peer], timeout: float = 60.0) -> Peer:
+    """The first of `peers` with an event waiting (left for its `next_event`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for peer in peers:
+            if peer.has_event():
+                return peer
+        time.sleep(0.02)
+    raise TimeoutError(f"none of {len(peers)} peers sent an event in {timeout} s")

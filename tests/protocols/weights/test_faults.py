@@ -121,10 +121,11 @@ def test_dead_sender_is_an_ack_timeout_on_the_receiver(runtime_dir: Path) -> Non
         assert elapsed < 0.2 + 2 * ACK_TIMEOUT_S + 3.0
         with pytest.raises(SessionClosed):
             receiver.receive(lambda items: None)
-    # The killed sender's staging had been unlinked at the handshake; its socket file is left
-    # (libzmq never removes one) until a sweep.
-    assert [p.name for p in socket_files(runtime_dir)] == ["w-rank0.sock"]
-    assert sweep_stale(runtime_dir) == [str(runtime_dir / "w-rank0.sock")]
+    # The killed sender's staging had been unlinked at the handshake; its socket files (the
+    # endpoint and the session's own) are left (libzmq never removes one) until a sweep.
+    left = sorted(str(p) for p in socket_files(runtime_dir))
+    assert [Path(p).name.split(".sock")[0] for p in left] == ["w-rank0", "w-rank0"]
+    assert sorted(sweep_stale(runtime_dir)) == left
     assert socket_files(runtime_dir) == []
 
 
@@ -141,10 +142,10 @@ def test_sweep_removes_staging_of_a_sender_killed_before_the_handshake(runtime_d
         assert sweep_stale(runtime_dir) == []
         peer.kill()
     assert staging_segments(runtime_dir) - before == set(left)
+    sockets = [str(p) for p in socket_files(runtime_dir)]  # the endpoint and the session's
+    assert len(sockets) == 2 and f"{runtime_dir}/w-rank0.sock" in sockets
     removed = sweep_stale(runtime_dir)
-    assert sorted(removed) == sorted(
-        [*(f"/dev/shm/{n}" for n in left), f"{runtime_dir}/w-rank0.sock"]
-    )
+    assert sorted(removed) == sorted([*(f"/dev/shm/{n}" for n in left), *sockets])
     assert staging_segments(runtime_dir) - before == set()
 
 
@@ -157,7 +158,7 @@ def test_sweep_leaves_other_runtime_directories_alone(runtime_dir: Path, tmp_pat
         assert wait_until(lambda: len(staging_segments(runtime_dir) - before) == 2)
         peer.kill()
     assert sweep_stale(other) == []
-    assert len(sweep_stale(runtime_dir)) == 3
+    assert len(sweep_stale(runtime_dir)) == 4  # two segments, two socket files
 
 
 @pytest.mark.asyncio
@@ -264,13 +265,17 @@ def test_second_sender_on_a_live_endpoint_is_refused(runtime_dir: Path) -> None:
 def test_a_stale_socket_file_is_replaced_at_bind(runtime_dir: Path) -> None:
     import socket as pysocket
 
+    from timeshare.runtime import socket_is_live
+
     path = runtime_dir / "w-rank0.sock"
     dead = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
     dead.bind(str(path))
     dead.close()  # the file stays, as after a SIGKILL
     assert socket_files(runtime_dir) == [path]
-    with WeightSender(endpoint(runtime_dir), TransferConfig(**FAST)):
-        assert socket_files(runtime_dir) == [path]
+    with WeightSender(endpoint(runtime_dir), TransferConfig(**FAST)) as sender:
+        assert path in socket_files(runtime_dir)
+        assert socket_is_live(path)  # the stale file was replaced by the sender's own
+        assert sender.session_endpoint.path in socket_files(runtime_dir)
     assert socket_files(runtime_dir) == []
 
 
@@ -304,3 +309,88 @@ async def test_close_is_refused_while_a_transfer_runs(runtime_dir: Path) -> None
                 sender.close()
             group.cancel_scope.cancel()
     assert socket_files(runtime_dir) == []
+
+
+@pytest.mark.asyncio
+async def test_receive_async_raises_a_timeout_as_itself(runtime_dir: Path) -> None:
+    # Issue 11, defect 1: it came wrapped in an ExceptionGroup, so `except AckTimeout` missed it.
+    cfg = TransferConfig(**{**FAST, "ack_timeout_s": 1.0, "begin_timeout_s": 1.0})
+    with WeightReceiver(endpoint(runtime_dir), cfg) as receiver:
+        with pytest.raises(AckTimeout, match=r"no frame from the sender in phase begin") as info:
+            await receiver.receive_async(lambda items: None)
+    assert "within 1 s" in str(info.value)
+    assert info.value.phase == "begin"
+
+
+@pytest.mark.asyncio
+async def test_receive_async_raises_an_on_bucket_error_as_itself(runtime_dir: Path) -> None:
+    class EngineRefused(Exception):
+        pass
+
+    def refuse(items: list[tuple[str, torch.Tensor]]) -> None:
+        raise EngineRefused(f"cannot load {items[0][0]}")
+
+    with Peer(role="sender", endpoint=endpoint(runtime_dir), config=FAST, spec=WEIGHTS) as peer:
+        peer.wait_ready()
+        with WeightReceiver(endpoint(runtime_dir), TransferConfig(**FAST)) as receiver:
+            with pytest.raises(EngineRefused, match=r"cannot load layer0\.weight"):
+                await receiver.receive_async(refuse)
+        event = peer.next_event()
+        assert (event["event"], event["type"]) == ("error", "PeerError")
+        assert "EngineRefused: cannot load layer0.weight" in event["message"]
+        assert peer.wait() == 0
+
+
+@pytest.mark.asyncio
+async def test_a_sender_without_a_receiver_names_the_deadline_it_armed(runtime_dir: Path) -> None:
+    cfg = TransferConfig(**{**FAST, "handshake_timeout_s": 1.0})
+    with WeightSender(endpoint(runtime_dir), cfg) as sender:
+        with pytest.raises(AckTimeout) as info:
+            await sender.send({"w": torch.ones(3)}, version=0)
+    assert info.value.phase == "joined"
+    assert "within 1 s, no receiver took the invitation" in str(info.value), str(info.value)
+    assert socket_files(runtime_dir) == []
+
+
+def test_a_receive_deadline_that_cannot_work_is_refused(runtime_dir: Path) -> None:
+    with WeightReceiver(endpoint(runtime_dir), TransferConfig(**FAST)) as receiver:
+        for bad in (float("nan"), float("inf"), 0.0, -1.0):
+            with pytest.raises(ValueError, match=f"timeout_s must be .*got {bad}"):
+                receiver.receive(lambda items: None, timeout_s=bad)
+        # Refused before anything happened: the session is still usable.
+        with pytest.raises(AckTimeout):
+            receiver.receive(lambda items: None, timeout_s=0.2)
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("tcp://127.0.0.1", "tcp endpoint must be tcp://host:port"),
+        ("tcp://127.0.0.1:99999", "tcp endpoint must be tcp://host:port"),
+        ("tcp://:5555", "tcp endpoint must be tcp://host:port"),
+        ("ipc://relative/w.sock", "ipc endpoint needs an absolute path"),
+        ("udp://127.0.0.1:5555", "endpoint must be ipc:///path or tcp://host:port"),
+    ],
+)
+def test_a_bad_endpoint_is_refused_naming_it(url: str, message: str) -> None:
+    from timeshare.errors import TransferError
+
+    for side in (WeightSender, WeightReceiver):
+        with pytest.raises(TransferError, match=message) as info:
+            side(url, TransferConfig(**FAST))
+        assert repr(url) in str(info.value)
+
+
+def test_an_endpoint_without_room_for_the_session_socket_leaves_nothing(
+    runtime_dir: Path,
+) -> None:
+    from timeshare.errors import TransferError
+
+    path = runtime_dir / ("w" * (100 - len(str(runtime_dir)) - 1))
+    assert len(str(path)) == 100  # fits the 107 bytes of a socket path; the session's does not
+    fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(TransferError, match=r"leaves no room for '\.[0-9a-f]{16}' after it"):
+        WeightSender(f"ipc://{path}", TransferConfig(**FAST))
+    # The endpoint had been bound before the session's socket was refused: all undone.
+    assert socket_files(runtime_dir) == []
+    assert len(os.listdir("/proc/self/fd")) <= fds

@@ -16,6 +16,7 @@ from timeshare.protocols.weights.frames import PROTOCOL_VERSION, TensorPiece
 from timeshare.protocols.wire import MAX_ERROR_TEXT
 
 SAMPLES: list[frames.Request | frames.Reply] = [
+    frames.Invite(PROTOCOL_VERSION, 5, "ipc:///run/ts/w-rank0.sock.0000000000000005"),
     frames.Offer(PROTOCOL_VERSION, 5, ShmSegments(names=["ts-w-x-1-2-3-0"], buffer_bytes=4096)),
     frames.Bucket(
         PROTOCOL_VERSION, 5, 7, 1, 0, 1, [TensorPiece("w", "bfloat16", (2, 3), 0, 12, 0, 12)], 99
@@ -48,11 +49,11 @@ def test_a_reply_is_not_a_request_and_back() -> None:
 
 
 def test_another_protocol_version_is_named() -> None:
-    future = msgspec.msgpack.encode({"kind": "goodbye", "protocol": 2, "session": 1, "new": True})
-    with pytest.raises(ProtocolError, match="protocol 2, this side 1"):
-        frames.decode_request(future)
-    with pytest.raises(ProtocolError, match="protocol 3, this side 1"):
-        frames.decode_reply(frames.encode(frames.Ack(3, 1, "bucket", 0, 1)))
+    future = {"kind": "goodbye", "protocol": PROTOCOL_VERSION + 1, "session": 1, "new": True}
+    with pytest.raises(ProtocolError, match=f"protocol 3, this side {PROTOCOL_VERSION}"):
+        frames.decode_request(msgspec.msgpack.encode(future))
+    with pytest.raises(ProtocolError, match=f"protocol 1, this side {PROTOCOL_VERSION}"):
+        frames.decode_reply(frames.encode(frames.Ack(1, 1, "bucket", 0, 1)))
 
 
 def test_pickle_is_not_a_frame() -> None:

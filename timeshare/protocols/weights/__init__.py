@@ -19,9 +19,11 @@ Modules:
 
     sender.py            WeightSender: one session's staging, the bucket pipeline, its ending
     sender_inputs.py     what `send` accepts, and the checks made before anything is sent
-    sender_socket.py     the sender's REQ socket: requests out, each ACK checked, all bounded
+    sender_socket.py     the sender's REQ sockets: the invitation at the endpoint, then the
+                         session's own socket: requests out, each ACK checked, all bounded
     receiver.py          WeightReceiver: what each request means; the blocking and async waits
-    receiver_socket.py   the receiver's REP socket: requests checked, each answered exactly once
+    receiver_socket.py   the receiver's REP socket: joins one session, then checks each request
+                         and answers it exactly once
     frames.py            the wire format: msgpack Structs, and the sequence of requests
     layout.py            where tensors sit in a bucket: planning, packing, reassembly
     config.py            TransferConfig and TransferReport (no torch, no zmq)

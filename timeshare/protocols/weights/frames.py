@@ -2,7 +2,15 @@
 
 Every frame carries the protocol version and the session id; frames within a transfer carry the
 weight version and a sequence number, and every reply repeats them. Requests go from the sender
-(REQ) to the receiver (REP); each gets exactly one reply:
+(REQ) to the receiver (REP); each gets exactly one reply.
+
+On the endpoint both sides were given (the rendezvous), one request only:
+
+    Invite    -> Ack(step="joined")      the session's own socket; the receiver that answers
+                                         leaves the rendezvous and connects there
+
+Then, on the session's socket, to which only the receiver that joined ever connects (so that no
+other receiver, not even one of a dead session on the same endpoint, is handed a frame of it):
 
     Offer     -> Ack(step="mapped")      staging described; receiver maps it
     Bucket    -> Ack(step="bucket")      receiver consumed the bucket and dropped every view
@@ -28,7 +36,7 @@ from timeshare.errors import ProtocolError
 from timeshare.protocols import wire
 from timeshare.protocols.weights.descriptions import StagingDescription
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the session moved to a socket of its own (Invite)
 
 
 class _Frame(msgspec.Struct, frozen=True, tag_field="kind"):
@@ -57,6 +65,12 @@ class Totals(msgspec.Struct, frozen=True, array_like=True):
 
     tensors: int
     nbytes: int
+
+
+class Invite(_Frame, frozen=True, tag="invite"):
+    protocol: int
+    session: int
+    endpoint: str  # the session's socket, bound by the sender for this session only
 
 
 class Offer(_Frame, frozen=True, tag="offer"):
@@ -106,8 +120,8 @@ class Goodbye(_Frame, frozen=True, tag="goodbye"):
     session: int
 
 
-Request = Offer | Bucket | Release | Finalize | Abort | Goodbye
-AckStep = Literal["mapped", "bucket", "released", "finalized", "aborted", "goodbye"]
+Request = Invite | Offer | Bucket | Release | Finalize | Abort | Goodbye
+AckStep = Literal["joined", "mapped", "bucket", "released", "finalized", "aborted", "goodbye"]
 
 
 class Ack(_Frame, frozen=True, tag="ack"):

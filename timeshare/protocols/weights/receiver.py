@@ -30,6 +30,7 @@ from timeshare.protocols.weights.receiver_socket import ReceiverSocket
 from timeshare.protocols.weights.staging import Staging, views_alive
 from timeshare.protocols.weights.transport import attach_staging
 from timeshare.runtime import Endpoint
+from timeshare.units import MAX_DEADLINE_S
 
 OnBucket: TypeAlias = Callable[[list[tuple[str, torch.Tensor]]], None]
 Finalize: TypeAlias = Callable[[], None]
@@ -90,7 +91,10 @@ class WeightReceiver:
         *,
         timeout_s: float | None = None,
     ) -> TransferReport:
-        """`receive` in a worker thread; cancelling it ends the session within a poll slice."""
+        """`receive` in a worker thread; cancelling it ends the session within a poll slice.
+
+        Raises what `receive` raises, as itself (never wrapped in an exception group).
+        """
         # None: the thread saw the flag set below; the caller's cancellation is raised on return.
         run = partial(self._receive_or_none, on_bucket, finalize, expected_names, timeout_s)
 
@@ -100,11 +104,18 @@ class WeightReceiver:
             finally:
                 self._cancel.set()
 
+        failure: Exception | None = None
         async with anyio.create_task_group() as group:
             group.start_soon(flag_cancellation)
             # Not abandoned: the thread owns the socket until it has seen the flag and shut down.
-            report = await anyio.to_thread.run_sync(run)
+            # Its failure is raised after the group: raised inside, the group would wrap it.
+            try:
+                report = await anyio.to_thread.run_sync(run)
+            except Exception as exc:
+                failure = exc
             group.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
         if report is None:
             await anyio.lowlevel.checkpoint()  # raises the caller's cancellation
             raise self._cancelled_error()
@@ -132,6 +143,7 @@ class WeightReceiver:
     ) -> TransferReport | None:
         """`receive`, or None when the cancel flag stopped it; either way a failure closes."""
         self._check_usable()
+        _check_timeout(timeout_s)
         self._cancel.clear()
         expected = None if expected_names is None else frozenset(expected_names)
         try:
@@ -150,9 +162,15 @@ class WeightReceiver:
         expected: frozenset[str] | None,
         timeout_s: float | None,
     ) -> TransferReport:
-        frame = self._next_request("begin", timeout_s or self.config.begin_timeout_s)
+        begin_s = self.config.begin_timeout_s if timeout_s is None else timeout_s
+        frame = self._next_request("begin", begin_s)
         started = time.perf_counter()
+        if isinstance(frame, frames.Invite):
+            self._socket.join(frame)
+            frame = self._next_request("handshake", self.config.handshake_timeout_s)
         if isinstance(frame, frames.Offer):
+            if self._staging is not None:
+                self._socket.fail(frame, ProtocolError("second handshake in one session"))
             self._socket.reply_to(frame, partial(self._map_staging, frame), step="mapped")
             frame = self._next_request("bucket", self.config.ack_timeout_s, bucket=0)
             started = time.perf_counter()
@@ -200,7 +218,6 @@ class WeightReceiver:
         if offer.staging.buffer_bytes <= 0 or not offer.staging.names:
             raise ProtocolError(f"offer describes no staging: {offer.staging}")
         self._staging = attach_staging(offer.staging)
-        self._socket.session = offer.session
 
     def _load(self, bucket: frames.Bucket, assembler: Assembler, on_bucket: OnBucket) -> None:
         assert self._staging is not None
@@ -270,6 +287,17 @@ class WeightReceiver:
 
     def _cancelled_error(self) -> SessionClosed:
         return SessionClosed(f"weight receiver {self.endpoint.url}: receive was cancelled")
+
+
+def _check_timeout(timeout_s: float | None) -> None:
+    """A caller's bound on the wait for a transfer to begin must be a real deadline."""
+    if timeout_s is None:
+        return
+    finite = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+    if not finite or not 0 < timeout_s <= MAX_DEADLINE_S:
+        raise ValueError(
+            f"timeout_s must be a number of seconds in (0, {MAX_DEADLINE_S}], got {timeout_s}"
+        )
 
 
 def _check_checksum(bucket: frames.Bucket, base: torch.Tensor) -> None:

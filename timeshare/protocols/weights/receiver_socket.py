@@ -1,13 +1,15 @@
 """The receiver's REP socket: each request in, checked, and answered exactly once.
 
-`WeightReceiver` (receiver.py) decides what a request means for the transfer; `ReceiverSocket`
-is how it talks to the sender. It connects (the receiver may start before the sender binds),
-reads and decodes each request, checks that it belongs to this session and comes in sequence,
-and answers it: an ACK once its work is done, or a Failure frame naming the exception before
-that exception is raised on this side. REP alternates strictly, so every request read is
-answered on every path, and a Goodbye or an Abort from the sender is answered before it ends
-the session here. It is blocking: the receiver runs in an engine worker, or in a worker thread
-under `receive_async`.
+`WeightReceiver` (receiver.py) decides what a request means for the transfer; `ReceiverSocket` is
+how it talks to the sender. It connects to the endpoint it was given (the receiver may start before
+the sender binds) and waits there for an invitation; joining a session means answering it, leaving
+that endpoint for good and connecting to the socket the sender bound for the session alone
+(sender_socket.py says why). It reads and decodes each request, checks that it belongs to this
+session and comes in sequence, and answers it: an ACK once its work is done, or a Failure frame
+naming the exception before that exception is raised on this side. REP alternates strictly, so
+every request read is answered on every path, and a Goodbye or an Abort from the sender is answered
+before it ends the session here. It is blocking: the receiver runs in an engine worker, or in a
+worker thread under `receive_async`.
 """
 
 from __future__ import annotations
@@ -26,21 +28,43 @@ from timeshare.runtime import Endpoint
 log = structlog.get_logger(__name__)
 
 RECONNECT_IVL_MS = 50
+# How long the rendezvous socket, closed right after answering an invitation, keeps trying to
+# deliver that answer (a few ms when the sender is alive; it waits for it).
+JOIN_LINGER_MS = 1000
 
 
 class ReceiverSocket:
-    """The connected REP socket of one session; `session` is None until the handshake."""
+    """The connected REP socket of one session; `session` is None until it joined one."""
 
     def __init__(self, endpoint: Endpoint, *, linger_s: float) -> None:
         self.endpoint = endpoint
         self.session: int | None = None
         self.last_seq = 0
+        self._linger_ms = int(linger_s * 1000)
         self._context = zmq.Context(io_threads=1)
-        self._socket = self._context.socket(zmq.REP)
-        self._socket.setsockopt(zmq.LINGER, int(linger_s * 1000))
-        self._socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-        self._socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self._socket.connect(endpoint.url)
+        try:
+            self._socket = self._connect(endpoint)
+        except BaseException:
+            self._context.term()
+            raise
+
+    def join(self, invite: frames.Invite) -> None:
+        """Join the session `invite` offers: connect to its socket, answer, leave the endpoint."""
+        try:
+            session_endpoint = Endpoint.parse(invite.endpoint)
+        except TransferError as exc:
+            self.fail(invite, ProtocolError(f"invitation to a bad endpoint: {exc}"))
+        if (session_endpoint.path is None) != (self.endpoint.path is None):
+            self.fail(
+                invite,
+                ProtocolError(f"invitation from {self.endpoint.url} to {invite.endpoint}"),
+            )
+        session_socket = self._connect(session_endpoint)
+        self._send_reply(frames.Ack(PROTOCOL_VERSION, invite.session, "joined", 0, 0))
+        rendezvous, self._socket = self._socket, session_socket
+        rendezvous.close(linger=JOIN_LINGER_MS)
+        self.session = invite.session
+        self.last_seq = 0
 
     def poll(self, limit_s: float) -> bool:
         """Whether a request is waiting, after at most `limit_s`."""
@@ -126,13 +150,27 @@ class ReceiverSocket:
 
     def close(self) -> None:
         """Close the socket; a reply still queued goes out within the linger it was made with."""
-        self._socket.close()
-        self._context.term()
+        try:
+            self._socket.close()
+        finally:
+            self._context.term()
+
+    def _connect(self, endpoint: Endpoint) -> zmq.Socket[bytes]:
+        socket = self._context.socket(zmq.REP)
+        try:
+            socket.setsockopt(zmq.LINGER, self._linger_ms)
+            socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+            socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            socket.connect(endpoint.url)
+        except BaseException:
+            socket.close(linger=0)
+            raise
+        return socket
 
     def _check_session(self, frame: frames.Request) -> None:
-        if isinstance(frame, frames.Offer):
+        if isinstance(frame, frames.Invite):
             if self.session is not None:
-                self.fail(frame, ProtocolError("second handshake on an established session"))
+                self.fail(frame, ProtocolError("invitation on an established session"))
             return
         if frame.session != self.session:
             self.fail(

@@ -71,6 +71,7 @@ class WeightSender:
         self._socket = SenderSocket(
             self.endpoint, session=self._session, ack_timeout_s=self.config.ack_timeout_s
         )
+        self.endpoint = self._socket.endpoint  # as bound: tcp port 0 asks for a free port
 
     async def send(self, weights: NamedTensors, *, version: int) -> TransferReport:
         """Send every (name, tensor) of `weights` as weight version `version`.
@@ -114,6 +115,11 @@ class WeightSender:
     @property
     def session(self) -> int:
         return self._session
+
+    @property
+    def session_endpoint(self) -> Endpoint:
+        """The socket bound for this session alone; only the receiver that joined knows it."""
+        return self._socket.session_endpoint
 
     @property
     def staging_buffers(self) -> int:
@@ -240,6 +246,9 @@ class WeightSender:
         )
         self._staging = staging
         try:
+            # Only the receiver that joins learns the session's socket; each step has the whole
+            # handshake deadline (one for a receiver to turn up, one for it to map staging).
+            await self._socket.invite(self.config.handshake_timeout_s)
             offer = frames.Offer(PROTOCOL_VERSION, self._session, staging.describe())
             await self._socket.request(offer, "mapped", self.config.handshake_timeout_s, seq=0)
         finally:
@@ -280,13 +289,16 @@ class WeightSender:
         self._shutdown(reason)
 
     def _shutdown(self, reason: str, *, linger_s: float = 0.0) -> None:
-        """Free everything; with linger_s 0 (failures) nothing waits, not even term()."""
+        """Free everything, the sockets and their files even when freeing staging raised; with
+        linger_s 0 (failures) nothing waits, not even term()."""
         self._closed_because = reason
-        if self._staging is not None:
-            self._staging.unlink_names()
-            self._staging.close()
-            self._staging = None
-        self._socket.close(linger_s=linger_s)
+        staging, self._staging = self._staging, None
+        try:
+            if staging is not None:
+                staging.unlink_names()
+                staging.close()
+        finally:
+            self._socket.close(linger_s=linger_s)
 
     def _check_usable(self) -> None:
         if self._closed_because is not None:

@@ -1,17 +1,26 @@
-"""The sender's REQ socket: request frames out, each reply checked, every wait bounded.
+"""The sender's REQ sockets: the invitation, then request frames out, each reply checked.
 
 `WeightSender` (sender.py) decides what to send; `SenderSocket` is how it talks to the
-receiver. It binds the endpoint, numbers the requests, sends each one and waits for its reply
-under a deadline, and turns what comes back (or does not) into the package's errors: silence is
-an `AckTimeout` naming the phase, a Failure frame a `PeerError`, an ACK for anything but the
-request just sent a `ProtocolError`. It also sends the two best-effort notices that end a
-session early (Abort after a failed transfer, Goodbye on close) and tears the socket down,
-socket file included.
+receiver. It binds two sockets. The endpoint both sides were given is only a rendezvous: one
+Invite goes out there, naming a socket bound for this session alone, and the receiver that
+answers it leaves the rendezvous and connects to that one. A REQ socket hands each request to
+whichever connected peer is next, so the rendezvous may reach any receiver waiting on the
+endpoint; the session's socket reaches the one that joined, and no other ever knows it exists.
+A receiver whose session died (its sender gone, itself still stuck in an engine) can thus never
+be handed a frame of the next session on the same endpoint.
+
+On the session's socket it numbers the requests, sends each one and waits for its reply under a
+deadline, and turns what comes back (or does not) into the package's errors: silence is an
+`AckTimeout` naming the phase and the bound that was armed, a Failure frame a `PeerError`, an
+ACK for anything but the request just sent a `ProtocolError`. It also sends the two
+best-effort notices that end a session early (Abort after a failed transfer, Goodbye on close)
+and tears both sockets down, socket files included.
 """
 
 from __future__ import annotations
 
-from typing import cast
+import contextlib
+from typing import NamedTuple, cast
 
 import anyio
 import structlog
@@ -27,30 +36,59 @@ from timeshare.runtime import Endpoint
 log = structlog.get_logger(__name__)
 
 
+class _Bound(NamedTuple):
+    socket: zmq.asyncio.Socket
+    endpoint: Endpoint  # as bound: a tcp port asked as 0 or * is the real one here
+    inode: int | None  # of the socket file this side created (ipc)
+
+
 class SenderSocket:
-    """The bound REQ socket of one session; `ack_timeout_s` bounds a send given no limit."""
+    """The bound REQ sockets of one session; `ack_timeout_s` bounds a send given no limit."""
 
     def __init__(self, endpoint: Endpoint, *, session: int, ack_timeout_s: float) -> None:
-        self.endpoint = endpoint
         self.session = session
         self._ack_timeout_s = ack_timeout_s
         self._seq = 0
-        endpoint.prepare_bind()
         self._context = zmq.asyncio.Context(io_threads=1)
-        self._socket = self._context.socket(zmq.REQ)
-        self._socket.setsockopt(zmq.LINGER, 0)
+        bound: list[_Bound] = []
         try:
-            self._socket.bind(endpoint.url)
-        except zmq.ZMQError as exc:
-            self._socket.close()
+            bound.append(self._bind(endpoint))
+            bound.append(self._bind(bound[0].endpoint.beside(f".{session:016x}")))
+        except BaseException:
+            for each in bound:
+                _close(each, linger_s=0.0)
             self._context.term()
-            raise TransferError(f"cannot bind weight channel {endpoint.url}: {exc}") from exc
-        self._inode = endpoint.bound_inode()
+            raise
+        self._rendezvous, self._session = bound
+        self._socket = self._session.socket
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """The rendezvous, as bound (receivers connect here)."""
+        return self._rendezvous.endpoint
+
+    @property
+    def session_endpoint(self) -> Endpoint:
+        return self._session.endpoint
 
     def next_seq(self) -> int:
         """The sequence number of the next request (the handshake's is 0)."""
         self._seq += 1
         return self._seq
+
+    async def invite(self, limit_s: float) -> None:
+        """Send the invitation on the rendezvous and wait until a receiver has joined."""
+        invite = frames.Invite(PROTOCOL_VERSION, self.session, self.session_endpoint.url)
+        socket = self._rendezvous.socket
+        with anyio.move_on_after(limit_s) as scope:
+            await socket.send(frames.encode(invite))
+        if scope.cancelled_caught:
+            raise self._timeout("joined", 0, limit_s, "no receiver took the invitation")
+        with anyio.move_on_after(limit_s) as scope:
+            data = await socket.recv()
+        if scope.cancelled_caught:
+            raise self._timeout("joined", 0, limit_s, "the receiver invited did not answer")
+        self._checked(frames.decode_reply(data), 0, 0, "joined")
 
     async def request(
         self, frame: frames.Request, step: str, limit_s: float, seq: int | None = None
@@ -71,10 +109,11 @@ class SenderSocket:
         bucket: int | None = None,
     ) -> None:
         # A REQ send waits for a connected peer; bounded like every other wait.
-        with anyio.move_on_after(limit_s or self._ack_timeout_s) as scope:
+        limit_s = limit_s or self._ack_timeout_s
+        with anyio.move_on_after(limit_s) as scope:
             await self._socket.send(frames.encode(frame))
         if scope.cancelled_caught:
-            raise self._timeout(phase, seq, "sending", bucket)
+            raise self._timeout(phase, seq, limit_s, "no receiver connected to the session", bucket)
 
     async def await_ack(
         self, seq: int, version: int, step: str, limit_s: float, *, bucket: int | None = None
@@ -83,8 +122,10 @@ class SenderSocket:
         with anyio.move_on_after(limit_s) as scope:
             data = await self._socket.recv()
         if scope.cancelled_caught:
-            raise self._timeout(step, seq, f"waiting {limit_s:g} s for the receiver's ACK", bucket)
-        reply = frames.decode_reply(data)
+            raise self._timeout(step, seq, limit_s, "waiting for the receiver's ACK", bucket)
+        return self._checked(frames.decode_reply(data), seq, version, step)
+
+    def _checked(self, reply: frames.Reply, seq: int, version: int, step: str) -> Ack:
         if isinstance(reply, frames.Failure):
             raise PeerError(
                 f"receiver at {self.endpoint.url} failed ({step}, seq {seq}): "
@@ -105,11 +146,14 @@ class SenderSocket:
             )
         return reply
 
-    def _timeout(self, phase: str, seq: int, doing: str, bucket: int | None) -> AckTimeout:
+    def _timeout(
+        self, phase: str, seq: int, limit_s: float, why: str, bucket: int | None = None
+    ) -> AckTimeout:
+        """The error for a wait of `limit_s` that ended without an answer."""
         where = f"bucket {bucket}, seq {seq}" if bucket is not None else f"seq {seq}"
         return AckTimeout(
-            f"weight channel {self.endpoint.url}: no answer in phase {phase} ({where}) "
-            f"while {doing}; session closed",
+            f"weight channel {self.endpoint.url}: no answer in phase {phase} ({where}) within "
+            f"{limit_s:g} s, {why}; session closed",
             phase=phase,
             seq=seq,
             endpoint=self.endpoint.url,
@@ -139,11 +183,37 @@ class SenderSocket:
         return True
 
     def close(self, *, linger_s: float) -> None:
-        """Close the socket (with linger_s 0 nothing waits, not even term()); remove its file."""
-        self._socket.close(linger=int(linger_s * 1000))
-        self._context.term()
-        self.endpoint.remove_socket_file(self._inode)
+        """Close both sockets (with linger_s 0 nothing waits, not even term()); remove their
+        files, whatever closing raised."""
+        try:
+            _close(self._session, linger_s=linger_s)
+        finally:
+            try:
+                _close(self._rendezvous, linger_s=0.0)
+            finally:
+                self._context.term()
+
+    def _bind(self, endpoint: Endpoint) -> _Bound:
+        endpoint.prepare_bind()
+        socket = self._context.socket(zmq.REQ)
+        socket.setsockopt(zmq.LINGER, 0)
+        try:
+            socket.bind(endpoint.bind_url)
+        except zmq.ZMQError as exc:
+            socket.close()
+            raise TransferError(f"cannot bind weight channel {endpoint.url}: {exc}") from exc
+        if endpoint.path is None:  # tcp: the port libzmq chose when asked for any
+            endpoint = Endpoint.parse(cast(bytes, socket.getsockopt(zmq.LAST_ENDPOINT)).decode())
+        return _Bound(socket, endpoint, endpoint.bound_inode())
 
     def _idle(self) -> bool:
         """Whether REQ may send now (no header is awaiting its reply)."""
         return bool(cast(int, self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLOUT)
+
+
+def _close(bound: _Bound, *, linger_s: float) -> None:
+    try:
+        bound.socket.close(linger=int(linger_s * 1000))
+    finally:
+        with contextlib.suppress(OSError):
+            bound.endpoint.remove_socket_file(bound.inode)
