@@ -29,8 +29,9 @@ import msgspec
 
 from timeshare.engines.faults import Fault
 from timeshare.engines.spec import EngineSpec
-from timeshare.errors import ConfigError
+from timeshare.errors import ConfigError, TransferError
 from timeshare.levels import LogLevel
+from timeshare.protocols.weights import check_weight_endpoints
 from timeshare.protocols.weights.config import TransferConfig
 from timeshare.state import Phase
 from timeshare.units import MAX_DEADLINE_S
@@ -133,6 +134,7 @@ def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> 
     # bucket_mb keeps the SYNC-nested timeouts, not the channel's standalone ones).
     config = _convert(_merged(msgspec.to_builtins(Config()), data), sources)
     _check_nesting(config, sources)
+    _check_runtime_dir(config, sources)
     return LoadedConfig(config, sources)
 
 
@@ -232,6 +234,15 @@ def _source_within(key: str, sources: dict[str, str]) -> str | None:
         if known.startswith(f"{key}.") or key.startswith(f"{known}."):
             return source
     return None
+
+
+def _check_runtime_dir(config: Config, sources: dict[str, str]) -> None:
+    """Every socket the job binds there must fit in a socket address (107 bytes)."""
+    try:
+        check_weight_endpoints(config.job.runtime_dir, config.job.ranks)
+    except TransferError as exc:
+        where = sources.get("job.runtime_dir", "default")
+        raise ConfigError(f"job.runtime_dir is too long (from {where}): {exc}") from exc
 
 
 def _check_nesting(config: Config, sources: dict[str, str]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import signal
 import socket
 import stat
@@ -26,6 +27,11 @@ from timeshare.errors import TransferError
 
 # sun_path holds 108 bytes including the terminating NUL.
 MAX_SOCKET_PATH = 107
+TCP_PORT = re.compile(r"[0-9]{1,5}")
+# A session's ipc socket is named with 32 bits of its id: unique among the sessions of one
+# endpoint (and a receiver never reconnects, so an old name could not be mistaken anyway),
+# and 9 bytes of the 107 a socket path may have.
+SESSION_SUFFIX_MASK = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -47,7 +53,8 @@ class Endpoint:
             return cls(url, Path(raw))
         if url.startswith("tcp://"):
             host, _, port = url.removeprefix("tcp://").rpartition(":")
-            if not host or not (port == "*" or (port.isdigit() and int(port) <= 65535)):
+            port_ok = port == "*" or (TCP_PORT.fullmatch(port) and int(port) <= 65535)
+            if not host or not port_ok:
                 raise TransferError(
                     f"tcp endpoint must be tcp://host:port (port 0-65535, 0 or * for any free "
                     f"one), got {url!r}"
@@ -60,23 +67,43 @@ class Endpoint:
         return None if self.path is None else self.path.parent
 
     @property
-    def bind_url(self) -> str:
-        """The url to bind: a tcp port of 0 asks for any free port, which libzmq spells `*`."""
-        if self.path is None and self.url.endswith(":0"):
-            return f"{self.url[:-2]}:*"
-        return self.url
+    def port(self) -> int | None:
+        """A tcp endpoint's port (0 for any free one); None for ipc."""
+        if self.path is not None:
+            return None
+        port = self.url.rpartition(":")[2]
+        return 0 if port == "*" else int(port)
 
-    def beside(self, suffix: str) -> Endpoint:
-        """Another endpoint next to this one: `<path><suffix>` for ipc, any free port for tcp."""
+    def check_connectable(self) -> None:
+        """A connecting side needs a real port: 0 or * only mean something to bind."""
+        if self.port == 0:
+            raise TransferError(f"cannot connect to {self.url!r}: the port is only for binding")
+
+    def session_socket(self, session: int, port: int = 0) -> Endpoint:
+        """Where the session `session` of this endpoint runs: for ipc the file beside this one
+        named for the session; for tcp `port` on this endpoint's host (0 when binding: any)."""
         if self.path is None:
             host = self.url.removeprefix("tcp://").rpartition(":")[0]
-            return Endpoint(f"tcp://{host}:*", None)
+            return Endpoint(f"tcp://{host}:{port}", None)
+        suffix = f".{session & SESSION_SUFFIX_MASK:08x}"
         try:
             return Endpoint.parse(f"{self.url}{suffix}")
         except TransferError as exc:
             raise TransferError(
-                f"endpoint {self.url!r} leaves no room for {suffix!r} after it: {exc}"
+                f"endpoint {self.url!r} leaves no room for a session's socket "
+                f"({len(suffix)} bytes more): {exc}"
             ) from exc
+
+    def is_live(self) -> bool:
+        """Whether something accepts connections here now (a probe: connect, then close)."""
+        if self.path is not None:
+            return socket_is_live(self.path)
+        host, _, port = self.url.removeprefix("tcp://").rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+                return True
+        except OSError:
+            return False
 
     def prepare_bind(self) -> None:
         """Make the runtime directory (0700) and clear a stale socket file before binding."""

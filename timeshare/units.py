@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 MIB = 1 << 20  # bytes in a MiB: device memory and staging sizes are given in MiB
-# The longest deadline any setting may give: a week. Longer is no deadline at all (and would
-# overflow the int32 milliseconds of a zmq poll after 24 days).
+# The longest deadline any setting may give: a week. Longer is no deadline at all.
 MAX_DEADLINE_S = 7 * 24 * 3600
 
 

@@ -208,7 +208,7 @@ async def test_transfer_and_engine_keys_act_in_a_real_run(runtime_dir: Path) -> 
             {"role": "rollout", "phase": "sync", "step": 0},
             {"handshake_timeout_s": 1.5},
             "trainer",
-            r"no answer in phase joined .* within 1.5 s, the receiver invited did not answer",
+            r"no answer in phase joined .* within 1.5 s, the receiver did not answer",
         ),
         # After the handshake (step 0), the rollout never takes step 1's first bucket.
         (

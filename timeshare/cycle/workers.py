@@ -34,7 +34,7 @@ from timeshare.protocols.commands import WorkerId, WorkerLanes
 from timeshare.protocols.commands.processes import describe_exit
 from timeshare.protocols.commands.results import ROLES
 from timeshare.protocols.store import JobStore
-from timeshare.protocols.weights import sweep_stale
+from timeshare.protocols.weights import sweep_stale, weight_endpoint
 from timeshare.runtime import kill_group, process_start_time, wait_gone
 
 log = structlog.get_logger(__name__)
@@ -209,7 +209,7 @@ def worker_spec(
         world_size=config.job.ranks,
         work_endpoint=lanes.work_endpoint,
         control_endpoint=lanes.control_endpoint,
-        weight_endpoint=f"ipc://{config.job.runtime_dir}/w-rank{worker.rank}.sock",
+        weight_endpoint=weight_endpoint(config.job.runtime_dir, worker.rank),
         store_host=host,
         store_port=port,
         checkpoint_dir=f"{config.job.checkpoint_dir}/rank{worker.rank}",

@@ -90,6 +90,8 @@ def run_receiver(args: dict[str, Any]) -> None:
         wait_for_file(args["start_when"])
     with WeightReceiver(args["endpoint"], cfg) as receiver:
         emit(event="ready", pid=os.getpid())
+        if "receive_when" in args:  # connected (invitations queue up), not yet receiving
+            wait_for_file(args["receive_when"])
         for _ in range(args.get("transfers", 1)):
             loader = FaultyLoader(
                 mode,
@@ -97,6 +99,7 @@ def run_receiver(args: dict[str, Any]) -> None:
                 kept,
                 args.get("finalize_sleep_s", 3.0),
                 hang_s=args.get("hang_s", 3600.0),
+                hang_until=args.get("hang_until"),
             )
             try:
                 report = receiver.receive(
@@ -135,12 +138,14 @@ class FaultyLoader:
         sleep_s: float,
         *,
         hang_s: float,
+        hang_until: str | None = None,
     ) -> None:
         self.mode = mode
         self.fail_bucket = fail_bucket
         self.kept = kept
         self.sleep_s = sleep_s
         self.hang_s = hang_s
+        self.hang_until = hang_until
         self.buckets = 0
         self.digests: dict[str, list[Any]] = {}
 
@@ -153,7 +158,10 @@ class FaultyLoader:
             if self.mode == "kill_on_bucket":
                 os.kill(os.getpid(), signal.SIGKILL)
             if self.mode == "hang_on_bucket":
-                time.sleep(self.hang_s)  # an engine stuck, for a while or for good
+                if self.hang_until is not None:  # stuck until the test lets it go
+                    wait_for_file(self.hang_until, timeout_s=self.hang_s)
+                else:  # an engine stuck, for a while or for good
+                    time.sleep(self.hang_s)
             if self.mode == "keep_view":
                 self.kept.append(items[0][1])
         if self.mode == "sink":

@@ -109,3 +109,14 @@ def test_report_bandwidth() -> None:
         == 1.0
     )
     assert TransferReport(version=1, bytes=0, tensors=0, buckets=0, seconds=0.0).gbps == 0.0
+
+
+def test_a_runtime_dir_too_long_for_the_session_sockets_is_refused(tmp_path: Path) -> None:
+    # w-rank1.sock.<8 hex> must fit in 107 bytes: 74 bytes of directory leave room, 90 do not.
+    path = tmp_path / "job.toml"
+    fits = "/tmp/" + "d" * 69
+    path.write_text(f'[job]\nranks = 2\nruntime_dir = "{fits}"\n')
+    assert load_config(path, environ={}).config.job.runtime_dir == fits
+    path.write_text(f'[job]\nranks = 2\nruntime_dir = "{fits + "d" * 16}"\n')
+    with pytest.raises(ConfigError, match=r"^job.runtime_dir is too long \(from file .*"):
+        load_config(path, environ={})

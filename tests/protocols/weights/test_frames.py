@@ -16,7 +16,8 @@ from timeshare.protocols.weights.frames import PROTOCOL_VERSION, TensorPiece
 from timeshare.protocols.wire import MAX_ERROR_TEXT
 
 SAMPLES: list[frames.Request | frames.Reply] = [
-    frames.Invite(PROTOCOL_VERSION, 5, "ipc:///run/ts/w-rank0.sock.0000000000000005"),
+    frames.Invite(PROTOCOL_VERSION, 5),
+    frames.Invite(PROTOCOL_VERSION, 5, port=40123),
     frames.Offer(PROTOCOL_VERSION, 5, ShmSegments(names=["ts-w-x-1-2-3-0"], buffer_bytes=4096)),
     frames.Bucket(
         PROTOCOL_VERSION, 5, 7, 1, 0, 1, [TensorPiece("w", "bfloat16", (2, 3), 0, 12, 0, 12)], 99

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
 from timeshare.protocols.weights.segments import SHM_DIR, staging_tag, sweep_stale_segments
-from timeshare.runtime import sweep_stale_sockets
+from timeshare.runtime import Endpoint, sweep_stale_sockets
 
 if TYPE_CHECKING:
     # mypy sees the real types through these imports; at run time `__getattr__` below imports
@@ -69,8 +69,21 @@ __all__ = [
     "TransferReport",
     "WeightReceiver",
     "WeightSender",
+    "check_weight_endpoints",
     "sweep_stale",
+    "weight_endpoint",
 ]
+
+
+def weight_endpoint(runtime_dir: str | Path, rank: int) -> str:
+    """The endpoint of rank `rank`'s weight channel in a job's runtime directory."""
+    return f"ipc://{runtime_dir}/w-rank{rank}.sock"
+
+
+def check_weight_endpoints(runtime_dir: str | Path, ranks: int) -> None:
+    """Raise TransferError when the longest socket path the job's weight channels bind (the
+    last rank's session socket) does not fit in a socket address."""
+    Endpoint.parse(weight_endpoint(runtime_dir, ranks - 1)).session_socket(0)
 
 
 def sweep_stale(runtime_dir: str | Path, *, owners_gone: bool = False) -> list[str]:

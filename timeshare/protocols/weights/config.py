@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -21,6 +22,8 @@ MAX_PIPELINE_DEPTH = 2  # REQ/REP keeps one header in flight; deeper needs DEALE
 MAX_BUCKET_MB = 64 * 1024
 # close() blocks up to linger_s while the last reply goes out; a minute is already generous.
 MAX_LINGER_S = 60.0
+# A deadline shorter than a millisecond expires before any peer could answer.
+MIN_DEADLINE_S = 0.001
 DEADLINES = ("ack_timeout_s", "finalize_timeout_s", "handshake_timeout_s", "begin_timeout_s")
 
 
@@ -32,7 +35,8 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         receiver consumes bucket k).
     ack_timeout_s: longest wait for any reply or for the next frame within a transfer.
     finalize_timeout_s: longest the receiver's post-load processing may take.
-    handshake_timeout_s: longest wait for the peer to appear and map staging.
+    handshake_timeout_s: longest wait for each step of the handshake: a receiver to take the
+        invitation, to answer it, to connect to the session's socket, to map staging.
     begin_timeout_s: longest a receiver waits for the sender to begin a transfer (an RL step's
         training runs in between, so this is long).
     linger_s: how long a closing socket keeps trying to deliver its last reply.
@@ -63,7 +67,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 f"pipeline_depth must be 1 or {MAX_PIPELINE_DEPTH}, got {self.pipeline_depth}"
             )
         for key in DEADLINES:
-            _check_number(key, getattr(self, key), above=0, most=MAX_DEADLINE_S)
+            _check_number(key, getattr(self, key), least=MIN_DEADLINE_S, most=MAX_DEADLINE_S)
         if self.begin_timeout_s < self.ack_timeout_s:
             raise ConfigError(
                 f"begin_timeout_s ({self.begin_timeout_s:g} s) must not be shorter than "
@@ -83,7 +87,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
 
 
 def _check_int(key: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError(f"{key} must be an int, got {value!r}")
 
 
@@ -95,9 +99,10 @@ def _check_number(
     least: float | None = None,
     most: float,
 ) -> None:
-    """`value` is a finite int or float, > `above` (or >= `least`) and <= `most`."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    """`value` is a finite real number (numpy's too), > `above` (or >= `least`), <= `most`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{key} must be a number, got {value!r}")
+    value = float(value)
     if not math.isfinite(value):
         raise ConfigError(f"{key} must be a finite number, got {value}")
     if above is not None and not value > above:

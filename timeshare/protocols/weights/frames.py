@@ -8,6 +8,8 @@ On the endpoint both sides were given (the rendezvous), one request only:
 
     Invite    -> Ack(step="joined")      the session's own socket; the receiver that answers
                                          leaves the rendezvous and connects there
+              -> Failure                 the invitation is stale (its socket is gone): the
+                                         receiver stays at the rendezvous for the next one
 
 Then, on the session's socket, to which only the receiver that joined ever connects (so that no
 other receiver, not even one of a dead session on the same endpoint, is handed a frame of it):
@@ -68,9 +70,13 @@ class Totals(msgspec.Struct, frozen=True, array_like=True):
 
 
 class Invite(_Frame, frozen=True, tag="invite"):
+    """Join session `session` on its own socket: for ipc the file the receiver derives from its
+    endpoint and the session id; for tcp `port` on the host the receiver reached (never a host
+    of the sender's choosing: it may have bound 0.0.0.0)."""
+
     protocol: int
     session: int
-    endpoint: str  # the session's socket, bound by the sender for this session only
+    port: int = 0  # tcp only
 
 
 class Offer(_Frame, frozen=True, tag="offer"):

@@ -55,6 +55,7 @@ class WeightReceiver:
         self, endpoint: str, config: TransferConfig | None = None, device: str = "cpu"
     ) -> None:
         self.endpoint = Endpoint.parse(endpoint)
+        self.endpoint.check_connectable()
         self.config = config or TransferConfig()
         self.device = torch.device(device)
         self._staging: Staging | None = None
@@ -104,14 +105,14 @@ class WeightReceiver:
             finally:
                 self._cancel.set()
 
-        failure: Exception | None = None
+        failure: BaseException | None = None
         async with anyio.create_task_group() as group:
             group.start_soon(flag_cancellation)
             # Not abandoned: the thread owns the socket until it has seen the flag and shut down.
             # Its failure is raised after the group: raised inside, the group would wrap it.
             try:
                 report = await anyio.to_thread.run_sync(run)
-            except Exception as exc:
+            except BaseException as exc:  # the thread's own: run_sync is not cancellable
                 failure = exc
             group.cancel_scope.cancel()
         if failure is not None:
@@ -163,11 +164,14 @@ class WeightReceiver:
         timeout_s: float | None,
     ) -> TransferReport:
         begin_s = self.config.begin_timeout_s if timeout_s is None else timeout_s
+        waiting_since = time.monotonic()
         frame = self._next_request("begin", begin_s)
         started = time.perf_counter()
-        if isinstance(frame, frames.Invite):
-            self._socket.join(frame)
-            frame = self._next_request("handshake", self.config.handshake_timeout_s)
+        while isinstance(frame, frames.Invite):
+            if self._socket.join(frame):
+                frame = self._next_request("handshake", self.config.handshake_timeout_s)
+            else:  # a stale invitation: the wait for the transfer to begin goes on
+                frame = self._next_request("begin", begin_s, since=waiting_since)
         if isinstance(frame, frames.Offer):
             if self._staging is not None:
                 self._socket.fail(frame, ProtocolError("second handshake in one session"))
@@ -256,10 +260,11 @@ class WeightReceiver:
     # -- requests ---------------------------------------------------------------------------
 
     def _next_request(
-        self, phase: str, timeout: float, bucket: int | None = None
+        self, phase: str, timeout: float, bucket: int | None = None, *, since: float | None = None
     ) -> frames.Request:
-        """Wait for the sender's next frame; a dead or silent sender is an AckTimeout."""
-        deadline = time.monotonic() + timeout
+        """Wait for the sender's next frame, until `timeout` after `since` (default: now); a
+        dead or silent sender is an AckTimeout."""
+        deadline = (time.monotonic() if since is None else since) + timeout
         while True:
             if self._cancel.is_set():
                 raise _Cancelled("receive_async was cancelled")
@@ -293,8 +298,8 @@ def _check_timeout(timeout_s: float | None) -> None:
     """A caller's bound on the wait for a transfer to begin must be a real deadline."""
     if timeout_s is None:
         return
-    finite = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
-    if not finite or not 0 < timeout_s <= MAX_DEADLINE_S:
+    is_number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
+    if not is_number or not 0 < timeout_s <= MAX_DEADLINE_S:  # NaN fails the comparison
         raise ValueError(
             f"timeout_s must be a number of seconds in (0, {MAX_DEADLINE_S}], got {timeout_s}"
         )

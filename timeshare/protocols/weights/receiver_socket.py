@@ -29,7 +29,8 @@ log = structlog.get_logger(__name__)
 
 RECONNECT_IVL_MS = 50
 # How long the rendezvous socket, closed right after answering an invitation, keeps trying to
-# deliver that answer (a few ms when the sender is alive; it waits for it).
+# deliver that answer (a few ms when the sender is alive; it waits for it). close() may wait
+# this long, whatever linger_s is, when the sender died in between.
 JOIN_LINGER_MS = 1000
 
 
@@ -48,23 +49,38 @@ class ReceiverSocket:
             self._context.term()
             raise
 
-    def join(self, invite: frames.Invite) -> None:
-        """Join the session `invite` offers: connect to its socket, answer, leave the endpoint."""
+    def join(self, invite: frames.Invite) -> bool:
+        """Join the session `invite` offers: connect to its socket, answer, leave the endpoint.
+
+        False when the invitation is stale (a sender that has gone since left it queued here):
+        it is answered with a Failure (which a later sender's REQ drops as not its own) and
+        this socket stays at the endpoint for the next one.
+        """
         try:
-            session_endpoint = Endpoint.parse(invite.endpoint)
+            session_endpoint = self.endpoint.session_socket(invite.session, invite.port)
+            session_endpoint.check_connectable()
         except TransferError as exc:
-            self.fail(invite, ProtocolError(f"invitation to a bad endpoint: {exc}"))
-        if (session_endpoint.path is None) != (self.endpoint.path is None):
-            self.fail(
-                invite,
-                ProtocolError(f"invitation from {self.endpoint.url} to {invite.endpoint}"),
-            )
-        session_socket = self._connect(session_endpoint)
+            self.fail(invite, ProtocolError(f"invitation to no usable socket: {exc}"))
+        if not session_endpoint.is_live():
+            stale = PeerClosed(f"session {invite.session:x} is gone ({session_endpoint.url})")
+            self._send_reply(frames.failure_for(stale, session=invite.session, version=0, seq=0))
+            log.info("sync.invitation.stale", endpoint=self.endpoint.url, error=str(stale))
+            return False
+        try:
+            # Never reconnecting: once its sender is gone, nothing bound there later (a port
+            # reused, a rebuilt sender) can reach this receiver.
+            session_socket = self._connect(session_endpoint, reconnect=False)
+        except BaseException as exc:
+            error = TransferError(f"cannot connect to {session_endpoint.url}: {exc}")
+            error.__cause__ = exc
+            self.fail(invite, error)
         self._send_reply(frames.Ack(PROTOCOL_VERSION, invite.session, "joined", 0, 0))
         rendezvous, self._socket = self._socket, session_socket
+        # The answer must still go out, whatever linger_s says: the sender waits for it.
         rendezvous.close(linger=JOIN_LINGER_MS)
         self.session = invite.session
         self.last_seq = 0
+        return True
 
     def poll(self, limit_s: float) -> bool:
         """Whether a request is waiting, after at most `limit_s`."""
@@ -155,11 +171,11 @@ class ReceiverSocket:
         finally:
             self._context.term()
 
-    def _connect(self, endpoint: Endpoint) -> zmq.Socket[bytes]:
+    def _connect(self, endpoint: Endpoint, *, reconnect: bool = True) -> zmq.Socket[bytes]:
         socket = self._context.socket(zmq.REP)
         try:
             socket.setsockopt(zmq.LINGER, self._linger_ms)
-            socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+            socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS if reconnect else -1)
             socket.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             socket.connect(endpoint.url)
         except BaseException:

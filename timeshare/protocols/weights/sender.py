@@ -246,8 +246,8 @@ class WeightSender:
         )
         self._staging = staging
         try:
-            # Only the receiver that joins learns the session's socket; each step has the whole
-            # handshake deadline (one for a receiver to turn up, one for it to map staging).
+            # Only the receiver that joins learns the session's socket. Each wait of the
+            # handshake has the whole handshake deadline (config.py says which they are).
             await self._socket.invite(self.config.handshake_timeout_s)
             offer = frames.Offer(PROTOCOL_VERSION, self._session, staging.describe())
             await self._socket.request(offer, "mapped", self.config.handshake_timeout_s, seq=0)
@@ -275,7 +275,10 @@ class WeightSender:
         The notice is best effort and bounded; nothing it raises replaces `exc`.
         """
         reason = f"{type(exc).__name__}: {exc}"
-        peer_listens = not isinstance(exc, AckTimeout | PeerError | ProtocolError)
+        # Before a receiver joined there is nobody to tell (and a notice would wait in vain).
+        peer_listens = self._socket.joined and not isinstance(
+            exc, AckTimeout | PeerError | ProtocolError
+        )
         if peer_listens and self._staging is not None:
             with anyio.CancelScope(shield=True), anyio.move_on_after(ABORT_NOTICE_S):
                 try:

@@ -47,20 +47,21 @@ class SenderSocket:
 
     def __init__(self, endpoint: Endpoint, *, session: int, ack_timeout_s: float) -> None:
         self.session = session
+        self.joined = False  # a receiver answered the invitation
         self._ack_timeout_s = ack_timeout_s
         self._seq = 0
         self._context = zmq.asyncio.Context(io_threads=1)
         bound: list[_Bound] = []
         try:
             bound.append(self._bind(endpoint))
-            bound.append(self._bind(bound[0].endpoint.beside(f".{session:016x}")))
+            bound.append(self._bind(bound[0].endpoint.session_socket(session)))
         except BaseException:
             for each in bound:
                 _close(each, linger_s=0.0)
             self._context.term()
             raise
-        self._rendezvous, self._session = bound
-        self._socket = self._session.socket
+        self._rendezvous, self._session_socket = bound
+        self._socket = self._session_socket.socket  # every request after the invitation
 
     @property
     def endpoint(self) -> Endpoint:
@@ -69,7 +70,7 @@ class SenderSocket:
 
     @property
     def session_endpoint(self) -> Endpoint:
-        return self._session.endpoint
+        return self._session_socket.endpoint
 
     def next_seq(self) -> int:
         """The sequence number of the next request (the handshake's is 0)."""
@@ -78,17 +79,15 @@ class SenderSocket:
 
     async def invite(self, limit_s: float) -> None:
         """Send the invitation on the rendezvous and wait until a receiver has joined."""
-        invite = frames.Invite(PROTOCOL_VERSION, self.session, self.session_endpoint.url)
+        port = self.session_endpoint.port or 0
+        invite = frames.Invite(PROTOCOL_VERSION, self.session, port)
         socket = self._rendezvous.socket
-        with anyio.move_on_after(limit_s) as scope:
-            await socket.send(frames.encode(invite))
-        if scope.cancelled_caught:
-            raise self._timeout("joined", 0, limit_s, "no receiver took the invitation")
-        with anyio.move_on_after(limit_s) as scope:
-            data = await socket.recv()
-        if scope.cancelled_caught:
-            raise self._timeout("joined", 0, limit_s, "the receiver invited did not answer")
+        took = "no receiver took the invitation"
+        await self._send_on(socket, invite, phase="joined", seq=0, limit_s=limit_s, why=took)
+        why = "the receiver did not answer"
+        data = await self._recv_on(socket, phase="joined", seq=0, limit_s=limit_s, why=why)
         self._checked(frames.decode_reply(data), 0, 0, "joined")
+        self.joined = True
 
     async def request(
         self, frame: frames.Request, step: str, limit_s: float, seq: int | None = None
@@ -108,22 +107,54 @@ class SenderSocket:
         *,
         bucket: int | None = None,
     ) -> None:
-        # A REQ send waits for a connected peer; bounded like every other wait.
+        why = "no receiver connected to the session"
         limit_s = limit_s or self._ack_timeout_s
-        with anyio.move_on_after(limit_s) as scope:
-            await self._socket.send(frames.encode(frame))
-        if scope.cancelled_caught:
-            raise self._timeout(phase, seq, limit_s, "no receiver connected to the session", bucket)
+        await self._send_on(
+            self._socket, frame, phase=phase, seq=seq, limit_s=limit_s, why=why, bucket=bucket
+        )
 
     async def await_ack(
         self, seq: int, version: int, step: str, limit_s: float, *, bucket: int | None = None
     ) -> Ack:
         """The receiver's ACK of request `seq`; anything else it may answer is raised."""
-        with anyio.move_on_after(limit_s) as scope:
-            data = await self._socket.recv()
-        if scope.cancelled_caught:
-            raise self._timeout(step, seq, limit_s, "waiting for the receiver's ACK", bucket)
+        why = "waiting for the receiver's ACK"
+        data = await self._recv_on(
+            self._socket, phase=step, seq=seq, limit_s=limit_s, why=why, bucket=bucket
+        )
         return self._checked(frames.decode_reply(data), seq, version, step)
+
+    async def _send_on(
+        self,
+        socket: zmq.asyncio.Socket,
+        frame: frames.Request,
+        *,
+        phase: str,
+        seq: int,
+        limit_s: float,
+        why: str,
+        bucket: int | None = None,
+    ) -> None:
+        # A REQ send waits for a connected peer; bounded like every other wait.
+        with anyio.move_on_after(limit_s) as scope:
+            await socket.send(frames.encode(frame))
+        if scope.cancelled_caught:
+            raise self._timeout(phase, seq, limit_s, why, bucket)
+
+    async def _recv_on(
+        self,
+        socket: zmq.asyncio.Socket,
+        *,
+        phase: str,
+        seq: int,
+        limit_s: float,
+        why: str,
+        bucket: int | None = None,
+    ) -> bytes:
+        with anyio.move_on_after(limit_s) as scope:
+            data: bytes = await socket.recv()
+        if scope.cancelled_caught:
+            raise self._timeout(phase, seq, limit_s, why, bucket)
+        return data
 
     def _checked(self, reply: frames.Reply, seq: int, version: int, step: str) -> Ack:
         if isinstance(reply, frames.Failure):
@@ -186,7 +217,7 @@ class SenderSocket:
         """Close both sockets (with linger_s 0 nothing waits, not even term()); remove their
         files, whatever closing raised."""
         try:
-            _close(self._session, linger_s=linger_s)
+            _close(self._session_socket, linger_s=linger_s)
         finally:
             try:
                 _close(self._rendezvous, linger_s=0.0)
@@ -196,15 +227,25 @@ class SenderSocket:
     def _bind(self, endpoint: Endpoint) -> _Bound:
         endpoint.prepare_bind()
         socket = self._context.socket(zmq.REQ)
-        socket.setsockopt(zmq.LINGER, 0)
+        inode = None
         try:
-            socket.bind(endpoint.bind_url)
-        except zmq.ZMQError as exc:
-            socket.close()
-            raise TransferError(f"cannot bind weight channel {endpoint.url}: {exc}") from exc
-        if endpoint.path is None:  # tcp: the port libzmq chose when asked for any
-            endpoint = Endpoint.parse(cast(bytes, socket.getsockopt(zmq.LAST_ENDPOINT)).decode())
-        return _Bound(socket, endpoint, endpoint.bound_inode())
+            socket.setsockopt(zmq.LINGER, 0)
+            # A reply to an older request (a stale receiver answering an invitation that a
+            # sender before this one sent to the endpoint) is dropped, not taken for ours.
+            socket.setsockopt(zmq.REQ_CORRELATE, 1)
+            try:
+                socket.bind(endpoint.url)
+            except zmq.ZMQError as exc:
+                raise TransferError(f"cannot bind weight channel {endpoint.url}: {exc}") from exc
+            inode = endpoint.bound_inode()
+            if endpoint.path is None:  # tcp: the port libzmq chose when asked for any
+                last = cast(bytes, socket.getsockopt(zmq.LAST_ENDPOINT)).decode()
+                endpoint = Endpoint.parse(last)
+        except BaseException:
+            socket.close(linger=0)
+            endpoint.remove_socket_file(inode)
+            raise
+        return _Bound(socket, endpoint, inode)
 
     def _idle(self) -> bool:
         """Whether REQ may send now (no header is awaiting its reply)."""
