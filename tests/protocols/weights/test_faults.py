@@ -10,7 +10,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -180,19 +179,6 @@ async def test_slow_finalize_is_a_timeout_on_both_sides(runtime_dir: Path) -> No
         event = peer.next_event()
         assert event["type"] == "TransferError"
         assert "finalize took" in event["message"]
-
-
-@pytest.fixture
-def rogue_sender(runtime_dir: Path) -> Iterator[zmq.Socket[bytes]]:
-    """A raw REQ socket bound where a WeightSender would be, to send what no sender would."""
-    context = zmq.Context()
-    rogue = context.socket(zmq.REQ)
-    rogue.setsockopt(zmq.LINGER, 0)
-    rogue.bind(endpoint(runtime_dir))
-    yield rogue
-    rogue.close()
-    context.term()
-    os.unlink(runtime_dir / "w-rank0.sock")
 
 
 def test_malformed_frame_to_the_receiver_is_a_protocol_error(

@@ -9,7 +9,6 @@ did not join. An invitation left queued by a sender that has gone is skipped, no
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -184,19 +183,6 @@ async def test_an_invitation_of_a_sender_that_has_gone_is_skipped(runtime_dir: P
         assert "sync.invitation.stale" in receiver.stderr()
     may_receive.unlink()
     assert socket_files(runtime_dir) == []
-
-
-@pytest.fixture
-def rogue_sender(runtime_dir: Path) -> Iterator[zmq.Socket[bytes]]:
-    """A raw REQ socket bound where a WeightSender would be, to send what no sender would."""
-    context = zmq.Context()
-    rogue = context.socket(zmq.REQ)
-    rogue.setsockopt(zmq.LINGER, 0)
-    rogue.bind(endpoint(runtime_dir))
-    yield rogue
-    rogue.close()
-    context.term()
-    os.unlink(runtime_dir / "w-rank0.sock")
 
 
 def test_an_invitation_to_nowhere_is_answered_and_the_receiver_waits_on(
