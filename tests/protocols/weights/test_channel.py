@@ -90,24 +90,29 @@ async def test_async_iterable_input_and_session_reuse(runtime_dir: Path) -> None
 
 @pytest.mark.asyncio
 async def test_sender_closing_ends_a_waiting_receiver(runtime_dir: Path) -> None:
-    cfg = TransferConfig(**SMALL)
-    outcome: list[BaseException] = []
+    # Ten pairs: a goodbye merely sent, not answered, was lost about one time in three (the
+    # receiver's session socket never reconnects, so libzmq drops what it had not read).
+    cfg = TransferConfig(**{**SMALL, "begin_timeout_s": 60.0})
 
-    def receive_twice() -> None:
+    def receive_twice(outcome: list[BaseException]) -> None:
         with WeightReceiver(endpoint(runtime_dir), cfg) as receiver:
             receiver.receive(lambda items: None)
             try:
                 receiver.receive(lambda items: None)
-            except PeerClosed as exc:
+            except BaseException as exc:
                 outcome.append(exc)
 
-    thread = threading.Thread(target=receive_twice)
-    thread.start()
-    with WeightSender(endpoint(runtime_dir), cfg) as sender:
-        await sender.send({"w": torch.ones(4)}, version=0)
-    thread.join(timeout=10)
-    assert not thread.is_alive()
-    assert len(outcome) == 1 and "closed the session" in str(outcome[0])
+    for _ in range(10):
+        outcome: list[BaseException] = []
+        thread = threading.Thread(target=receive_twice, args=(outcome,))
+        thread.start()
+        with WeightSender(endpoint(runtime_dir), cfg) as sender:
+            await sender.send({"w": torch.ones(4)}, version=0)
+        thread.join(timeout=20)
+        assert not thread.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], PeerClosed), outcome
+        assert "closed the session" in str(outcome[0])
+    assert socket_files(runtime_dir) == []
 
 
 @pytest.mark.asyncio

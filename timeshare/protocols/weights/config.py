@@ -39,7 +39,8 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         invitation, to answer it, to connect to the session's socket, to map staging.
     begin_timeout_s: longest a receiver waits for the sender to begin a transfer (an RL step's
         training runs in between, so this is long).
-    linger_s: how long a closing socket keeps trying to deliver its last reply.
+    linger_s: how long closing may take to deliver the last message: the receiver's last
+        reply (zmq linger), the sender's goodbye (waiting for the receiver to answer it).
     checksum: add a crc32 of each bucket and check it on the receiver.
     transport: "shm" (shared memory) or "auto" (the best one for the device: shm on CPU).
 

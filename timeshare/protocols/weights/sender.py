@@ -103,8 +103,9 @@ class WeightSender:
             raise TransferError(
                 f"weight sender {self.endpoint.url}: close() while a transfer is in progress"
             )
-        said_goodbye = self._staging is not None and self._socket.say_goodbye()
-        self._shutdown("closed", linger_s=self.config.linger_s if said_goodbye else 0.0)
+        if self._staging is not None:  # a receiver joined and mapped staging
+            self._socket.say_goodbye(self.config.linger_s)
+        self._shutdown("closed")
 
     def __enter__(self) -> WeightSender:
         return self
@@ -291,9 +292,9 @@ class WeightSender:
                     )
         self._shutdown(reason)
 
-    def _shutdown(self, reason: str, *, linger_s: float = 0.0) -> None:
-        """Free everything, the sockets and their files even when freeing staging raised; with
-        linger_s 0 (failures) nothing waits, not even term()."""
+    def _shutdown(self, reason: str) -> None:
+        """Free everything, the sockets and their files even when freeing staging raised;
+        nothing waits (a goodbye was answered, or given up on, before)."""
         self._closed_because = reason
         staging, self._staging = self._staging, None
         try:
@@ -301,7 +302,7 @@ class WeightSender:
                 staging.unlink_names()
                 staging.close()
         finally:
-            self._socket.close(linger_s=linger_s)
+            self._socket.close()
 
     def _check_usable(self) -> None:
         if self._closed_because is not None:

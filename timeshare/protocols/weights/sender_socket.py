@@ -57,7 +57,7 @@ class SenderSocket:
             bound.append(self._bind(bound[0].endpoint.session_socket(session)))
         except BaseException:
             for each in bound:
-                _close(each, linger_s=0.0)
+                _close(each)
             self._context.term()
             raise
         self._rendezvous, self._session_socket = bound
@@ -202,25 +202,31 @@ class SenderSocket:
         await self._socket.send(frames.encode(notice))
         await self._socket.recv()
 
-    def say_goodbye(self) -> bool:
-        """Best effort, never blocks: lets a receiver waiting for the next transfer stop at once."""
+    def say_goodbye(self, limit_s: float) -> None:
+        """Best effort, blocks at most `limit_s`: lets a receiver waiting for the next transfer
+        stop at once. Waits for its answer: the receiver's session socket never reconnects, so
+        libzmq drops what it had not read yet when this side closes (a goodbye merely sent
+        would often be lost)."""
         goodbye = frames.encode(frames.Goodbye(PROTOCOL_VERSION, self.session))
         blocking_view: zmq.Socket[bytes] = zmq.Socket.shadow(self._socket.underlying)
         try:
             blocking_view.send(goodbye, flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             log.debug("sync.goodbye.skipped", endpoint=self.endpoint.url, reason="peer gone")
-            return False
-        return True
+            return
+        if blocking_view.poll(int(limit_s * 1000), zmq.POLLIN):
+            blocking_view.recv(flags=zmq.NOBLOCK)  # its "goodbye" ACK: nothing to check
+        else:
+            log.debug("sync.goodbye.unanswered", endpoint=self.endpoint.url, limit_s=limit_s)
 
-    def close(self, *, linger_s: float) -> None:
-        """Close both sockets (with linger_s 0 nothing waits, not even term()); remove their
-        files, whatever closing raised."""
+    def close(self) -> None:
+        """Close both sockets and remove their files, whatever closing raised; nothing waits
+        (no linger), not even term()."""
         try:
-            _close(self._session_socket, linger_s=linger_s)
+            _close(self._session_socket)
         finally:
             try:
-                _close(self._rendezvous, linger_s=0.0)
+                _close(self._rendezvous)
             finally:
                 self._context.term()
 
@@ -252,9 +258,9 @@ class SenderSocket:
         return bool(cast(int, self._socket.getsockopt(zmq.EVENTS)) & zmq.POLLOUT)
 
 
-def _close(bound: _Bound, *, linger_s: float) -> None:
+def _close(bound: _Bound) -> None:
     try:
-        bound.socket.close(linger=int(linger_s * 1000))
+        bound.socket.close(linger=0)
     finally:
         with contextlib.suppress(OSError):
             bound.endpoint.remove_socket_file(bound.inode)
