@@ -23,6 +23,7 @@ import contextlib
 from typing import NamedTuple, cast
 
 import anyio
+import anyio.lowlevel
 import structlog
 import zmq
 import zmq.asyncio
@@ -151,10 +152,15 @@ class SenderSocket:
         bucket: int | None = None,
     ) -> bytes:
         with anyio.move_on_after(limit_s) as scope:
-            data: bytes = await socket.recv()
-        if scope.cancelled_caught:
-            raise self._timeout(phase, seq, limit_s, why, bucket)
-        return data
+            while True:
+                try:
+                    return await socket.recv()
+                except zmq.Again:
+                    # REQ_CORRELATE dropped an answer to another request (a stale receiver's
+                    # to an invitation of a sender before this one) after the poll saw it.
+                    await anyio.lowlevel.checkpoint()
+        assert scope.cancelled_caught
+        raise self._timeout(phase, seq, limit_s, why, bucket)
 
     def _checked(self, reply: frames.Reply, seq: int, version: int, step: str) -> Ack:
         if isinstance(reply, frames.Failure):
