@@ -67,6 +67,11 @@ class Endpoint:
         return None if self.path is None else self.path.parent
 
     @property
+    def host(self) -> str | None:
+        """A tcp endpoint's host, as written (an IPv6 address in brackets); None for ipc."""
+        return None if self.path is not None else self.url.removeprefix("tcp://").rpartition(":")[0]
+
+    @property
     def port(self) -> int | None:
         """A tcp endpoint's port (0 for any free one); None for ipc."""
         if self.path is not None:
@@ -83,8 +88,7 @@ class Endpoint:
         """Where the session `session` of this endpoint runs: for ipc the file beside this one
         named for the session; for tcp `port` on this endpoint's host (0 when binding: any)."""
         if self.path is None:
-            host = self.url.removeprefix("tcp://").rpartition(":")[0]
-            return Endpoint(f"tcp://{host}:{port}", None)
+            return Endpoint(f"tcp://{self.host}:{port}", None)
         suffix = f".{session & SESSION_SUFFIX_MASK:08x}"
         try:
             return Endpoint.parse(f"{self.url}{suffix}")
@@ -98,9 +102,9 @@ class Endpoint:
         """Whether something accepts connections here now (a probe: connect, then close)."""
         if self.path is not None:
             return socket_is_live(self.path)
-        host, _, port = self.url.removeprefix("tcp://").rpartition(":")
+        assert self.host is not None
         try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+            with socket.create_connection((self.host.strip("[]"), self.port), timeout=1.0):
                 return True
         except OSError:
             return False

@@ -9,15 +9,17 @@ from pathlib import Path
 import pytest
 import zmq
 
+from tests.protocols.weights.peers import endpoint
+
 
 @pytest.fixture
 def rogue_sender(runtime_dir: Path) -> Iterator[zmq.Socket[bytes]]:
-    """A raw REQ socket bound at `<runtime_dir>/w-rank0.sock`, where the tests' WeightSender
-    would be, to send what no sender would."""
+    """A raw REQ socket bound where the tests' WeightSender would be, to send what no sender
+    would."""
     context = zmq.Context()
     rogue = context.socket(zmq.REQ)
     rogue.setsockopt(zmq.LINGER, 0)
-    rogue.bind(f"ipc://{runtime_dir}/w-rank0.sock")
+    rogue.bind(endpoint(runtime_dir))
     yield rogue
     rogue.close()
     context.term()

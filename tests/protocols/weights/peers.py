@@ -14,7 +14,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from timeshare.protocols.weights import weight_endpoint
+
 ROOT = Path(__file__).resolve().parents[3]
+
+
+def endpoint(runtime_dir: Path) -> str:
+    """The endpoint the channel's tests use: rank 0's weight channel in `runtime_dir`."""
+    return weight_endpoint(runtime_dir, 0)
 
 
 class Peer:

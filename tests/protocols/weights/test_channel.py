@@ -13,15 +13,11 @@ import torch
 
 from tests.conftest import socket_files
 from tests.protocols.weights.peer import digest, make_weights
-from tests.protocols.weights.peers import Peer
+from tests.protocols.weights.peers import Peer, endpoint
 from timeshare.errors import PeerClosed, SessionClosed, TransferError
 from timeshare.protocols.weights import TransferConfig, WeightReceiver, WeightSender
 
 SMALL: dict[str, Any] = {"bucket_mb": 0.25, "ack_timeout_s": 20.0, "handshake_timeout_s": 30.0}
-
-
-def endpoint(runtime_dir: Path) -> str:
-    return f"ipc://{runtime_dir}/w-rank0.sock"
 
 
 def expected_digests(spec: str, seed: int = 0) -> dict[str, list[Any]]:

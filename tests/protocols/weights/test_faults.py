@@ -20,7 +20,7 @@ import zmq
 
 from tests.conftest import socket_files, staging_segments
 from tests.protocols.weights.peer import make_weights
-from tests.protocols.weights.peers import Peer, wait_until
+from tests.protocols.weights.peers import Peer, endpoint, wait_until
 from timeshare.errors import AckTimeout, PeerError, ProtocolError, SessionClosed
 from timeshare.protocols.weights import (
     TransferConfig,
@@ -38,10 +38,6 @@ FAST: dict[str, Any] = {
     "finalize_timeout_s": ACK_TIMEOUT_S,
 }
 WEIGHTS = "mb:2:0.125"  # 16 tensors of 128 KiB, two to a 0.25 MiB bucket, views of staging
-
-
-def endpoint(runtime_dir: Path) -> str:
-    return f"ipc://{runtime_dir}/w-rank0.sock"
 
 
 @pytest.mark.asyncio

@@ -22,7 +22,7 @@ import zmq
 
 from tests.conftest import socket_files
 from tests.protocols.weights.peer import digest, make_weights
-from tests.protocols.weights.peers import Peer, first_to_speak, wait_until
+from tests.protocols.weights.peers import Peer, endpoint, first_to_speak, wait_until
 from timeshare.errors import AckTimeout, ProtocolError
 from timeshare.protocols.weights import (
     TransferConfig,
@@ -42,10 +42,6 @@ CFG: dict[str, Any] = {
     "begin_timeout_s": 60.0,
 }
 WEIGHTS = "mb:2:0.125"  # 16 tensors of 128 KiB: 8 buckets of 0.25 MiB
-
-
-def endpoint(runtime_dir: Path) -> str:
-    return f"ipc://{runtime_dir}/w-rank0.sock"
 
 
 def digests(spec: str, seed: int) -> dict[str, list[Any]]:

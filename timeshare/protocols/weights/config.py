@@ -59,7 +59,7 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     transport: Transport = "auto"
 
     def __post_init__(self) -> None:
-        _check_number("bucket_mb", self.bucket_mb, above=0, most=MAX_BUCKET_MB)
+        check_number("bucket_mb", self.bucket_mb, above=0, most=MAX_BUCKET_MB)
         if self.bucket_bytes < ALIGNMENT:
             raise ConfigError(f"bucket_mb={self.bucket_mb} is smaller than {ALIGNMENT} bytes")
         _check_int("pipeline_depth", self.pipeline_depth)
@@ -68,13 +68,13 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 f"pipeline_depth must be 1 or {MAX_PIPELINE_DEPTH}, got {self.pipeline_depth}"
             )
         for key in DEADLINES:
-            _check_number(key, getattr(self, key), least=MIN_DEADLINE_S, most=MAX_DEADLINE_S)
+            check_number(key, getattr(self, key), least=MIN_DEADLINE_S, most=MAX_DEADLINE_S)
         if self.begin_timeout_s < self.ack_timeout_s:
             raise ConfigError(
                 f"begin_timeout_s ({self.begin_timeout_s:g} s) must not be shorter than "
                 f"ack_timeout_s ({self.ack_timeout_s:g} s)"
             )
-        _check_number("linger_s", self.linger_s, least=0, most=MAX_LINGER_S)
+        check_number("linger_s", self.linger_s, least=0, most=MAX_LINGER_S)
         if not isinstance(self.checksum, bool):
             raise ConfigError(f"checksum must be true or false, got {self.checksum!r}")
         if self.transport not in get_args(Transport):
@@ -92,7 +92,7 @@ def _check_int(key: str, value: object) -> None:
         raise ConfigError(f"{key} must be an int, got {value!r}")
 
 
-def _check_number(
+def check_number(
     key: str,
     value: object,
     *,
@@ -100,7 +100,8 @@ def _check_number(
     least: float | None = None,
     most: float,
 ) -> None:
-    """`value` is a finite real number (numpy's too), > `above` (or >= `least`), <= `most`."""
+    """`value` is a finite real number (numpy's too), > `above` (or >= `least`), <= `most`;
+    else a ConfigError (a ValueError) naming `key` (a setting, or an argument of a call)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{key} must be a number, got {value!r}")
     value = float(value)
@@ -108,11 +109,11 @@ def _check_number(
         raise ConfigError(f"{key} must be a finite number, got {value}")
     if above is not None and not value > above:
         bound = "positive" if above == 0 else f"more than {above:g}"
-        raise ConfigError(f"{key} must be {bound}, got {value:g}")
+        raise ConfigError(f"{key} must be {bound}, got {value}")
     if least is not None and not value >= least:
-        raise ConfigError(f"{key} must be at least {least:g}, got {value:g}")
+        raise ConfigError(f"{key} must be at least {least:g}, got {value}")
     if value > most:
-        raise ConfigError(f"{key} must be at most {most:g}, got {value:g}")
+        raise ConfigError(f"{key} must be at most {most:g}, got {value}")
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 
 from timeshare.errors import ProtocolError, SessionClosed, TransferError
 from timeshare.protocols.weights import frames
-from timeshare.protocols.weights.config import TransferConfig, TransferReport
+from timeshare.protocols.weights.config import TransferConfig, TransferReport, check_number
 from timeshare.protocols.weights.layout import Assembler, crc32, fence, payload_extent
 from timeshare.protocols.weights.receiver_socket import ReceiverSocket
 from timeshare.protocols.weights.staging import Staging, views_alive
@@ -144,7 +144,8 @@ class WeightReceiver:
     ) -> TransferReport | None:
         """`receive`, or None when the cancel flag stopped it; either way a failure closes."""
         self._check_usable()
-        _check_timeout(timeout_s)
+        if timeout_s is not None:  # a caller's bound must be a real deadline
+            check_number("timeout_s", timeout_s, above=0, most=MAX_DEADLINE_S)
         self._cancel.clear()
         expected = None if expected_names is None else frozenset(expected_names)
         try:
@@ -292,17 +293,6 @@ class WeightReceiver:
 
     def _cancelled_error(self) -> SessionClosed:
         return SessionClosed(f"weight receiver {self.endpoint.url}: receive was cancelled")
-
-
-def _check_timeout(timeout_s: float | None) -> None:
-    """A caller's bound on the wait for a transfer to begin must be a real deadline."""
-    if timeout_s is None:
-        return
-    is_number = isinstance(timeout_s, int | float) and not isinstance(timeout_s, bool)
-    if not is_number or not 0 < timeout_s <= MAX_DEADLINE_S:  # NaN fails the comparison
-        raise ValueError(
-            f"timeout_s must be a number of seconds in (0, {MAX_DEADLINE_S}], got {timeout_s}"
-        )
 
 
 def _check_checksum(bucket: frames.Bucket, base: torch.Tensor) -> None:

@@ -60,7 +60,6 @@ class WeightSender:
     """Sends named tensors to one `WeightReceiver`; async, never blocks the event loop."""
 
     def __init__(self, endpoint: str, config: TransferConfig | None = None) -> None:
-        self.endpoint = Endpoint.parse(endpoint)
         self.config = config or TransferConfig()
         self._session = secrets.randbits(63)
         self._staging: Staging | None = None
@@ -69,9 +68,10 @@ class WeightSender:
         self._busy = False
         self._closed_because: str | None = None
         self._socket = SenderSocket(
-            self.endpoint, session=self._session, ack_timeout_s=self.config.ack_timeout_s
+            Endpoint.parse(endpoint),
+            session=self._session,
+            ack_timeout_s=self.config.ack_timeout_s,
         )
-        self.endpoint = self._socket.endpoint  # as bound: tcp port 0 asks for a free port
 
     async def send(self, weights: NamedTensors, *, version: int) -> TransferReport:
         """Send every (name, tensor) of `weights` as weight version `version`.
@@ -112,6 +112,11 @@ class WeightSender:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    @property
+    def endpoint(self) -> Endpoint:
+        """Where receivers connect, as bound (for `tcp://host:0`, the port it got)."""
+        return self._socket.endpoint
 
     @property
     def session(self) -> int:
@@ -280,7 +285,7 @@ class WeightSender:
         peer_listens = self._socket.joined and not isinstance(
             exc, AckTimeout | PeerError | ProtocolError
         )
-        if peer_listens and self._staging is not None:
+        if peer_listens:  # (joined: staging exists, it is made before the invitation)
             with anyio.CancelScope(shield=True), anyio.move_on_after(ABORT_NOTICE_S):
                 try:
                     await self._socket.send_abort_notice(version, reason)
