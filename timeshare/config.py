@@ -3,7 +3,8 @@
     [job]        ranks, steps, runtime_dir, checkpoint_dir
     [deadlines]  phase_s, stall_s, barrier_s, ready_s; [deadlines.commands] per command
     [transfer]   the weight channel (TransferConfig)
-    [engine]     kind, and that engine's own section ([engine.simulated], [engine.torch_ref])
+    [engine]     kind, rollout, and each engine's own section ([engine.simulated],
+                 [engine.torch_ref], [engine.vllm])
     [[faults]]   injected faults, for drills
     [log]        level, and a file for JSON lines
     [daemon]     the service `timeshared`: control socket, state directory, metrics, drain
@@ -29,16 +30,16 @@ import msgspec
 
 from timeshare.engines.faults import Fault
 from timeshare.engines.spec import EngineSpec
+from timeshare.engines.torch_ref.spec import model_config
+from timeshare.engines.vllm.args import check_engine_args
 from timeshare.errors import ConfigError, TransferError
 from timeshare.levels import LogLevel
 from timeshare.protocols.weights import check_weight_endpoints
 from timeshare.protocols.weights.config import TransferConfig
 from timeshare.state import Phase
-from timeshare.units import MAX_DEADLINE_S
+from timeshare.units import Seconds
 
 ENV_PREFIX = "TIMESHARE_"
-# A duration in seconds: positive and finite (at most a week); inf would be a wait without end.
-Seconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_DEADLINE_S)]
 
 
 class JobSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -135,6 +136,7 @@ def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> 
     config = _convert(_merged(msgspec.to_builtins(Config()), data), sources)
     _check_nesting(config, sources)
     _check_runtime_dir(config, sources)
+    _check_engine(config)
     return LoadedConfig(config, sources)
 
 
@@ -243,6 +245,13 @@ def _check_runtime_dir(config: Config, sources: dict[str, str]) -> None:
     except TransferError as exc:
         where = sources.get("job.runtime_dir", "default")
         raise ConfigError(f"job.runtime_dir is too long (from {where}): {exc}") from exc
+
+
+def _check_engine(config: Config) -> None:
+    """An engine that validates its own arguments (vLLM) is asked now, before any worker."""
+    engine = config.engine
+    if engine.rollout == "vllm":
+        check_engine_args(engine.vllm, model_config(engine.torch_ref))
 
 
 def _check_nesting(config: Config, sources: dict[str, str]) -> None:

@@ -240,6 +240,21 @@ class EngineAsleep(TimeshareError):
     needs is released."""
 
 
+class LoaderFailed(TimeshareError):
+    """Raised by an inference engine's own weight loader refusing a bucket (a name, a shape or a
+    dtype it does not take); the trainer sees it as `PeerError` naming it and the engine."""
+
+
+class GenerateTimeout(TimeshareError):
+    """Raised by a rollout engine whose generate ran past its deadline; the requests were
+    aborted inside the engine, which stays usable."""
+
+
+class EngineBroken(TimeshareError):
+    """Raised by an engine whose call into its inference engine did not return within its
+    deadline: the engine cannot be trusted again (the worker is restarted)."""
+
+
 class OffPolicy(TimeshareError):
     """Raised by the reference trainer when a sample in its batch was produced by weights other
     than the ones being trained."""

@@ -125,15 +125,18 @@ async def meet_at_barrier(barrier: Barrier, cycle: int, timeout_s: float) -> Non
 
 async def held_memory(workers: Workers, ranks: int, deadline_s: float) -> tuple[Held, ...]:
     """What device memory every worker says it holds (the job stands at the pause boundary)."""
-    held: dict[WorkerId, float] = {}
+    held: dict[WorkerId, HeldResult] = {}
 
     async def ask(worker: WorkerId) -> None:
         result = await workers.call(worker, "held", {}, deadline_s=deadline_s, returns=HeldResult)
-        held[worker] = result.held_mb
+        held[worker] = result
 
     await _on_every_worker(ranks, ask, "pause")
     in_order = sorted(held.items(), key=lambda item: (item[0].rank, item[0].role != "trainer"))
-    return tuple(Held(worker.role, worker.rank, mb) for worker, mb in in_order)
+    return tuple(
+        Held(worker.role, worker.rank, result.held_mb, result.resident_mb)
+        for worker, result in in_order
+    )
 
 
 async def _on_every_worker(

@@ -14,6 +14,8 @@ has run all six of its phases. For each step:
   `ranks_agree`: every rank's trainer sent the same weights.
 - `logprob_max_abs_diff`: the largest difference between the trainer's and the rollout's
   logprobs of the sampled tokens (None: the engine does not measure it).
+- `rollout_resident_mb`: memory the rollout engines keep while asleep because their platform
+  cannot release it (vLLM on CPU has no sleep mode), summed over ranks; 0 where sleep frees all.
 - `bubble_s`: the part of a rank's step spent in no engine call and no transfer (fence waits,
   orchestration), averaged over ranks; `step_s`: the slowest rank's wall time for the step.
 - `committed_step`: the step every rank made durable (None: the engine keeps no checkpoints).
@@ -30,7 +32,12 @@ from typing import TypeVar
 import msgspec
 
 from timeshare.cycle.hooks import BootstrapReport, PhaseReport
-from timeshare.protocols.commands.results import PhaseResult, SyncResult, TrainResult
+from timeshare.protocols.commands.results import (
+    PhaseResult,
+    RolloutResult,
+    SyncResult,
+    TrainResult,
+)
 from timeshare.state import Phase
 from timeshare.units import gbps
 
@@ -62,6 +69,8 @@ class StepFigures(msgspec.Struct, frozen=True, kw_only=True):
     weights_match: bool
     ranks_agree: bool
     logprob_max_abs_diff: float | None
+    # memory the rollout engines keep while asleep, all ranks (vLLM without sleep mode: CPU)
+    rollout_resident_mb: float
     committed_step: int | None
     resumed: bool
 
@@ -145,6 +154,9 @@ def step_figures(
         weights_match=all(s.digest == r.digest for s, r in zip(sent, received, strict=True)),
         ranks_agree=len({s.digest for s in sent}) == 1,
         logprob_max_abs_diff=max(logprob_diffs) if logprob_diffs else None,
+        rollout_resident_mb=sum(
+            _as(RolloutResult, by_rank[r]["rollout"].rollout).resident_mb for r in range(ranks)
+        ),
         committed_step=None if None in committed else min(c for c in committed if c is not None),
         resumed=resumed,
     )

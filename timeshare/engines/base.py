@@ -18,16 +18,38 @@ from typing import Any
 
 import torch
 
+from timeshare.engines.inlet import LocalInlet, WeightInlet
 from timeshare.errors import UnsupportedInput, WeightsTorn
+from timeshare.protocols.weights import TransferConfig
+
+
+class WeightsDigest:
+    """A digest of named weights fed one tensor at a time, in any order (as buckets arrive).
+
+    Each tensor is hashed as it comes; the digest is sha256 over the sorted lines
+    "name|dtype|shape|sha256 of the bytes". Equal iff every name, dtype, shape and byte agrees.
+    """
+
+    def __init__(self) -> None:
+        self._lines: dict[str, str] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        data = tensor.detach().contiguous().cpu()
+        payload = hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().data)
+        self._lines[name] = f"{name}|{data.dtype}|{tuple(data.shape)}|{payload.hexdigest()}"
+
+    def hexdigest(self) -> str:
+        digest = hashlib.sha256()
+        for name in sorted(self._lines):
+            digest.update(self._lines[name].encode() + b"\n")
+        return digest.hexdigest()
 
 
 def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """sha256 over every (name, dtype, shape, bytes), by name: equal iff the weights are equal."""
-    digest = hashlib.sha256()
-    for name, tensor in sorted(named, key=lambda item: item[0]):
-        data = tensor.detach().contiguous().cpu()
-        digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}|".encode())
-        digest.update(data.reshape(-1).view(torch.uint8).numpy().tobytes())
+    """The `WeightsDigest` of all of `named`: equal iff the weights are equal."""
+    digest = WeightsDigest()
+    for name, tensor in named:
+        digest.add(name, tensor)
     return digest.hexdigest()
 
 
@@ -183,9 +205,24 @@ class RolloutEngine(ABC):
     def held_mb(self) -> float:
         """Device memory this engine holds now, in MiB (0 once it sleeps)."""
 
+    def open_inlet(self, endpoint: str, transfer: TransferConfig) -> WeightInlet:
+        """Where this engine's weights come in (default: a receiver in this process)."""
+        return LocalInlet(self, endpoint, transfer)
+
+    def resident_mb(self) -> float:
+        """Memory this engine keeps even asleep, because the platform cannot release it (MiB).
+
+        Not counted in `held_mb`: the driver's memory rules check only what an engine can
+        release; status, the log and the summary show this plainly.
+        """
+        return 0.0
+
     def begin_weight_update(self) -> None:
         """A transfer starts: until it finishes, the weights are torn."""
         self.torn = True
+
+    def close(self) -> None:  # noqa: B027 - an optional hook
+        """The worker is shutting down (e.g. stop the engine's own processes)."""
 
     def check_whole(self) -> int:
         if self.torn or self.weight_version is None:

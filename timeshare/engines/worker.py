@@ -51,7 +51,6 @@ from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import (
     TransferConfig,
     TransferReport,
-    WeightReceiver,
     WeightSender,
 )
 
@@ -68,11 +67,13 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     store_host: str
     store_port: int
     checkpoint_dir: str
+    runtime_dir: str = ""  # the job's (what an engine's own processes leave is recorded there)
     transfer: TransferConfig = TransferConfig(bucket_mb=1.0)
     engine: EngineSpec = EngineSpec()
     faults: list[Fault] = []
     heartbeat_s: float = 0.2
     collective_timeout_s: float = 30.0  # the trainers' gloo group, for data-parallel engines
+    engine_call_timeout_s: float = 30.0  # one call into an engine's own processes (vLLM)
     log_file: str = ""
     log_level: str = "info"
 
@@ -193,7 +194,7 @@ class RolloutWorker:
         self.engine = engine
         self.engine.progress = server.report_progress
         self.workload = workload
-        self.receiver = WeightReceiver(spec.weight_endpoint, spec.transfer)
+        self.inlet = engine.open_inlet(spec.weight_endpoint, spec.transfer)
         self.server = server
 
     def handlers(self) -> dict[str, Handler]:
@@ -211,14 +212,8 @@ class RolloutWorker:
     def sync(self, params: dict[str, Any]) -> SyncResult:
         self.engine.begin_weight_update()
         self.engine.wake({"weights"})
-
-        def load(named: list[Any]) -> None:
-            self.engine.load_weights(named)
-            self.server.report_progress()
-
         with self.server.waiting_on_peer():
-            report = self.receiver.receive(load)  # within the config's begin_timeout_s
-        self.engine.finish_weight_update(report.version)
+            report = self.inlet.receive(self.server.report_progress)
         return sync_result(report, self.engine.digest())
 
     def resume(self, params: dict[str, Any]) -> PhaseResult:
@@ -226,7 +221,7 @@ class RolloutWorker:
         return PhaseResult()
 
     def held(self, params: dict[str, Any]) -> HeldResult:
-        return HeldResult(held_mb=self.engine.held_mb())
+        return HeldResult(held_mb=self.engine.held_mb(), resident_mb=self.engine.resident_mb())
 
     def rollout(self, params: dict[str, Any]) -> RolloutResult:
         step = int(params.get("step", 0))
@@ -242,15 +237,20 @@ class RolloutWorker:
             samples=msgspec.Raw(msgspec.msgpack.encode(scored)),  # for the trainer, as it is
             version=scored[0].weight_version if scored else None,
             reward_mean=sum(rewards) / len(rewards) if rewards else None,
+            resident_mb=self.engine.resident_mb(),
         )
 
     def close(self) -> None:
-        self.receiver.close()
+        self.inlet.close()
 
 
 def run(spec: WorkerSpec) -> None:
     logs.configure(spec.log_level, spec.log_file)
-    structlog.contextvars.bind_contextvars(rank=spec.rank, role=spec.role, engine=spec.engine.kind)
+    structlog.contextvars.bind_contextvars(
+        rank=spec.rank,
+        role=spec.role,
+        engine=spec.engine.kind if spec.role == "trainer" else spec.engine.rollout_name,
+    )
     store = JobStore.connect(spec.store_host, spec.store_port, timeout_s=30.0)
     handlers: dict[str, Callable[[dict[str, Any]], object]] = {}
     server = WorkerServer(
@@ -269,10 +269,15 @@ def run(spec: WorkerSpec) -> None:
             trainer = pair.trainer(spec.collective_timeout_s)
             worker = TrainerWorker(spec, trainer, portal, server)
         else:
-            worker = RolloutWorker(spec, pair.rollout(), pair.workload(), server)
+            rollout = pair.rollout(spec.engine_call_timeout_s, Path(spec.runtime_dir))
+            stack.callback(rollout.close)  # the engine's processes stop even if the worker fails
+            worker = RolloutWorker(spec, rollout, pair.workload(), server)
         stack.callback(worker.close)
         for name, handler in worker.handlers().items():
             handlers[name] = _phase_handler(spec, name, handler)
+        # The driver's shutdown is answered once the engines stopped their own processes (vLLM's):
+        # after the answer the driver kills the worker's process group.
+        handlers["shutdown"] = lambda params: stack.close()
         server.serve()
 
 

@@ -51,11 +51,13 @@ class Blame:
 
 @dataclass(frozen=True)
 class Held:
-    """Device memory one worker said it still holds, in MiB."""
+    """Device memory one worker said it still holds, in MiB: `mb` it could release (the rules
+    check this), `resident_mb` its engine cannot release on this platform (shown, not checked)."""
 
     role: str
     rank: int
     mb: float
+    resident_mb: float = 0.0
 
 
 @dataclass(frozen=True)

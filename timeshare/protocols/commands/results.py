@@ -67,6 +67,7 @@ class HeldResult(PhaseResult, frozen=True, kw_only=True):
     """Device memory the worker's engine still holds, in MiB (BARRIER on the trainer, `held`)."""
 
     held_mb: float
+    resident_mb: float = 0.0  # what the engine cannot release on this platform (shown only)
 
 
 class RolloutResult(PhaseResult, frozen=True, kw_only=True):
@@ -76,6 +77,7 @@ class RolloutResult(PhaseResult, frozen=True, kw_only=True):
     samples: msgspec.Raw
     version: int | None = None
     reward_mean: float | None = None
+    resident_mb: float = 0.0  # memory the engine keeps asleep (no sleep mode on the platform)
 
 
 class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -122,6 +122,11 @@ class WeightReceiver:
             raise self._cancelled_error()
         return report
 
+    @property
+    def closed(self) -> bool:
+        """Closed, or broken by a failed transfer (a new receiver is needed)."""
+        return self._closed_because is not None
+
     def close(self) -> None:
         """Unmap staging and close the socket (a last reply still goes out, within linger_s)."""
         if self._closed_because is None:
