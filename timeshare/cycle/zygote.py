@@ -32,9 +32,8 @@ import msgspec
 
 from timeshare.cycle.factory import Exited, Forked, ForkRequest, Refused, Reply
 from timeshare.engines.worker import WorkerSpec, run
-from timeshare.runtime import kill_group
+from timeshare.runtime import die_with_parent, kill_group
 
-PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15
 NAME_LIMIT = 15  # bytes of a task's name, not counting its NUL
 _requests = msgspec.json.Decoder(ForkRequest)
@@ -107,7 +106,7 @@ class Zygote:
             os.setsid()
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _die_with(zygote)
+            die_with_parent(zygote)
             _set_name(f"ts-{spec.role}-{spec.rank}")
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)  # stdin was the zygote's request pipe
@@ -148,15 +147,6 @@ class Zygote:
     def _reply(self, reply: Reply) -> None:
         with contextlib.suppress(OSError):  # the driver is gone: nobody to tell
             os.write(self.replies_fd, msgspec.json.encode(reply) + b"\n")
-
-
-def _die_with(zygote: int) -> None:
-    """SIGKILL this process when the zygote (its parent) dies, however it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != zygote:  # the zygote died before the signal was armed
-        os._exit(1)
 
 
 def _set_name(name: str) -> None:

@@ -24,7 +24,7 @@ from timeshare.engines.base import (
 from timeshare.engines.simulated import DeviceLedger, SimulatedRollout, SimulatedTrainer
 from timeshare.engines.spec import EngineSpec
 from timeshare.engines.torch_ref.rollout import TorchRefRollout
-from timeshare.engines.torch_ref.spec import ModelConfig, TorchRefSpec
+from timeshare.engines.torch_ref.spec import TorchRefSpec, model_config
 from timeshare.engines.torch_ref.task import RepeatDigit, sampling_seed
 from timeshare.engines.torch_ref.trainer import TorchRefTrainer
 from timeshare.protocols.store import JobStore
@@ -97,10 +97,25 @@ class EnginePair:
             )
         return SimulatedTrainer(self.rank, self.spec.simulated, self._ledger())
 
-    def rollout(self) -> RolloutEngine:
+    def rollout(self, call_timeout_s: float, runtime_dir: Path) -> RolloutEngine:
+        """The rollout engine. For an engine of its own processes (vLLM): `call_timeout_s`
+        bounds each call into them, `runtime_dir` is where what they leave is recorded."""
+        if self.spec.rollout == "vllm":
+            from timeshare.engines.vllm.engine import VllmRollout  # noqa: PLC0415 - vLLM only where used
+
+            torch.set_num_threads(self.spec.torch_ref.torch_threads)
+            return VllmRollout(
+                self.rank,
+                self.spec.vllm,
+                model_config(self.spec.torch_ref),
+                call_timeout_s,
+                runtime_dir,
+            )
         if self.spec.kind == "torch_ref":
             torch.set_num_threads(self.spec.torch_ref.torch_threads)
-            return TorchRefRollout(self.rank, self.spec.torch_ref, self._model_config())
+            return TorchRefRollout(
+                self.rank, self.spec.torch_ref, model_config(self.spec.torch_ref)
+            )
         return SimulatedRollout(self.rank, self.spec.simulated, self._ledger())
 
     def workload(self) -> Workload:
@@ -111,9 +126,3 @@ class EnginePair:
     def _ledger(self) -> DeviceLedger:
         sizes = self.spec.simulated.sizes
         return DeviceLedger(self.store, sizes.device_mb, enabled=self.spec.simulated.account_memory)
-
-    def _model_config(self) -> ModelConfig:
-        spec = self.spec.torch_ref
-        if spec.model_dir:
-            return ModelConfig.from_json(Path(spec.model_dir) / "config.json")
-        return spec.model

@@ -107,3 +107,10 @@ class TorchRefSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def batch_size(self) -> int:
         """Sequences a rank's rollout generates per step (and its KV cache holds)."""
         return self.prompts_per_rank * self.group_size
+
+
+def model_config(spec: TorchRefSpec) -> ModelConfig:
+    """The model the pair trains: the local checkpoint's config.json, else `spec.model`."""
+    if spec.model_dir:
+        return ModelConfig.from_json(Path(spec.model_dir) / "config.json")
+    return spec.model

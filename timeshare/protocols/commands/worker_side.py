@@ -35,7 +35,7 @@ log = structlog.get_logger(__name__)
 Handler: TypeAlias = Callable[[dict[str, Any]], Any]
 ABORT_SIGNAL = signal.SIGUSR1
 POLL_SLICE_S = 0.05
-SHUTDOWN = "shutdown"
+SHUTDOWN = "shutdown"  # answered at once, or after the worker's own `shutdown` handler ran
 
 
 class WorkerServer:
@@ -121,7 +121,7 @@ class WorkerServer:
             return frames.failure(call.id, exc)
 
     def _run(self, call: frames.Call) -> frames.Result | frames.Failure:
-        if call.command == SHUTDOWN:
+        if call.command == SHUTDOWN and SHUTDOWN not in self._handlers:
             return frames.result(call.id, None)
         handler = self._handlers.get(call.command)
         if handler is None:

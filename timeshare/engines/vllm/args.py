@@ -1,0 +1,115 @@
+"""Ask vLLM whether it accepts `[engine.vllm]`, before any worker starts.
+
+`check_engine_args` runs this module in a child process (importing vLLM takes 10-15 s and sets
+up process-wide state that a daemon should not carry):
+
+    python -m timeshare.engines.vllm.args '<{"spec": VllmSpec, "model": ModelConfig} as JSON>'
+
+The child builds vLLM's `EngineArgs` from what the engine would pass (an unknown key is a
+`TypeError` there) and then vLLM's engine config (a value vLLM rejects fails there), without
+starting an engine, and prints one JSON line: `{"ok": true}` or `{"ok": false, "error": ...}`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from timeshare.engines.torch_ref.spec import ModelConfig
+from timeshare.engines.vllm.spec import VllmSpec
+from timeshare.errors import ConfigError
+
+CHECK_TIMEOUT_S = 120.0  # the import of vLLM and one engine config, on a loaded machine
+
+
+class _Check(msgspec.Struct, frozen=True):
+    spec: VllmSpec
+    model: ModelConfig
+
+
+def check_engine_args(spec: VllmSpec, model: ModelConfig) -> None:
+    """A `ConfigError` naming the key if vLLM rejects the engine's arguments."""
+    payload = msgspec.json.encode(_Check(spec, model)).decode()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "timeshare.engines.vllm.args", payload],
+            capture_output=True,
+            text=True,
+            timeout=CHECK_TIMEOUT_S,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise ConfigError(
+            f"engine.vllm: vLLM did not check its arguments within {CHECK_TIMEOUT_S:g} s"
+        ) from exc
+    verdict = _last_json_line(done.stdout)
+    if verdict is None:
+        raise ConfigError(
+            f"engine.vllm: vLLM could not check its arguments (exit {done.returncode}): "
+            f"{done.stderr.strip()[-2000:]}"
+        )
+    if not verdict.get("ok"):
+        raise ConfigError(str(verdict.get("error")))
+
+
+def _last_json_line(output: str) -> dict[str, Any] | None:
+    for line in reversed(output.splitlines()):
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                return value
+    return None
+
+
+def _verdict(check: _Check) -> dict[str, Any]:
+    # Imported here, in the checking child only: the config is read without vLLM.
+    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
+
+    from timeshare.engines.vllm.engine import engine_args, write_model_dir  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="timeshare-vllm-check-") as scratch:
+        model_dir = check.spec.model_dir or str(write_model_dir(check.model, Path(scratch)))
+        args = engine_args(check.spec, model_dir, sleep_mode=False)
+        try:
+            engine = EngineArgs(**args)
+        except TypeError as exc:
+            return {"ok": False, "error": _unknown_key(str(exc))}
+        try:
+            engine.create_engine_config()
+        except Exception as exc:
+            return {"ok": False, "error": _rejected(check.spec, exc)}
+    return {"ok": True}
+
+
+def _unknown_key(message: str) -> str:
+    match = re.search(r"unexpected keyword argument '([^']+)'", message)
+    if match:
+        return f"engine.vllm.engine_args.{match.group(1)}: vLLM has no such engine argument"
+    return f"engine.vllm.engine_args: vLLM refused them: {message}"
+
+
+def _rejected(spec: VllmSpec, exc: Exception) -> str:
+    message = f"{type(exc).__name__}: {exc}"
+    named = [key for key in spec.engine_args if key in message]
+    where = f"engine.vllm.engine_args.{named[0]}" if named else "engine.vllm"
+    return f"{where}: vLLM rejected the engine arguments: {message[:1500]}"
+
+
+def main() -> None:
+    check = msgspec.json.decode(sys.argv[1], type=_Check)
+    verdict = _verdict(check)
+    sys.stdout.write("\n" + json.dumps(verdict) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The `timeshare` weight-transfer backend: the receiving end of the weight channel, inside vLLM.
+
+This module runs in each `VLLM::Worker` process (vLLM creates the backend there from
+`weight_transfer_config={"backend": "timeshare"}`; plugin.py registers it). The rollout worker
+drives it through `LLM`'s own methods (engine.py), which reach here as:
+
+    init_weight_transfer_engine  -> init_transfer_engine: where the trainer's sender is
+    start_weight_update          -> start_weight_update: vLLM's layerwise reload begins
+    update_weights               -> receive_weights: ONE WHOLE VERSION through the channel
+    finish_weight_update         -> finish_weight_update: refuses a version that did not arrive
+    shutdown_weight_transfer_engine -> shutdown
+
+One `update_weights` call is one whole version, with the channel's deadlines (begin, per bucket,
+finalize): it returns or raises within them, so the rollout worker never waits on vLLM without
+an end. Each bucket goes through the model's own `load_weights` under vLLM's layerwise reload
+(on CPU vLLM repacks linear weights after loading; loading into them directly fails), and the
+post-load processing (`finalize_layerwise_reload`) runs inside the channel's finalize step:
+the trainer sees FINALIZED only once the model is ready to generate with the new weights.
+
+`weights_match`: on CPU the processed parameters are repacked (shape [0]) and cannot be read
+back by the trainer's names, so the digest is that of what arrived at the model's loader, by
+the trainer's names, bit for bit (`WeightsDigest`): the engine holds exactly what the loader was
+given, and the loader's own failures are errors, never silent.
+
+`TimeshareWorkerExtension` is mixed into vLLM's worker (`worker_extension_cls`) so the rollout
+worker can read the last transfer's report by method name (`collective_rpc("timeshare_report")`):
+no function objects, so no pickle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import structlog
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+from vllm.model_executor.model_loader.reload.layerwise import (
+    finalize_layerwise_reload,
+    initialize_layerwise_reload,
+)
+
+from timeshare.engines.base import WeightsDigest
+from timeshare.errors import LoaderFailed, SessionClosed, TimeshareError
+from timeshare.protocols.weights import TransferConfig, TransferReport, WeightReceiver
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class TimeshareInitInfo(WeightTransferInitInfo):
+    endpoint: str = ""  # the trainer's weight endpoint (weight_endpoint(runtime_dir, rank))
+    transfer: dict[str, Any] = field(default_factory=dict)  # TransferConfig, as plain values
+
+
+@dataclass
+class TimeshareUpdateInfo(WeightTransferUpdateInfo):
+    begin_timeout_s: float = 30.0  # the wait for the trainer to begin sending
+    digest: bool = True  # hash what arrives (weights_match); off only to measure the channel
+
+
+class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareUpdateInfo]):
+    init_info_cls = TimeshareInitInfo
+    update_info_cls = TimeshareUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.endpoint = ""
+        self.transfer = TransferConfig()
+        self.receiver: WeightReceiver | None = None
+        self.report: dict[str, Any] | None = None  # the last whole version, None while torn
+
+    def init_transfer_engine(self, init_info: TimeshareInitInfo) -> None:
+        if not init_info.endpoint:
+            raise TimeshareError("timeshare weight transfer: init_info names no endpoint")
+        self.endpoint = init_info.endpoint
+        self.transfer = msgspec.convert(init_info.transfer, TransferConfig)
+        self._close_receiver()
+        self.receiver = WeightReceiver(self.endpoint, self.transfer, device=str(self.device))
+
+    def start_weight_update(self) -> None:
+        self.report = None
+        initialize_layerwise_reload(self.model)
+
+    def receive_weights(self, update_info: TimeshareUpdateInfo) -> None:
+        receiver = self._usable_receiver()
+        digest = WeightsDigest() if update_info.digest else None
+        model = self.model
+        # Every vLLM model class has load_weights (by HF names); nn.Module does not declare it.
+        load_weights: Callable[[list[tuple[str, torch.Tensor]]], object] = model.load_weights  # type: ignore[assignment]
+
+        def load(named: list[tuple[str, torch.Tensor]]) -> None:
+            if digest is not None:
+                for name, tensor in named:
+                    digest.add(name, tensor)
+            # Layerwise reload keeps a layer's tensors until the layer is whole, which may be in
+            # a later bucket: it gets copies, never views of staging (reused after the ACK).
+            try:
+                load_weights([(name, tensor.clone()) for name, tensor in named])
+            except Exception as exc:  # the trainer sees this as PeerError: say whose loader
+                raise LoaderFailed(
+                    f"vLLM's loader of {type(model).__name__} refused "
+                    f"{[name for name, _ in named][:4]}...: {type(exc).__name__}: {exc}"
+                ) from exc
+
+        def post_process() -> None:
+            finalize_layerwise_reload(model, self.model_config)  # type: ignore[no-untyped-call]
+
+        started = time.perf_counter()
+        try:
+            report = receiver.receive(load, post_process, timeout_s=update_info.begin_timeout_s)
+        except BaseException:
+            self._abandon_reload()
+            raise
+        self.report = _as_dict(report, digest, time.perf_counter() - started)
+
+    def finish_weight_update(self) -> None:
+        if self.report is None:
+            raise TimeshareError(
+                "timeshare weight transfer: finish_weight_update without a whole version "
+                "(update_weights failed or was not called)"
+            )
+
+    def shutdown(self) -> None:
+        self._close_receiver()
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _usable_receiver(self) -> WeightReceiver:
+        """The receiver, or a new one after a failed session (a failure closes a session)."""
+        if not self.endpoint:
+            raise TimeshareError("timeshare weight transfer: init_weight_transfer_engine first")
+        receiver = self.receiver
+        if receiver is None or receiver.closed:
+            self._close_receiver()
+            receiver = self.receiver = WeightReceiver(
+                self.endpoint, self.transfer, device=str(self.device)
+            )
+        return receiver
+
+    def _abandon_reload(self) -> None:
+        """A failed version: end the layerwise reload so the next one starts clean (torn)."""
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+        except Exception as exc:  # the transfer's own failure is what the caller must see
+            log.warning("vllm.backend.reload_not_ended", error=f"{type(exc).__name__}: {exc}")
+
+    def _close_receiver(self) -> None:
+        if self.receiver is not None:
+            with contextlib.suppress(SessionClosed):
+                self.receiver.close()
+            self.receiver = None
+
+
+def _as_dict(
+    report: TransferReport, digest: WeightsDigest | None, seconds: float
+) -> dict[str, Any]:
+    """The report as plain values (it travels back over vLLM's msgpack RPC)."""
+    return {
+        **dataclasses.asdict(report),
+        "digest": "" if digest is None else digest.hexdigest(),
+        "call_s": seconds,
+    }
+
+
+class TimeshareWorkerExtension:
+    """Methods mixed into vLLM's worker, called by name through `collective_rpc`."""
+
+    weight_transfer_engine: WeightTransferEngine[Any, Any] | None
+
+    def timeshare_report(self) -> dict[str, Any] | None:
+        """The last whole version this worker received (None: none, or the last one failed)."""
+        engine = self.weight_transfer_engine
+        if not isinstance(engine, TimeshareWeightTransfer):
+            raise TimeshareError(
+                "timeshare_report: this engine's weight_transfer_config backend is not timeshare"
+            )
+        return engine.report

@@ -1,0 +1,360 @@
+"""The vLLM rollout engine: vLLM's `LLM` inside the rollout worker process of one rank.
+
+The worker process makes the `LLM`; vLLM starts `VLLM::EngineCore`, which starts the
+`VLLM::Worker` that holds the model. Weights arrive in that worker, through timeshare's backend
+(backend.py): `VllmInlet` drives it with `LLM`'s weight-transfer methods, every call bounded by
+the phase deadline (a call past it leaves the engine unusable, and says so).
+
+Generation runs vLLM's engine loop here, one step at a time, so that a generate past its
+deadline is aborted inside vLLM and the engine stays usable. Each request gets its own seed
+(the batch's seed and its index), logprobs are those of the sampled distribution
+(`logprobs_mode="processed_logprobs"`, after temperature and top-p), and every sample carries the
+weight version that produced it.
+
+Memory: where vLLM has sleep mode (CUDA), `sleep()` is `LLM.sleep(level)` and `wake(tags)` the
+staged `LLM.wake_up(tags)`. Where it has not (CPU), `sleep()` only stops scheduling (nothing is
+scheduled between rollouts) and the engine says so: it can release nothing, so `held_mb` is 0 and
+what it keeps is `resident_mb`, which the log and the summary show.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import msgspec
+import structlog
+from vllm import LLM
+from vllm import SamplingParams as VllmSampling
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
+
+from timeshare.engines.base import (
+    RolloutEngine,
+    RolloutRequest,
+    RolloutSample,
+    refuse_unsupported,
+)
+from timeshare.engines.torch_ref.spec import ModelConfig
+from timeshare.engines.torch_ref.task import mix
+from timeshare.engines.vllm.plugin import BACKEND, HOST_PID_ENV
+from timeshare.engines.vllm.spec import VllmSpec
+from timeshare.errors import EngineBroken, GenerateTimeout, TimeshareError
+from timeshare.protocols.weights import TransferConfig, TransferReport
+from timeshare.runtime import (
+    mapped_segments,
+    process_tree,
+    record_foreign_segments,
+    release_foreign_segments,
+)
+from timeshare.units import MIB
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+EXTENSION = "timeshare.engines.vllm.backend.TimeshareWorkerExtension"
+VLLM_SEGMENT_PREFIX = "psm_"  # Python's SharedMemory names, as vLLM's message queues use them
+
+
+def write_model_dir(config: ModelConfig, directory: Path) -> Path:
+    """A transformers config.json for the trainer's model (vLLM loads the architecture from it)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    values = msgspec.to_builtins(config)
+    values.update(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_act="silu",
+        head_dim=config.head_dim,
+        torch_dtype="float32",
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    (directory / "config.json").write_text(json.dumps(values, indent=2))
+    return directory
+
+
+def engine_args(spec: VllmSpec, model_dir: str, *, sleep_mode: bool) -> dict[str, Any]:
+    """What `LLM(...)` gets: the typed keys, then engine_args, then what timeshare sets itself."""
+    args: dict[str, Any] = {**spec.typed_args(), **spec.engine_args}
+    if not spec.model_dir:
+        args.setdefault("load_format", "dummy")  # the first SYNC brings the trainer's weights
+    args.update(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        weight_transfer_config={"backend": BACKEND},
+        worker_extension_cls=EXTENSION,
+        logprobs_mode="processed_logprobs",
+        enable_sleep_mode=sleep_mode,
+    )
+    return args
+
+
+class VllmRollout(RolloutEngine):
+    """One rank's rollout engine over vLLM's `LLM`."""
+
+    SUPPORTED: ClassVar[frozenset[str]] = frozenset()  # a text model; see _multimodal
+
+    def __init__(
+        self,
+        rank: int,
+        spec: VllmSpec,
+        trainer_model: ModelConfig,
+        call_timeout_s: float,
+        runtime_dir: Path,
+    ) -> None:
+        super().__init__()
+        self.rank = rank
+        self.runtime_dir = runtime_dir
+        self.owner = f"vllm-rank{rank}"
+        self.spec = spec
+        self.call_timeout_s = call_timeout_s
+        self.broken: str | None = None  # why the engine can no longer be used
+        self.digest_of_version = ""
+        self.weights_bytes = 0
+        self.sleeps = current_platform.is_sleep_mode_available()
+        self.asleep: set[str] = set()
+        self._ids = itertools.count()
+        self._scratch: Path | None = None
+        model_dir = spec.model_dir
+        if not model_dir:
+            self._scratch = Path(tempfile.mkdtemp(prefix=f"timeshare-vllm-{rank}-"))
+            model_dir = str(write_model_dir(trainer_model, self._scratch))
+        os.environ[HOST_PID_ENV] = str(os.getpid())  # plugin.py: vLLM's processes die with us
+        started = time.perf_counter()
+        try:
+            self.llm = LLM(**engine_args(spec, model_dir, sleep_mode=self.sleeps))
+        except BaseException:
+            self._remove_scratch()
+            raise
+        self.record_segments()
+        log.info(
+            "vllm.started",
+            rank=rank,
+            seconds=round(time.perf_counter() - started, 1),
+            sleep_mode=self.sleeps,
+        )
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def open_inlet(self, endpoint: str, transfer: TransferConfig) -> VllmInlet:
+        return VllmInlet(self, endpoint, transfer)
+
+    def load_weights(self, named: list[tuple[str, Any]]) -> None:
+        raise TimeshareError("vLLM loads weights in its own worker: use the engine's inlet")
+
+    def finish_weight_update(self, version: int) -> None:
+        self.weight_version = version
+        self.torn = False
+
+    def digest(self) -> str:
+        """What arrived at vLLM's loader for the last whole version (see backend.py)."""
+        if self.torn or not self.digest_of_version:
+            raise TimeshareError("digest: no whole weight version has been loaded")
+        return self.digest_of_version
+
+    def call(self, what: str, fn: Callable[[], T], timeout_s: float | None = None) -> T:
+        """`fn` (a call into vLLM) within the deadline; past it, the engine is broken."""
+        self.check_usable()
+        bound = self.call_timeout_s if timeout_s is None else timeout_s
+        outcome: list[Any] = []
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                outcome.append(fn())
+            except BaseException as exc:
+                failure.append(exc)
+
+        thread = threading.Thread(target=run, name=f"vllm-{what}", daemon=True)
+        thread.start()
+        thread.join(bound)
+        if thread.is_alive():
+            self.broken = f"{what} did not return within {bound:g} s"
+            raise EngineBroken(f"vLLM rollout rank {self.rank}: {self.broken}")
+        if failure:
+            raise failure[0]
+        result: T = outcome[0]
+        return result
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise EngineBroken(f"vLLM rollout rank {self.rank} is unusable: {self.broken}")
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        if self.sleeps:
+            self.call("sleep", lambda: self.llm.sleep(level=self.spec.sleep_level))
+            self.asleep = {"weights", "kv_cache"}
+            if self.spec.sleep_level == 2:
+                self.torn = True  # level 2 discards the weights: only a transfer brings them
+        log.info(
+            "rollout.sleep",
+            rank=self.rank,
+            engine="vllm",
+            released=sorted(self.asleep),
+            resident_mb=round(self.resident_mb(), 3),
+            why=None if self.sleeps else "vLLM has no sleep mode on this platform: paused only",
+        )
+
+    def wake(self, tags: set[str]) -> None:
+        waking = sorted(tags & self.asleep)
+        if waking:
+            self.call("wake_up", lambda: self.llm.wake_up(tags=waking))
+            self.asleep -= set(waking)
+
+    def _mb(self) -> float:
+        kv = self.spec.kv_cache_mb or 0.0
+        return self.weights_bytes / MIB + kv
+
+    def held_mb(self) -> float:
+        """What sleep could release and still holds (0 where it can release nothing)."""
+        if not self.sleeps or self.asleep >= {"weights", "kv_cache"}:
+            return 0.0
+        return self._mb()
+
+    def resident_mb(self) -> float:
+        """Weights and KV cache that stay in memory because the platform has no sleep mode."""
+        return 0.0 if self.sleeps else self._mb()
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
+        version = self.check_whole()
+        self.check_usable()
+        for request in requests:
+            refuse_unsupported(request, set(self.SUPPORTED), "vLLM rollout")
+        engine = self.llm.llm_engine
+        batch = f"g{next(self._ids)}"
+        pending: dict[str, int] = {}
+        for index, request in enumerate(requests):
+            request_id = f"{batch}-{index}"
+            engine.add_request(request_id, _prompt(request), _sampling(request, index))
+            pending[request_id] = index
+        outputs: dict[int, Any] = {}
+        deadline = time.monotonic() + self.spec.generate_timeout_s
+        try:
+            while pending:
+                if time.monotonic() > deadline:
+                    raise GenerateTimeout(
+                        f"vLLM rollout rank {self.rank}: generate of {len(requests)} requests "
+                        f"still running after {self.spec.generate_timeout_s:g} s "
+                        f"({len(pending)} unfinished, aborted)"
+                    )
+                for output in engine.step():
+                    done = pending.get(output.request_id)
+                    if done is not None and output.finished:
+                        outputs[done] = output
+                        del pending[output.request_id]
+                self.progress()
+        finally:
+            if pending:
+                engine.abort_request(list(pending))
+        return [_sample(request, outputs[index], version) for index, request in enumerate(requests)]
+
+    def record_segments(self) -> None:
+        """Record the shared memory vLLM's processes map (its message queues), so that a sweep
+        of the runtime directory removes it once they are gone, even if SIGKILL ended them."""
+        tree = process_tree(os.getpid())
+        names = [name for pid in tree for name in mapped_segments(pid, VLLM_SEGMENT_PREFIX)]
+        record_foreign_segments(self.runtime_dir, self.owner, tree, names)
+
+    def close(self) -> None:
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            release_foreign_segments(self.runtime_dir, self.owner)
+            self._remove_scratch()
+
+    def _remove_scratch(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+
+
+class VllmInlet:
+    """The rollout worker's end of a SYNC into vLLM: drives the backend through `LLM`."""
+
+    def __init__(self, engine: VllmRollout, endpoint: str, transfer: TransferConfig) -> None:
+        self.engine = engine
+        self.transfer = transfer
+        init_info = {"endpoint": endpoint, "transfer": msgspec.to_builtins(transfer)}
+        engine.call(
+            "init_weight_transfer_engine",
+            lambda: engine.llm.init_weight_transfer_engine({"init_info": init_info}),
+        )
+
+    def receive(self, progress: Callable[[], None], *, digest: bool = True) -> TransferReport:
+        llm = self.engine.llm
+        update = {"begin_timeout_s": self.transfer.begin_timeout_s, "digest": digest}
+        self.engine.call("start_weight_update", llm.start_weight_update)
+        self.engine.call("update_weights", lambda: llm.update_weights({"update_info": update}))
+        progress()
+        reports = self.engine.call("timeshare_report", lambda: llm.collective_rpc(EXTENSION_REPORT))
+        report = reports[0]
+        if report is None:
+            raise TimeshareError("vLLM's worker has no report of the version it just received")
+        version = int(report["version"])
+        self.engine.call(
+            "finish_weight_update", lambda: llm.finish_weight_update(weight_version=str(version))
+        )
+        self.engine.digest_of_version = str(report["digest"])
+        self.engine.weights_bytes = int(report["bytes"])
+        self.engine.finish_weight_update(version)
+        return TransferReport(
+            version=version,
+            bytes=int(report["bytes"]),
+            tensors=int(report["tensors"]),
+            buckets=int(report["buckets"]),
+            seconds=float(report["seconds"]),
+            checksummed=int(report["checksummed"]),
+        )
+
+    def close(self) -> None:
+        if self.engine.broken is None:
+            self.engine.call(
+                "shutdown_weight_transfer_engine", self.engine.llm.shutdown_weight_transfer_engine
+            )
+
+
+EXTENSION_REPORT = "timeshare_report"
+
+
+def _prompt(request: RolloutRequest) -> TokensPrompt:
+    return TokensPrompt(prompt_token_ids=list(request.prompt_tokens))
+
+
+def _sampling(request: RolloutRequest, index: int) -> VllmSampling:
+    sampling = request.sampling
+    seed = None if sampling.seed is None else mix(sampling.seed, index)
+    return VllmSampling(
+        n=1,
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=seed,
+        logprobs=0 if sampling.logprobs else None,
+        ignore_eos=True,
+        detokenize=False,
+    )
+
+
+def _sample(request: RolloutRequest, output: Any, version: int) -> RolloutSample:
+    completion = output.outputs[0]
+    tokens = tuple(int(t) for t in completion.token_ids)
+    logprobs: tuple[float, ...] = ()
+    if completion.logprobs is not None:
+        logprobs = tuple(
+            float(step[token].logprob)
+            for step, token in zip(completion.logprobs, tokens, strict=True)
+        )
+    return RolloutSample(
+        request.request_id, tokens, logprobs, version, prompt_tokens=request.prompt_tokens
+    )
