@@ -279,7 +279,8 @@ def sweep_foreign_segments(runtime_dir: Path) -> list[str]:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        alive = [pid for pid, start in record.get("owners", []) if process_start_time(pid) == start]
+        # A zombie maps nothing: an owner killed but not yet reaped is gone already.
+        alive = [pid for pid, start in record.get("owners", []) if running_since(pid) == start]
         if not alive:
             removed += _remove_record(path)
     return removed

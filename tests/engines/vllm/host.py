@@ -1,0 +1,46 @@
+"""A vLLM rollout engine in a process of its own, for the tests that kill parts of it.
+
+    python -m tests.engines.vllm.host RUNTIME_DIR ENDPOINT
+
+Prints one JSON line per event on stdout: `ready` (with the pids of its vLLM processes), then
+`received` for each version that arrived, or `error` (type, message) when receiving failed,
+after which it exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from tests.engines.vllm.conftest import MODEL, SPEC, TRANSFER
+from timeshare.engines.vllm.engine import VllmRollout
+from timeshare.runtime import process_tree
+
+
+def say(**event: object) -> None:
+    sys.stdout.write(json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def main() -> int:
+    runtime_dir, endpoint = Path(sys.argv[1]), sys.argv[2]
+    rollout = VllmRollout(0, SPEC, MODEL, call_timeout_s=120.0, runtime_dir=runtime_dir)
+    try:
+        inlet = rollout.open_inlet(endpoint, TRANSFER)
+        say(event="ready", vllm=process_tree(os.getpid())[1:])
+        while True:
+            rollout.begin_weight_update()
+            try:
+                report = inlet.receive(lambda: None)
+            except Exception as exc:
+                say(event="error", type=type(exc).__name__, message=str(exc))
+                return 1
+            say(event="received", version=report.version)
+    finally:
+        rollout.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""vLLM's own processes under faults, for real: a vLLM worker SIGKILLed in the middle of a
+transfer, and the process that hosts vLLM SIGKILLed. Each test starts its own engine (host.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import psutil
+import pytest
+
+from tests.engines.vllm.conftest import MODEL, TRANSFER
+from timeshare.engines.torch_ref.model import init_model
+from timeshare.errors import AckTimeout
+from timeshare.protocols.weights import WeightSender, sweep_stale
+from timeshare.protocols.weights.segments import SEGMENT_PREFIX
+from timeshare.runtime import mapped_segments, process_start_time
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[3]
+SENDER = msgspec.structs.replace(TRANSFER, ack_timeout_s=3.0)  # the trainer gives up soon
+
+
+class Host:
+    """host.py in a process of its own, and its events."""
+
+    def __init__(self, runtime_dir: Path) -> None:
+        self.endpoint = f"ipc://{runtime_dir}/w-rank0.sock"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.engines.vllm.host", str(runtime_dir), self.endpoint],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+
+    def next_event(self) -> dict[str, Any]:
+        """The host's next event (vLLM logs to stdout too: its lines are skipped)."""
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()  # the host ends every path with an event or exit
+            assert line, f"host exited with {self.proc.wait(timeout=30)} and said nothing"
+            if line.startswith('{"event"'):
+                event: dict[str, Any] = json.loads(line)
+                return event
+
+    def vllm_processes(self, event: dict[str, Any]) -> list[tuple[int, int | None]]:
+        return [(pid, process_start_time(pid)) for pid in event["vllm"]]
+
+
+@pytest.fixture
+def host(runtime_dir: Path) -> Iterator[Host]:
+    started = Host(runtime_dir)
+    try:
+        yield started
+    finally:
+        if started.proc.poll() is None:
+            started.proc.kill()
+        started.proc.wait(timeout=30)
+
+
+def alive(processes: list[tuple[int, int | None]]) -> list[int]:
+    return [pid for pid, start in processes if process_start_time(pid) == start]
+
+
+def wait_all_gone(processes: list[tuple[int, int | None]], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while alive(processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive(processes)
+
+
+def vllm_worker(processes: list[tuple[int, int | None]]) -> int:
+    for pid, _ in processes:
+        if psutil.Process(pid).name().startswith("VLLM::Worker"):
+            return pid
+    raise AssertionError(f"no VLLM::Worker among {processes}")
+
+
+def assert_nothing_left(runtime_dir: Path) -> None:
+    """vLLM's shared memory is on record in the runtime dir, and a sweep removes it (what the
+    driver does once its workers are gone); then nothing is left there or in /dev/shm."""
+    recorded = [
+        name
+        for record in runtime_dir.glob("*.segments.json")
+        for name in json.loads(record.read_text())["segments"]
+    ]
+    sweep_stale(runtime_dir, owners_gone=True)
+    assert [name for name in recorded if (Path("/dev/shm") / name).exists()] == []
+    assert [p.name for p in runtime_dir.iterdir()] == []
+
+
+def test_a_vllm_worker_killed_mid_transfer_is_an_ack_timeout_on_the_trainer(
+    runtime_dir: Path, host: Host
+) -> None:
+    ready = host.next_event()
+    processes = host.vllm_processes(ready)
+    worker = vllm_worker(processes)
+    weights = [(n, p.detach()) for n, p in init_model(MODEL, seed=0).named_parameters()]
+    with ThreadPoolExecutor(1) as trainer:
+        sender = trainer.submit(WeightSender, host.endpoint, SENDER).result()
+        sending = trainer.submit(anyio.run, partial(sender.send, weights, version=1))
+        # Mid-transfer: the worker has mapped the trainer's staging (the handshake is done and
+        # buckets are on their way).
+        deadline = time.monotonic() + 60
+        while not mapped_segments(worker, SEGMENT_PREFIX):
+            assert time.monotonic() < deadline, "the vLLM worker never mapped the staging"
+            time.sleep(0.005)
+        os.kill(worker, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(AckTimeout) as timed_out:
+            sending.result(timeout=120)
+        waited = time.monotonic() - started
+        trainer.submit(sender.close).result(timeout=30)
+    assert timed_out.value.phase in ("bucket", "released", "finalized")
+    assert waited < SENDER.ack_timeout_s + 10
+    event = host.next_event()
+    assert event["event"] == "error", event  # vLLM's engine died with its worker: said so
+    assert host.proc.wait(timeout=60) == 1
+    assert wait_all_gone(processes, 10) == []
+    assert_nothing_left(runtime_dir)
+
+
+def test_vllm_processes_die_with_the_process_that_hosts_them(runtime_dir: Path, host: Host) -> None:
+    processes = host.vllm_processes(host.next_event())
+    assert len(processes) >= 2  # VLLM::EngineCore and its VLLM::Worker
+    records = list(runtime_dir.glob("*.segments.json"))
+    assert records and json.loads(records[0].read_text())["segments"]  # their memory is on record
+    host.proc.send_signal(signal.SIGKILL)
+    host.proc.wait(timeout=10)
+    assert wait_all_gone(processes, 5) == []  # the parent-death signal, not a sweep
+    assert_nothing_left(runtime_dir)

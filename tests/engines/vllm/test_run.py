@@ -1,0 +1,163 @@
+"""`timeshare run` with vLLM as the rollout engine: real workers, real vLLM, end to end.
+
+A run's every step has weights_match and the logprob difference; a vLLM worker SIGKILLed in the
+middle of a SYNC fails the cycle naming rank, role and phase, with nothing left behind; a run
+SIGKILLed leaves no vLLM process; a key vLLM rejects is exit 2 before any process starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.configs import TINY, merged, toml_file
+from tests.cycle.jobs import assert_nothing_left
+from tests.daemon.test_run import steps_of, timeshare_run
+from timeshare.protocols.weights import sweep_stale
+from timeshare.protocols.weights.segments import SEGMENT_PREFIX
+from timeshare.protocols.weights.segments import SHM_DIR as SHM
+from timeshare.runtime import mapped_segments, process_start_time
+
+pytestmark = pytest.mark.slow
+
+VLLM_JOB: dict[str, Any] = merged(
+    TINY,
+    {
+        "job": {"ranks": 1, "steps": 3},
+        "deadlines": {"phase_s": 120.0, "stall_s": 60.0, "barrier_s": 60.0, "ready_s": 240.0},
+        "engine": {
+            "rollout": "vllm",
+            "torch_ref": {  # head_dim 32: the smallest vLLM's CPU attention takes
+                "model": {
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_attention_heads": 2,
+                    "num_key_value_heads": 2,
+                    "max_position_embeddings": 32,
+                }
+            },
+            "vllm": {"max_model_len": 32, "kv_cache_mb": 16.0, "generate_timeout_s": 90.0},
+        },
+    },
+)
+
+
+def write_config(root: Path, **sections: Any) -> Path:
+    return toml_file(root, VLLM_JOB, log={"file": f"{root}/log.jsonl"}, **sections)
+
+
+def vllm_processes(root: Path) -> list[tuple[int, int | None]]:
+    """The processes of the run's vLLM engines, from their records in the runtime dir."""
+    found = []
+    for record in (root / "run").glob("*.segments.json"):
+        found += [(pid, start) for pid, start in json.loads(record.read_text())["owners"]]
+    return found
+
+
+def recorded_segments(root: Path) -> list[str]:
+    """vLLM's shared memory, as the run's records name it."""
+    names = []
+    for record in (root / "run").glob("*.segments.json"):
+        names += json.loads(record.read_text())["segments"]
+    return names
+
+
+def alive(processes: list[tuple[int, int | None]]) -> list[int]:
+    return [pid for pid, start in processes if process_start_time(pid) == start]
+
+
+def wait_for(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[str]) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
+        time.sleep(0.01)
+    return found
+
+
+def start_run(root: Path, config: Path) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "timeshare", "run", str(config)]
+    return subprocess.Popen(
+        [*argv, "--summary", str(root / "summary.json")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_vllm_run_matches_weights_and_logprobs_every_step(runtime_dir: Path) -> None:
+    summary = runtime_dir / "summary.json"
+    done = timeshare_run(write_config(runtime_dir, job={"ranks": 2}), summary, timeout_s=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = steps_of(summary)
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["weights_match"] and s["ranks_agree"] for s in steps)
+    assert all(s["logprob_max_abs_diff"] < 1e-4 for s in steps)
+    # vLLM on CPU releases nothing: the summary says what stays resident (two KV caches)
+    assert all(s["rollout_resident_mb"] >= 2 * 16.0 for s in steps)
+    assert_nothing_left(runtime_dir)
+
+
+def test_a_vllm_worker_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Path) -> None:
+    run = start_run(runtime_dir, write_config(runtime_dir))
+    try:
+        processes = wait_for("vLLM", lambda: vllm_processes(runtime_dir), 240, run)
+        worker = next(pid for pid, _ in processes if "VLLM::Worker" in psutil.Process(pid).name())
+        # The first SYNC: the vLLM worker maps the trainer's staging, buckets are on their way.
+        wait_for("staging", lambda: mapped_segments(worker, SEGMENT_PREFIX), 240, run)
+        segments = recorded_segments(runtime_dir)
+        assert segments  # vLLM's message queues
+        killed = time.monotonic()
+        os.kill(worker, signal.SIGKILL)
+        _, stderr = run.communicate(timeout=240)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 1, stderr[-3000:]
+    assert time.monotonic() - killed < 120  # within SYNC's deadline (phase_s)
+    assert "rank 0 failed in phase sync" in stderr, stderr[-3000:]
+    assert alive(processes) == []
+    assert_nothing_left(runtime_dir)
+    assert [name for name in segments if (SHM / name).exists()] == []
+
+
+def test_no_vllm_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -> None:
+    run = start_run(runtime_dir, write_config(runtime_dir, job={"steps": 1000}))
+    try:
+        wait_for("a step", lambda: steps_of(runtime_dir / "summary.json"), 300, run)
+        processes = vllm_processes(runtime_dir)
+        segments = recorded_segments(runtime_dir)
+        assert len(processes) >= 3  # the rollout worker, VLLM::EngineCore, VLLM::Worker
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=10)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    deadline = time.monotonic() + 10
+    while alive(processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert alive(processes) == []
+    sweep_stale(runtime_dir / "run")  # what the next run does first
+    assert [name for name in segments if (SHM / name).exists()] == []
+
+
+def test_a_key_vllm_rejects_is_exit_2_before_any_process(runtime_dir: Path) -> None:
+    config = write_config(runtime_dir, engine={"vllm": {"engine_args": {"max_num_seqz": 4}}})
+    done = timeshare_run(config, runtime_dir / "summary.json", timeout_s=200)
+    assert done.returncode == 2, done.stderr
+    assert "engine.vllm.engine_args.max_num_seqz" in done.stderr
+    assert not (runtime_dir / "run").exists()
+    typed = write_config(runtime_dir, engine={"vllm": {"dtype": "float64"}})
+    done = timeshare_run(typed, runtime_dir / "summary.json", timeout_s=200)
+    assert done.returncode == 2 and "engine.vllm.dtype" in done.stderr, done.stderr
