@@ -78,6 +78,7 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
         self.endpoint = ""
         self.transfer = TransferConfig()
         self.receiver: WeightReceiver | None = None
+
         self.report: dict[str, Any] | None = None  # the last whole version, None while torn
 
     def init_transfer_engine(self, init_info: TimeshareInitInfo) -> None:
@@ -99,22 +100,38 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
         # Every vLLM model class has load_weights (by HF names); nn.Module does not declare it.
         load_weights: Callable[[list[tuple[str, torch.Tensor]]], object] = model.load_weights  # type: ignore[assignment]
 
+        # Where a version's time goes inside vLLM's worker (in the report: the benchmark shows it).
+        spent = {"digest_s": 0.0, "copy_s": 0.0, "load_s": 0.0, "finalize_s": 0.0}
+
         def load(named: list[tuple[str, torch.Tensor]]) -> None:
+            # (Hashing in a thread beside vLLM's load gained nothing here: vLLM's CPU worker
+            # keeps every core busy. Measured with benchmarks/vllm_sync.py.)
+            mark = time.perf_counter()
             if digest is not None:
                 for name, tensor in named:
                     digest.add(name, tensor)
+            spent["digest_s"] += (now := time.perf_counter()) - mark
+            mark = now
             # Layerwise reload keeps a layer's tensors until the layer is whole, which may be in
             # a later bucket: it gets copies, never views of staging (reused after the ACK).
+            copies = [(name, tensor.clone()) for name, tensor in named]
+            spent["copy_s"] += (now := time.perf_counter()) - mark
+            mark = now
             try:
-                load_weights([(name, tensor.clone()) for name, tensor in named])
+                load_weights(copies)
             except Exception as exc:  # the trainer sees this as PeerError: say whose loader
                 raise LoaderFailed(
                     f"vLLM's loader of {type(model).__name__} refused "
                     f"{[name for name, _ in named][:4]}...: {type(exc).__name__}: {exc}"
                 ) from exc
+            finally:
+                copies.clear()
+                spent["load_s"] += time.perf_counter() - mark
 
         def post_process() -> None:
+            mark = time.perf_counter()
             finalize_layerwise_reload(model, self.model_config)  # type: ignore[no-untyped-call]
+            spent["finalize_s"] += time.perf_counter() - mark
 
         started = time.perf_counter()
         try:
@@ -122,7 +139,10 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
         except BaseException:
             self._abandon_reload()
             raise
-        self.report = _as_dict(report, digest, time.perf_counter() - started)
+        self.report = {
+            **_as_dict(report, digest, time.perf_counter() - started),
+            **{key: round(value, 6) for key, value in spent.items()},
+        }
 
     def finish_weight_update(self) -> None:
         if self.report is None:
