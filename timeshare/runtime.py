@@ -330,3 +330,28 @@ def mapped_segments(pid: int, prefix: str) -> list[str]:
         if path.startswith(f"{SHM_ROOT}/{prefix}"):
             names.add(path[len(str(SHM_ROOT)) + 1 :].removesuffix(" (deleted)"))
     return sorted(names)
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent pid of `pid` (from /proc), or None if it does not exist."""
+    fields = _stat_fields(pid)
+    return None if fields is None else int(fields[1])
+
+
+def reap(children: list[int], timeout_s: float) -> list[int]:
+    """Wait for those of this process's `children` that exit within `timeout_s`; a child that
+    is not this process's (or was reaped already) is skipped. Returns those still running."""
+    deadline = time.monotonic() + timeout_s
+    left = list(children)
+    while left:
+        for pid in list(left):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done == pid:
+                left.remove(pid)
+        if not left or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    return left

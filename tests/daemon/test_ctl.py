@@ -48,3 +48,13 @@ def test_the_status_table_shows_what_an_operator_asks_first() -> None:
     assert "sync, offload" in table and "train 310.0 ms  sync 12.3 ms" in table
     assert "0.250 GB/s" in table and "http://127.0.0.1:9464/metrics" in table
     assert len(table.splitlines()) == 12
+
+
+def test_the_status_table_shows_memory_a_rollout_engine_cannot_release() -> None:
+    last = {"step": 3, "phases": {}, "sync": {"gbps": 0.1}, "rollout_resident_mb": 133.7}
+    table = status_table({"lifecycle": "running", "last_step": last, "pid": 1})
+    assert "resident while asleep" in table and "133.7 MiB" in table
+    released = status_table(
+        {"lifecycle": "running", "last_step": {**last, "rollout_resident_mb": 0.0}}
+    )
+    assert "resident" not in released

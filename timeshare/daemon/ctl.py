@@ -151,6 +151,11 @@ def status_table(status: dict[str, Any]) -> str:
         rows.append(("sync", "-" if gbps is None else f"{gbps:.3f} GB/s"))
         if last.get("reward_mean") is not None:
             rows.append(("reward", f"{last['reward_mean']:.3f}"))
+        if last.get("rollout_resident_mb"):  # an engine that cannot release memory says so
+            resident = (
+                f"{last['rollout_resident_mb']:.1f} MiB (the rollout engine cannot release it)"
+            )
+            rows.append(("resident while asleep", resident))
     if status.get("reason"):
         rows.append(("reason", status["reason"]))
     if status.get("metrics_port"):

@@ -46,7 +46,12 @@ class Progress:
             f"step {figures.step:>4}/{self.steps}  reward {_number(figures.reward_mean, '.3f')}  "
             f"step {figures.step_s:.2f} s  sync {figures.sync.gbps:.3f} GB/s  "
             f"weights_match {figures.weights_match}  "
-            f"logprob_diff {_number(figures.logprob_max_abs_diff, '.1e')}",
+            f"logprob_diff {_number(figures.logprob_max_abs_diff, '.1e')}"
+            + (
+                f"  resident {figures.rollout_resident_mb:.0f} MiB"
+                if figures.rollout_resident_mb
+                else ""
+            ),
             file=self.out,
             flush=True,
         )

@@ -15,9 +15,11 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import anyio
+import psutil
 import pytest
 import torch
 
@@ -115,3 +117,7 @@ def engine(trainer_model: CausalLM) -> Iterator[Engine]:
     finally:
         rollout.close()
         shutil.rmtree(directory, ignore_errors=True)
+        # Starting vLLM (spawn) started Python's resource tracker as a child of this test
+        # process; left running, it would fail later tests' check that they leave no process.
+        resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+        assert psutil.Process().children(recursive=True) == []

@@ -19,6 +19,7 @@ what it keeps is `resident_mb`, which the log and the summary show.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -26,7 +27,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -51,7 +52,9 @@ from timeshare.errors import EngineBroken, GenerateTimeout, TimeshareError
 from timeshare.protocols.weights import TransferConfig, TransferReport
 from timeshare.runtime import (
     mapped_segments,
+    parent_of,
     process_tree,
+    reap,
     record_foreign_segments,
     release_foreign_segments,
 )
@@ -60,7 +63,23 @@ from timeshare.units import MIB
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 EXTENSION = "timeshare.engines.vllm.backend.TimeshareWorkerExtension"
+REAP_S = 10.0  # for vLLM's processes to exit once shut down
 VLLM_SEGMENT_PREFIX = "psm_"  # Python's SharedMemory names, as vLLM's message queues use them
+
+
+@contextlib.contextmanager
+def _host_pid_in_environment() -> Iterator[None]:
+    """This process's pid in the environment of the processes vLLM starts meanwhile (they
+    inherit it), and only then: other children of this process are not vLLM's."""
+    before = os.environ.get(HOST_PID_ENV)
+    os.environ[HOST_PID_ENV] = str(os.getpid())
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[HOST_PID_ENV]
+        else:
+            os.environ[HOST_PID_ENV] = before
 
 
 def write_model_dir(config: ModelConfig, directory: Path) -> Path:
@@ -122,14 +141,15 @@ class VllmRollout(RolloutEngine):
         self.asleep: set[str] = set()
         self._ids = itertools.count()
         self._scratch: Path | None = None
+        self._children: list[int] = []
         model_dir = spec.model_dir
         if not model_dir:
             self._scratch = Path(tempfile.mkdtemp(prefix=f"timeshare-vllm-{rank}-"))
             model_dir = str(write_model_dir(trainer_model, self._scratch))
-        os.environ[HOST_PID_ENV] = str(os.getpid())  # plugin.py: vLLM's processes die with us
         started = time.perf_counter()
         try:
-            self.llm = LLM(**engine_args(spec, model_dir, sleep_mode=self.sleeps))
+            with _host_pid_in_environment():  # plugin.py: vLLM's processes die with this one
+                self.llm = LLM(**engine_args(spec, model_dir, sleep_mode=self.sleeps))
         except BaseException:
             self._remove_scratch()
             raise
@@ -263,6 +283,9 @@ class VllmRollout(RolloutEngine):
         """Record the shared memory vLLM's processes map (its message queues), so that a sweep
         of the runtime directory removes it once they are gone, even if SIGKILL ended them."""
         tree = process_tree(os.getpid())
+        self._children = [
+            pid for pid in tree if parent_of(pid) == os.getpid() and _is_vllm_process(pid)
+        ]
         names = [name for pid in tree for name in mapped_segments(pid, VLLM_SEGMENT_PREFIX)]
         record_foreign_segments(self.runtime_dir, self.owner, tree, names)
 
@@ -270,6 +293,8 @@ class VllmRollout(RolloutEngine):
         try:
             self.llm.llm_engine.engine_core.shutdown()
         finally:
+            # vLLM kills an EngineCore that is slow to exit without reaping it: no zombie stays.
+            reap(self._children, REAP_S)
             release_foreign_segments(self.runtime_dir, self.owner)
             self._remove_scratch()
 
@@ -277,6 +302,14 @@ class VllmRollout(RolloutEngine):
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
+
+
+def _is_vllm_process(pid: int) -> bool:
+    """vLLM names its processes `VLLM::EngineCore`, `VLLM::Worker`, ..."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::")
+    except OSError:
+        return False
 
 
 class VllmInlet:

@@ -19,7 +19,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from timeshare.runtime import die_with_parent
 
 BACKEND = "timeshare"
-HOST_PID_ENV = "TIMESHARE_VLLM_HOST_PID"
+# Not TIMESHARE_*: those are the job config's overrides.
+HOST_PID_ENV = "TS_VLLM_HOST_PID"
 
 
 def register() -> None:
