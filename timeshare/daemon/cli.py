@@ -6,6 +6,8 @@
     timeshare state diagram [job|service]
                                     the job's phase machine, or the service's lifecycle,
                                     as a Mermaid diagram
+    timeshare model init --arch llama|qwen2 --layers N --hidden H ... DIR
+                                    a random-initialised transformers model from a seed
 
 Exit codes: 0 done, 1 the run failed (the error names rank, role and phase), 2 bad input (an
 unusable config names the key and its source), 128 + signal number when stopped by a signal.
@@ -21,6 +23,7 @@ from pathlib import Path
 import msgspec
 
 from timeshare.config import Config, effective_lines, load_config
+from timeshare.engines.model_dir import ARCHITECTURES, ModelShape, init_model_dir
 from timeshare.errors import ConfigError, CycleFailed, Interrupted
 from timeshare.state.diagram import DIAGRAMS
 
@@ -35,12 +38,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write("\n".join(effective_lines(load_config(args.config))) + "\n")
         elif args.command == "state":
             sys.stdout.write(DIAGRAMS[args.table]())
+        elif args.command == "model":
+            init_model_dir(args.directory, _shape(args), args.seed)
+            print(f"wrote {args.directory}")
         elif args.command == "run":
             return _run(_with_overrides(load_config(args.config).config, args), args.summary)
     except ConfigError as exc:
         print(f"timeshare: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
+
+
+def _shape(args: argparse.Namespace) -> ModelShape:
+    return ModelShape(
+        arch=args.arch,
+        layers=args.layers,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        vocab=args.vocab,
+        max_positions=args.max_positions,
+        tie_embeddings=args.tie_embeddings,
+    )
 
 
 def _with_overrides(config: Config, args: argparse.Namespace) -> Config:
@@ -98,6 +118,17 @@ def _parser() -> argparse.ArgumentParser:
     state_commands = state.add_subparsers(dest="state_command", required=True)
     diagram = state_commands.add_parser("diagram", help="print a table as a Mermaid diagram")
     diagram.add_argument("table", nargs="?", choices=sorted(DIAGRAMS), default="job")
+    model = commands.add_parser("model", help="transformers model directories")
+    model_commands = model.add_subparsers(dest="model_command", required=True)
+    init = model_commands.add_parser("init", help="write a random-initialised model from a seed")
+    init.add_argument("directory", type=Path, help="a new or empty directory")
+    init.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
+    shape = ModelShape()
+    for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"):
+        init.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(shape, name))
+    init.add_argument("--max-positions", type=int, default=shape.max_positions)
+    init.add_argument("--tie-embeddings", action="store_true")
+    init.add_argument("--seed", type=int, default=0)
     return parser
 
 

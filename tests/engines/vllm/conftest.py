@@ -19,10 +19,12 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 
 import anyio
+import msgspec
 import psutil
 import pytest
 import torch
 
+from timeshare.engines.model_dir import ModelShape, init_model_dir
 from timeshare.engines.torch_ref.model import CausalLM, init_model
 from timeshare.engines.torch_ref.spec import ModelConfig
 from timeshare.engines.vllm.engine import VllmInlet, VllmRollout
@@ -43,6 +45,7 @@ TRANSFER = TransferConfig(
     bucket_mb=0.05, begin_timeout_s=20.0, ack_timeout_s=20.0, handshake_timeout_s=20.0
 )
 SPEC = VllmSpec(generate_timeout_s=120.0)  # the first generate warms vLLM up
+SHAPE = ModelShape(layers=2, hidden=64, intermediate=128, heads=2, kv_heads=2, vocab=16)
 
 
 Named = list[tuple[str, torch.Tensor]]
@@ -103,7 +106,11 @@ def trainer_model() -> CausalLM:
 @pytest.fixture(scope="module")
 def engine(trainer_model: CausalLM) -> Iterator[Engine]:
     directory = Path(tempfile.mkdtemp(prefix="ts-vllm-", dir="/tmp"))
-    rollout = VllmRollout(0, SPEC, MODEL, call_timeout_s=120.0, runtime_dir=directory)
+    # vLLM starts from what `timeshare model init` writes (so this start proves vLLM loads it);
+    # the first SYNC then replaces its weights with the trainer's.
+    model_dir = init_model_dir(directory / "model", SHAPE, seed=0)
+    spec = msgspec.structs.replace(SPEC, model_dir=str(model_dir))
+    rollout = VllmRollout(0, spec, MODEL, call_timeout_s=120.0, runtime_dir=directory)
     try:
         endpoint = f"ipc://{directory}/w-rank0.sock"
         inlet = rollout.open_inlet(endpoint, TRANSFER)

@@ -1,0 +1,87 @@
+"""Transformers model directories made offline: a random-initialised model from a seed.
+
+    timeshare model init --arch llama|qwen2 --layers N --hidden H ... DIR
+
+writes `config.json` and `model.safetensors` that transformers' `from_pretrained` and vLLM load
+(never a hub download). The same arguments and seed give the same weights, bit for bit: the
+initialisation runs on a forked RNG seeded from `seed`, so the caller's RNG is untouched. This is
+the model the examples and tests start from; a user points the engines at their own directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from timeshare.errors import ConfigError
+
+Arch = Literal["llama", "qwen2"]
+# transformers' (config class, model class) of each architecture
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    arch: Arch = "llama"
+    layers: int = 2
+    hidden: int = 64
+    intermediate: int = 128
+    heads: int = 2
+    kv_heads: int = 2
+    vocab: int = 16
+    max_positions: int = 64
+    tie_embeddings: bool = False
+
+    def check(self) -> None:
+        """A `ConfigError` naming the first argument a model cannot have."""
+        if self.arch not in ARCHITECTURES:
+            raise ConfigError(f"--arch {self.arch!r}: one of {', '.join(sorted(ARCHITECTURES))}")
+        for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+        if self.max_positions < 2:
+            raise ConfigError("--max-positions must be at least 2")
+        if self.hidden % self.heads:
+            raise ConfigError(
+                f"--hidden ({self.hidden}) is not a multiple of --heads ({self.heads})"
+            )
+        if self.heads % self.kv_heads:
+            raise ConfigError(
+                f"--heads ({self.heads}) is not a multiple of --kv-heads ({self.kv_heads})"
+            )
+
+    def transformers_config(self) -> dict[str, object]:
+        return {
+            "vocab_size": self.vocab,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_hidden_layers": self.layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.hidden // self.heads,
+            "max_position_embeddings": self.max_positions,
+            "tie_word_embeddings": self.tie_embeddings,
+        }
+
+
+def init_model_dir(directory: Path, shape: ModelShape, seed: int) -> Path:
+    """Write a random-initialised model of `shape` from `seed` into `directory` (new or empty)."""
+    shape.check()
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise ConfigError(f"{directory}: exists and is not an empty directory")
+    # Imported here: the command line starts without torch, and transformers is an extra.
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    config_class, model_class = (getattr(transformers, name) for name in ARCHITECTURES[shape.arch])
+    config = config_class(**shape.transformers_config(), torch_dtype="float32")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
