@@ -47,7 +47,9 @@ def kill_mid_cycle(daemon: Daemon, after_committed: int) -> list[int]:
 
 
 def test_operated_killed_and_resumed_from_the_committed_step(runtime_dir: Path) -> None:
-    config = tiny_service_config(runtime_dir, steps=400)
+    # Steps enough never to end on their own: on a loaded machine a few hundred tiny steps ran
+    # out before the operator's pause (a timesharectl process) arrived.
+    config = tiny_service_config(runtime_dir, steps=100_000)
     first = spawn_daemon(runtime_dir, config)
     try:
         first.wait_for(lambda s: (s["committed_step"] or 0) >= 1, timeout=120)
