@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,10 +27,11 @@ from timeshare.engines.torch_ref.model import init_model
 from timeshare.errors import AckTimeout
 from timeshare.protocols.weights import WeightSender, sweep_stale
 from timeshare.protocols.weights.segments import SEGMENT_PREFIX
-from timeshare.runtime import mapped_segments, process_start_time
+from timeshare.runtime import mapped_segments, wait_gone
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[3]
+EVENT_TIMEOUT_S = 300.0  # vLLM's start-up on a loaded machine, with room
 SENDER = msgspec.structs.replace(TRANSFER, ack_timeout_s=3.0)  # the trainer gives up soon
 
 
@@ -44,19 +47,32 @@ class Host:
             stderr=subprocess.DEVNULL,
             text=True,
         )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, name="host-stdout", daemon=True).start()
 
     def next_event(self) -> dict[str, Any]:
-        """The host's next event (vLLM logs to stdout too: its lines are skipped)."""
-        assert self.proc.stdout is not None
+        """The host's next event within EVENT_TIMEOUT_S (vLLM logs to stdout too: its lines
+        are skipped)."""
+        deadline = time.monotonic() + EVENT_TIMEOUT_S
         while True:
-            line = self.proc.stdout.readline()  # the host ends every path with an event or exit
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"host said nothing within {EVENT_TIMEOUT_S:g} s") from None
             assert line, f"host exited with {self.proc.wait(timeout=30)} and said nothing"
             if line.startswith('{"event"'):
                 event: dict[str, Any] = json.loads(line)
                 return event
 
-    def vllm_processes(self, event: dict[str, Any]) -> list[tuple[int, int | None]]:
-        return [(pid, process_start_time(pid)) for pid in event["vllm"]]
+    def _read(self) -> None:
+        """Every line of the host's stdout into `lines`, then "" at its end."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+    def vllm_processes(self, event: dict[str, Any]) -> list[int]:
+        return [int(pid) for pid in event["vllm"]]
 
 
 @pytest.fixture
@@ -70,19 +86,8 @@ def host(runtime_dir: Path) -> Iterator[Host]:
         started.proc.wait(timeout=30)
 
 
-def alive(processes: list[tuple[int, int | None]]) -> list[int]:
-    return [pid for pid, start in processes if process_start_time(pid) == start]
-
-
-def wait_all_gone(processes: list[tuple[int, int | None]], timeout_s: float) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while alive(processes) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return alive(processes)
-
-
-def vllm_worker(processes: list[tuple[int, int | None]]) -> int:
-    for pid, _ in processes:
+def vllm_worker(processes: list[int]) -> int:
+    for pid in processes:
         if psutil.Process(pid).name().startswith("VLLM::Worker"):
             return pid
     raise AssertionError(f"no VLLM::Worker among {processes}")
@@ -128,7 +133,7 @@ def test_a_vllm_worker_killed_mid_transfer_is_an_ack_timeout_on_the_trainer(
     event = host.next_event()
     assert event["event"] == "error", event  # vLLM's engine died with its worker: said so
     assert host.proc.wait(timeout=60) == 1
-    assert wait_all_gone(processes, 10) == []
+    assert wait_gone(processes, 10) == []
     assert_nothing_left(runtime_dir)
 
 
@@ -139,5 +144,5 @@ def test_vllm_processes_die_with_the_process_that_hosts_them(runtime_dir: Path, 
     assert records and json.loads(records[0].read_text())["segments"]  # their memory is on record
     host.proc.send_signal(signal.SIGKILL)
     host.proc.wait(timeout=10)
-    assert wait_all_gone(processes, 5) == []  # the parent-death signal, not a sweep
+    assert wait_gone(processes, 5) == []  # the parent-death signal, not a sweep
     assert_nothing_left(runtime_dir)

@@ -25,7 +25,7 @@ from tests.daemon.test_run import steps_of, timeshare_run
 from timeshare.protocols.weights import sweep_stale
 from timeshare.protocols.weights.segments import SEGMENT_PREFIX
 from timeshare.protocols.weights.segments import SHM_DIR as SHM
-from timeshare.runtime import mapped_segments, running_since
+from timeshare.runtime import mapped_segments, wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -55,11 +55,11 @@ def write_config(root: Path, **sections: Any) -> Path:
     return toml_file(root, VLLM_JOB, log={"file": f"{root}/log.jsonl"}, **sections)
 
 
-def vllm_processes(root: Path) -> list[tuple[int, int | None]]:
+def vllm_processes(root: Path) -> list[int]:
     """The processes of the run's vLLM engines, from their records in the runtime dir."""
     found = []
     for record in (root / "run").glob("*.segments.json"):
-        found += [(pid, start) for pid, start in json.loads(record.read_text())["owners"]]
+        found += [pid for pid, _ in json.loads(record.read_text())["owners"]]
     return found
 
 
@@ -69,18 +69,6 @@ def recorded_segments(root: Path) -> list[str]:
     for record in (root / "run").glob("*.segments.json"):
         names += json.loads(record.read_text())["segments"]
     return names
-
-
-def alive(processes: list[tuple[int, int | None]]) -> list[int]:
-    """Those still running (a zombie, killed and not yet reaped by init, is gone)."""
-    return [pid for pid, start in processes if running_since(pid) == start]
-
-
-def wait_gone(processes: list[tuple[int, int | None]], timeout_s: float) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while alive(processes) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return alive(processes)
 
 
 def wait_for(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[str]) -> Any:
@@ -119,7 +107,7 @@ def test_a_vllm_worker_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Pat
     run = start_run(runtime_dir, write_config(runtime_dir))
     try:
         processes = wait_for("vLLM", lambda: vllm_processes(runtime_dir), 240, run)
-        worker = next(pid for pid, _ in processes if "VLLM::Worker" in psutil.Process(pid).name())
+        worker = next(pid for pid in processes if "VLLM::Worker" in psutil.Process(pid).name())
         # The first SYNC: the vLLM worker maps the trainer's staging, buckets are on their way.
         wait_for("staging", lambda: mapped_segments(worker, SEGMENT_PREFIX), 240, run)
         segments = recorded_segments(runtime_dir)

@@ -63,6 +63,7 @@ from timeshare.units import MIB
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 EXTENSION = "timeshare.engines.vllm.backend.TimeshareWorkerExtension"
+EXTENSION_REPORT = "timeshare_report"  # its method that returns the last version's report
 REAP_S = 10.0  # for vLLM's processes to exit once shut down
 VLLM_SEGMENT_PREFIX = "psm_"  # Python's SharedMemory names, as vLLM's message queues use them
 
@@ -355,9 +356,6 @@ class VllmInlet:
             self.engine.call(
                 "shutdown_weight_transfer_engine", self.engine.llm.shutdown_weight_transfer_engine
             )
-
-
-EXTENSION_REPORT = "timeshare_report"
 
 
 def _prompt(request: RolloutRequest) -> TokensPrompt:
