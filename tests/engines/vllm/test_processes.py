@@ -32,7 +32,8 @@ from timeshare.runtime import mapped_segments, wait_gone
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[3]
 EVENT_TIMEOUT_S = 300.0  # vLLM's start-up on a loaded machine, with room
-SENDER = msgspec.structs.replace(TRANSFER, ack_timeout_s=3.0)  # the trainer gives up soon
+# The trainer gives up soon, in the handshake as in the buckets.
+SENDER = msgspec.structs.replace(TRANSFER, ack_timeout_s=3.0, handshake_timeout_s=3.0)
 
 
 class Host:
@@ -128,8 +129,10 @@ def test_a_vllm_worker_killed_mid_transfer_is_an_ack_timeout_on_the_trainer(
             sending.result(timeout=120)
         waited = time.monotonic() - started
         trainer.submit(sender.close).result(timeout=30)
-    assert timed_out.value.phase in ("bucket", "released", "finalized")
-    assert waited < SENDER.ack_timeout_s + 10
+    # The worker had mapped the staging: the kill lands before its ACK of the mapping went out
+    # (a loaded machine) or during the buckets.
+    assert timed_out.value.phase in ("mapped", "bucket", "released", "finalized")
+    assert waited < max(SENDER.ack_timeout_s, SENDER.handshake_timeout_s) + 10
     event = host.next_event()
     assert event["event"] == "error", event  # vLLM's engine died with its worker: said so
     assert host.proc.wait(timeout=60) == 1
