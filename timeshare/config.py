@@ -3,8 +3,8 @@
     [job]        ranks, steps, runtime_dir, checkpoint_dir
     [deadlines]  phase_s, stall_s, barrier_s, ready_s; [deadlines.commands] per command
     [transfer]   the weight channel (TransferConfig)
-    [engine]     kind, rollout, and each engine's own section ([engine.simulated],
-                 [engine.torch_ref], [engine.vllm])
+    [engine]     kind, rollout, trainer, and each engine's own section ([engine.simulated],
+                 [engine.torch_ref], [engine.vllm], [engine.fsdp])
     [[faults]]   injected faults, for drills
     [log]        level, and a file for JSON lines
     [daemon]     the service `timeshared`: control socket, state directory, metrics, drain
@@ -29,8 +29,9 @@ from typing import Annotated, Any
 import msgspec
 
 from timeshare.engines.faults import Fault
-from timeshare.engines.spec import EngineSpec
-from timeshare.engines.torch_ref.spec import model_config
+from timeshare.engines.fsdp.check import check_model_dir
+from timeshare.engines.spec import EngineSpec, rollout_vllm_spec, served_model
+from timeshare.engines.torch_ref.spec import ModelConfig
 from timeshare.engines.vllm.args import check_engine_args
 from timeshare.errors import ConfigError, TransferError
 from timeshare.levels import LogLevel
@@ -248,10 +249,16 @@ def _check_runtime_dir(config: Config, sources: dict[str, str]) -> None:
 
 
 def _check_engine(config: Config) -> None:
-    """An engine that validates its own arguments (vLLM) is asked now, before any worker."""
+    """What the engines' own libraries must accept (transformers, vLLM) is asked now, before
+    any worker starts."""
     engine = config.engine
+    if engine.trainer == "fsdp":
+        model_dir = Path(engine.fsdp.model_dir)
+        check_model_dir(str(model_dir))
+        served = served_model(engine) if engine.rollout else ModelConfig.servable(model_dir)
+        engine.torch_ref.check_model(served, f"engine.fsdp.model_dir {model_dir}")
     if engine.rollout == "vllm":
-        check_engine_args(engine.vllm, model_config(engine.torch_ref))
+        check_engine_args(rollout_vllm_spec(engine), served_model(engine))
 
 
 def _check_nesting(config: Config, sources: dict[str, str]) -> None:

@@ -8,6 +8,8 @@
                                     as a Mermaid diagram
     timeshare model init --arch llama|qwen2 --layers N --hidden H ... DIR
                                     a random-initialised transformers model from a seed
+    timeshare export CHECKPOINT DIR the FSDP trainer's checkpoint (a step's directory, or the
+                                    job's: its newest committed step) as a transformers model
 
 Exit codes: 0 done, 1 the run failed (the error names rank, role and phase), 2 bad input (an
 unusable config names the key and its source), 128 + signal number when stopped by a signal.
@@ -24,7 +26,7 @@ import msgspec
 
 from timeshare.config import Config, effective_lines, load_config
 from timeshare.engines.model_dir import ARCHITECTURES, ModelShape, init_model_dir
-from timeshare.errors import ConfigError, CycleFailed, Interrupted
+from timeshare.errors import CheckpointError, ConfigError, CycleFailed, Interrupted
 from timeshare.state.diagram import DIAGRAMS
 
 EXIT_FAILED = 1
@@ -41,12 +43,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "model":
             init_model_dir(args.directory, _shape(args), args.seed)
             print(f"wrote {args.directory}")
+        elif args.command == "export":
+            _export(args.checkpoint, args.directory)
         elif args.command == "run":
             return _run(_with_overrides(load_config(args.config).config, args), args.summary)
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:
         print(f"timeshare: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
+
+
+def _export(source: Path, target: Path) -> None:
+    # Imported here: torch and safetensors, for this command only.
+    from timeshare.engines.fsdp.export import export_checkpoint  # noqa: PLC0415
+
+    step = export_checkpoint(source, target)
+    print(f"wrote {target} (from {step})")
 
 
 def _shape(args: argparse.Namespace) -> ModelShape:
@@ -129,6 +141,9 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--max-positions", type=int, default=shape.max_positions)
     init.add_argument("--tie-embeddings", action="store_true")
     init.add_argument("--seed", type=int, default=0)
+    export = commands.add_parser("export", help="an FSDP checkpoint as a transformers model")
+    export.add_argument("checkpoint", type=Path, help="a step's directory or a job's checkpoints")
+    export.add_argument("directory", type=Path, help="a new or empty directory")
     return parser
 
 

@@ -22,9 +22,9 @@ from timeshare.engines.base import (
     TrainerEngine,
 )
 from timeshare.engines.simulated import DeviceLedger, SimulatedRollout, SimulatedTrainer
-from timeshare.engines.spec import EngineSpec
+from timeshare.engines.spec import EngineSpec, rollout_vllm_spec, served_model
 from timeshare.engines.torch_ref.rollout import TorchRefRollout
-from timeshare.engines.torch_ref.spec import TorchRefSpec, model_config
+from timeshare.engines.torch_ref.spec import TorchRefSpec
 from timeshare.engines.torch_ref.task import RepeatDigit, sampling_seed
 from timeshare.engines.torch_ref.trainer import TorchRefTrainer
 from timeshare.protocols.store import JobStore
@@ -86,6 +86,18 @@ class EnginePair:
     store: JobStore
 
     def trainer(self, collective_timeout_s: float) -> TrainerEngine:
+        if self.spec.trainer == "fsdp":
+            from timeshare.engines.fsdp.trainer import FsdpTrainer  # noqa: PLC0415 - transformers only where used
+
+            torch.set_num_threads(self.spec.torch_ref.torch_threads)
+            return FsdpTrainer(
+                self.rank,
+                self.world_size,
+                self.spec.fsdp,
+                self.spec.torch_ref,
+                store=self.store,
+                collective_timeout_s=collective_timeout_s,
+            )
         if self.spec.kind == "torch_ref":
             torch.set_num_threads(self.spec.torch_ref.torch_threads)
             return TorchRefTrainer(
@@ -106,16 +118,14 @@ class EnginePair:
             torch.set_num_threads(self.spec.torch_ref.torch_threads)
             return VllmRollout(
                 self.rank,
-                self.spec.vllm,
-                model_config(self.spec.torch_ref),
+                rollout_vllm_spec(self.spec),
+                served_model(self.spec),
                 call_timeout_s,
                 runtime_dir,
             )
         if self.spec.kind == "torch_ref":
             torch.set_num_threads(self.spec.torch_ref.torch_threads)
-            return TorchRefRollout(
-                self.rank, self.spec.torch_ref, model_config(self.spec.torch_ref)
-            )
+            return TorchRefRollout(self.rank, self.spec.torch_ref, served_model(self.spec))
         return SimulatedRollout(self.rank, self.spec.simulated, self._ledger())
 
     def workload(self) -> Workload:

@@ -28,13 +28,9 @@ import structlog
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from timeshare import logs
-from timeshare.engines.base import (
-    RolloutEngine,
-    RolloutSample,
-    TrainerEngine,
-    weights_digest,
-)
+from timeshare.engines.base import RolloutEngine, RolloutSample, TrainerEngine, WeightsDigest
 from timeshare.engines.faults import Fault
+from timeshare.engines.outlet import digested
 from timeshare.engines.pairs import EnginePair, Workload
 from timeshare.engines.spec import EngineSpec
 from timeshare.errors import SimulatedFault
@@ -168,13 +164,13 @@ class TrainerWorker:
 
     def sync(self, params: dict[str, Any]) -> SyncResult:
         self.engine.prepare_sync()
-        weights = list(self.engine.iter_weights())
+        digest = WeightsDigest()
+        weights = digested(self.engine.iter_weights(), digest)
         with self.server.waiting_on_peer():
             report = self.portal.call(partial(self.sender.send, weights, version=self.engine.step))
-        digest = weights_digest(iter(weights))
         self.engine.finish_sync()
         self.engine.offload_params()
-        return sync_result(report, digest, self.sender.staging_buffers)
+        return sync_result(report, digest.hexdigest(), self.sender.staging_buffers)
 
     def held(self, params: dict[str, Any]) -> HeldResult:
         return HeldResult(held_mb=self.engine.held_mb())
@@ -249,7 +245,7 @@ def run(spec: WorkerSpec) -> None:
     structlog.contextvars.bind_contextvars(
         rank=spec.rank,
         role=spec.role,
-        engine=spec.engine.kind if spec.role == "trainer" else spec.engine.rollout_name,
+        engine=spec.engine.trainer_name if spec.role == "trainer" else spec.engine.rollout_name,
     )
     store = JobStore.connect(spec.store_host, spec.store_port, timeout_s=30.0)
     handlers: dict[str, Callable[[dict[str, Any]], object]] = {}

@@ -15,9 +15,9 @@ from timeshare.engines.base import (
     SamplingParams,
     weights_digest,
 )
+from timeshare.engines.grpo import clipped_loss, group_advantages
 from timeshare.engines.pairs import TaskWorkload
 from timeshare.engines.torch_ref import checkpoint
-from timeshare.engines.torch_ref.grpo import clipped_loss, group_advantages
 from timeshare.engines.torch_ref.model import (
     KVCache,
     init_model,

@@ -198,12 +198,3 @@ def save_pretrained(model: CausalLM, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(msgspec.to_builtins(model.config), indent=2))
     torch.save(model.state_dict(), directory / "pytorch_model.bin")
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log p(token) under softmax(logits / temperature): what both trainer and rollout report."""
-    return (
-        torch.log_softmax(logits.float() / temperature, dim=-1)
-        .gather(-1, tokens.unsqueeze(-1))
-        .squeeze(-1)
-    )

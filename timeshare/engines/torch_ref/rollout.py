@@ -21,7 +21,8 @@ from timeshare.engines.base import (
     refuse_unsupported,
     weights_digest,
 )
-from timeshare.engines.torch_ref.model import CausalLM, KVCache, token_logprobs
+from timeshare.engines.grpo import token_logprobs
+from timeshare.engines.torch_ref.model import CausalLM, KVCache
 from timeshare.engines.torch_ref.spec import ModelConfig, TorchRefSpec
 from timeshare.errors import EngineAsleep, TimeshareError
 from timeshare.units import MIB

@@ -51,12 +51,53 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     @classmethod
     def from_json(cls, path: Path) -> ModelConfig:
         """Read a transformers `config.json`, keeping the keys this model uses."""
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{path}: cannot read a transformers config: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: a transformers config is a JSON object")
+        rope = data.get("rope_parameters")  # transformers 5 keeps rope_theta there
+        if isinstance(rope, dict) and "rope_theta" in rope:
+            data.setdefault("rope_theta", rope["rope_theta"])
         fields = set(cls.__struct_fields__)
         try:
             return msgspec.convert({k: v for k, v in data.items() if k in fields}, cls)
         except msgspec.ValidationError as exc:
             raise ConfigError(f"{path}: {exc}") from exc
+
+    @classmethod
+    def servable(cls, directory: Path) -> ModelConfig:
+        """The config of a transformers directory the reference rollout can serve: a Llama
+        without biases, default rotary embedding and head_dim = hidden_size / heads."""
+        path = directory / "config.json"
+        config = cls.from_json(path)
+        data = json.loads(path.read_text())
+        why = _unservable(data, config)
+        if why:
+            raise ConfigError(
+                f"{path}: the torch_ref rollout serves the Llama architecture only ({why}); "
+                'use engine.rollout = "vllm" for this model'
+            )
+        return config
+
+
+def _unservable(data: dict[str, object], config: ModelConfig) -> str:
+    """Why the reference model cannot compute what `data` describes ("": it can)."""
+    architectures = data.get("architectures") or []
+    if architectures != ["LlamaForCausalLM"]:
+        return f"architectures is {architectures}"
+    for key in ("attention_bias", "mlp_bias"):
+        if data.get(key):
+            return f"{key} is set"
+    if data.get("hidden_act", "silu") != "silu":
+        return f"hidden_act is {data.get('hidden_act')!r}"
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if isinstance(rope, dict) and rope.get("rope_type", "default") != "default":
+        return f"rope_type is {rope.get('rope_type')!r}"
+    if data.get("head_dim", config.head_dim) != config.head_dim:
+        return f"head_dim is {data.get('head_dim')}, not hidden_size / num_attention_heads"
+    return ""
 
 
 class TorchRefSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -82,25 +123,29 @@ class TorchRefSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     minibatches: PositiveInt = 2
 
     def __post_init__(self) -> None:
-        if self.model.vocab_size < MIN_VOCAB:
-            raise ConfigError(
-                f"engine.torch_ref.model.vocab_size ({self.model.vocab_size}) must be at least "
-                f"{MIN_VOCAB}: the task uses ten digits, BOS and SEP"
-            )
+        self.check_model(self.model, "engine.torch_ref.model")
         if PROMPT_TOKENS + self.completion_tokens > self.kv_cache_len:
             raise ConfigError(
                 f"engine.torch_ref.kv_cache_len ({self.kv_cache_len}) is shorter than a prompt "
                 f"({PROMPT_TOKENS}) plus completion_tokens ({self.completion_tokens})"
             )
-        if self.kv_cache_len > self.model.max_position_embeddings:
-            raise ConfigError(
-                f"engine.torch_ref.kv_cache_len ({self.kv_cache_len}) exceeds "
-                f"model.max_position_embeddings ({self.model.max_position_embeddings})"
-            )
         if (self.prompts_per_rank * self.group_size) % self.minibatches:
             raise ConfigError(
                 f"engine.torch_ref.minibatches ({self.minibatches}) does not divide a rank's "
                 f"batch of {self.prompts_per_rank * self.group_size} samples"
+            )
+
+    def check_model(self, model: ModelConfig, where: str) -> None:
+        """A `ConfigError` if the task cannot run on `model` (`where`: the model's key or path)."""
+        if model.vocab_size < MIN_VOCAB:
+            raise ConfigError(
+                f"{where}: vocab_size ({model.vocab_size}) must be at least {MIN_VOCAB}: the "
+                "task uses ten digits, BOS and SEP"
+            )
+        if self.kv_cache_len > model.max_position_embeddings:
+            raise ConfigError(
+                f"engine.torch_ref.kv_cache_len ({self.kv_cache_len}) exceeds "
+                f"max_position_embeddings ({model.max_position_embeddings}) of {where}"
             )
 
     @property

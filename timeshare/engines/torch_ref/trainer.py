@@ -9,7 +9,6 @@ identical; each samples its own prompts.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -21,11 +20,17 @@ import torch
 import torch.distributed as dist
 
 from timeshare.engines.base import RolloutSample, TrainerEngine, weights_digest
+from timeshare.engines.grpo import (
+    batch_tensors,
+    check_batch,
+    clipped_loss,
+    group_advantages,
+    rewards_of,
+    token_logprobs,
+)
 from timeshare.engines.torch_ref import checkpoint
-from timeshare.engines.torch_ref.grpo import clipped_loss, group_advantages
-from timeshare.engines.torch_ref.model import CausalLM, init_model, load_pretrained, token_logprobs
+from timeshare.engines.torch_ref.model import CausalLM, init_model, load_pretrained
 from timeshare.engines.torch_ref.spec import TorchRefSpec
-from timeshare.errors import OffPolicy, TimeshareError
 from timeshare.protocols.store import JobStore
 from timeshare.units import MIB
 
@@ -145,16 +150,16 @@ class TorchRefTrainer(TrainerEngine):
 
     def logprobs(self, batch: list[RolloutSample]) -> list[tuple[float, ...]]:
         with torch.no_grad():
-            prompts, completions, _ = _tensors(batch)
+            prompts, completions, _ = batch_tensors(batch)
             values = self._logprobs(self.model, prompts, completions)
         return [tuple(row) for row in values.tolist()]
 
     def train_step(self, batch: list[RolloutSample]) -> dict[str, float]:
         started = time.perf_counter()
-        self._check_on_policy(batch)
+        check_batch(batch, self.step, self.spec.group_size, self.rank)
         self.onload()
-        prompts, completions, sampled = _tensors(batch)
-        rewards = torch.tensor([float(s.reward or 0.0) for s in batch])
+        prompts, completions, sampled = batch_tensors(batch)
+        rewards = rewards_of(batch)
         with torch.no_grad():
             old = self._logprobs(self.model, prompts, completions)
             ref = None
@@ -214,18 +219,6 @@ class TorchRefTrainer(TrainerEngine):
             grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
             offset += grad.numel()
 
-    def _check_on_policy(self, batch: list[RolloutSample]) -> None:
-        stale = {s.weight_version for s in batch} - {self.step}
-        if stale:
-            raise OffPolicy(
-                f"rank {self.rank} trains from weight version {self.step} but the batch has "
-                f"samples of versions {sorted(stale)}"
-            )
-        if len(batch) % self.spec.group_size:
-            raise TimeshareError(
-                f"a batch of {len(batch)} samples is not whole groups of {self.spec.group_size}"
-            )
-
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: Path) -> None:
@@ -265,18 +258,3 @@ class TorchRefTrainer(TrainerEngine):
 
 def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-def _tensors(batch: list[RolloutSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prompts, completions and the rollout's logprobs as [batch, tokens] tensors."""
-    if not batch:
-        raise TimeshareError("an empty batch: the rollout produced no samples")
-    shapes = {(len(s.prompt_tokens), len(s.tokens)) for s in batch}
-    if len(shapes) != 1:
-        raise TimeshareError(f"samples of differing lengths (prompt, completion): {sorted(shapes)}")
-    prompts = torch.tensor([s.prompt_tokens for s in batch], dtype=torch.long)
-    completions = torch.tensor([s.tokens for s in batch], dtype=torch.long)
-    sampled = torch.tensor([s.logprobs for s in batch], dtype=torch.float32)
-    if not math.isfinite(float(sampled.sum())):
-        raise TimeshareError("the rollout reported non-finite logprobs")
-    return prompts, completions, sampled

@@ -12,9 +12,7 @@ starting an engine, and prints one JSON line: `{"ok": true}` or `{"ok": false, "
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,9 +20,9 @@ from typing import Any
 
 import msgspec
 
+from timeshare.engines.child_check import answer, ask_child
 from timeshare.engines.torch_ref.spec import ModelConfig
 from timeshare.engines.vllm.spec import VllmSpec
-from timeshare.errors import ConfigError
 
 CHECK_TIMEOUT_S = 120.0  # the import of vLLM and one engine config, on a loaded machine
 
@@ -37,38 +35,7 @@ class _Check(msgspec.Struct, frozen=True):
 def check_engine_args(spec: VllmSpec, model: ModelConfig) -> None:
     """A `ConfigError` naming the key if vLLM rejects the engine's arguments."""
     payload = msgspec.json.encode(_Check(spec, model)).decode()
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "timeshare.engines.vllm.args", payload],
-            capture_output=True,
-            text=True,
-            timeout=CHECK_TIMEOUT_S,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise ConfigError(
-            f"engine.vllm: vLLM did not check its arguments within {CHECK_TIMEOUT_S:g} s"
-        ) from exc
-    verdict = _last_json_line(done.stdout)
-    if verdict is None:
-        raise ConfigError(
-            f"engine.vllm: vLLM could not check its arguments (exit {done.returncode}): "
-            f"{done.stderr.strip()[-2000:]}"
-        )
-    if not verdict.get("ok"):
-        raise ConfigError(str(verdict.get("error")))
-
-
-def _last_json_line(output: str) -> dict[str, Any] | None:
-    for line in reversed(output.splitlines()):
-        if line.startswith("{"):
-            try:
-                value = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                return value
-    return None
+    ask_child("timeshare.engines.vllm.args", payload, "engine.vllm: vLLM's check", CHECK_TIMEOUT_S)
 
 
 def _verdict(check: _Check) -> dict[str, Any]:
@@ -107,8 +74,7 @@ def _rejected(spec: VllmSpec, exc: Exception) -> str:
 
 def main() -> None:
     check = msgspec.json.decode(sys.argv[1], type=_Check)
-    verdict = _verdict(check)
-    sys.stdout.write("\n" + json.dumps(verdict) + "\n")
+    answer(_verdict(check))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""The FSDP2 trainer: a transformers causal LM sharded with fully_shard."""

@@ -1,0 +1,129 @@
+"""Is `[engine.fsdp] model_dir` a model transformers can load? Asked before any worker starts.
+
+`check_model_dir` runs this module in a child process (child_check.py says why):
+
+    python -m timeshare.engines.fsdp.check '"<model_dir>"'
+
+The child reads the config with transformers, builds the model on the meta device (no memory, no
+weights read) and compares its state dict with the names and shapes in the safetensors headers.
+The first problem found is the answer, naming the path: no config.json, a config transformers
+cannot read, an architecture it does not know or that is not a causal LM, no weights, tensors
+missing, unexpected or of the wrong shape.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from timeshare.engines.child_check import answer, ask_child
+
+CHECK_TIMEOUT_S = 120.0  # importing transformers and torch on a loaded machine
+INDEX_FILE = "model.safetensors.index.json"
+SHOWN = 5  # names listed in an error before "and N more"
+
+
+def check_model_dir(model_dir: str) -> None:
+    """A `ConfigError` naming the path if transformers cannot load `model_dir` as a causal LM."""
+    ask_child(
+        "timeshare.engines.fsdp.check",
+        json.dumps(model_dir),
+        f"engine.fsdp.model_dir {model_dir}",
+        CHECK_TIMEOUT_S,
+    )
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a model directory: those its index names, else every one."""
+    index = directory / INDEX_FILE
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
+        return sorted({directory / name for name in weight_map.values()})
+    return sorted(directory.glob("*.safetensors"))
+
+
+def model_dir_problem(directory: Path) -> str:
+    """What stops transformers loading `directory` as a causal LM ("": nothing)."""
+    where = f"engine.fsdp.model_dir: {directory}"
+    if not directory.is_dir():
+        return f"{where} is not a directory"
+    if not (directory / "config.json").is_file():
+        return (
+            f"{where} has no config.json (a transformers model directory holds config.json "
+            "and *.safetensors)"
+        )
+    # Imported here, in the checking child only: the config is read without them.
+    import torch  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        return f"{where}/config.json: transformers cannot read it: {_first_line(exc)}"
+    for name in getattr(config, "architectures", None) or []:
+        if not hasattr(transformers, name):
+            return f"{where}/config.json: transformers has no architecture {name!r}"
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    except (ValueError, KeyError) as exc:
+        return f"{where}: not a causal LM transformers knows: {_first_line(exc)}"
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)  # the embedding's, loaded from there
+    return _weights_problem(directory, where, expected)
+
+
+def _weights_problem(directory: Path, where: str, expected: dict[str, tuple[int, ...]]) -> str:
+    from safetensors import safe_open  # noqa: PLC0415
+
+    files = weight_files(directory)
+    if not files:
+        return f"{where} has no *.safetensors weights"
+    found: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as tensors:
+                for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    found[name] = tuple(tensors.get_slice(name).get_shape())
+        except (OSError, ValueError, RuntimeError) as exc:
+            return f"{where}: cannot read {path.name}: {_first_line(exc)}"
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        return f"{where}: {len(missing)} tensors missing from its weights: {_names(missing)}"
+    unexpected = sorted(set(found) - set(expected) - {"lm_head.weight"})
+    if unexpected:
+        return f"{where}: {len(unexpected)} tensors the model does not have: {_names(unexpected)}"
+    wrong = [
+        f"{n} {found[n]} (expected {expected[n]})" for n in expected if found[n] != expected[n]
+    ]
+    if wrong:
+        return f"{where}: {len(wrong)} tensors of the wrong shape: {_names(wrong)}"
+    return ""
+
+
+def _names(names: list[str]) -> str:
+    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _verdict(model_dir: str) -> dict[str, Any]:
+    problem = model_dir_problem(Path(model_dir))
+    return {"ok": not problem, "error": problem}
+
+
+def main() -> None:
+    answer(_verdict(msgspec.json.decode(sys.argv[1], type=str)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Sharded checkpoints of the FSDP trainer (`torch.distributed.checkpoint`), and their commit.
+
+One step is one directory, `<job checkpoint dir>/fsdp/step-<k>/`, written by all ranks together:
+
+    .metadata, __<r>_0.distcp   DCP's files: the model and optimiser state, each rank its shards
+    config.json                 the model's transformers config (what `timeshare export` needs)
+    rank<r>.pt                  rank r's own state (step, RNG, the TRAIN's metrics), written last
+
+DCP writes and fsyncs every rank's shards, then the coordinator writes `.metadata`, and
+`dcp.save` returns on every rank only after that. Each rank then writes its `rank<r>.pt`
+atomically (temporary file, fsync, rename, fsync of the directory): it says "my part of this
+step is durable". A step is committed when `.metadata` and every rank's file are there, the
+same rule as the reference trainer's (a step is committed only when every rank's checkpoint is
+durable). A step redone after a crash is removed first, by rank 0, behind a barrier.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from timeshare.durable import fsync_directory
+from timeshare.errors import CheckpointError
+
+KEEP = 3  # newest committed steps kept
+SUBDIR = "fsdp"
+METADATA = ".metadata"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+MODEL_FILES = ("config.json", "generation_config.json")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / SUBDIR / f"step-{step:08d}"
+
+
+def rank_file(directory: Path, rank: int) -> Path:
+    return directory / f"rank{rank}.pt"
+
+
+def is_committed(directory: Path, ranks: int) -> bool:
+    """Every rank's part of the step in `directory` is durable."""
+    if not (directory / METADATA).is_file():
+        return False
+    return all(rank_file(directory, r).is_file() for r in range(ranks))
+
+
+def steps(root: Path) -> list[int]:
+    """Every step with a directory (committed or not), oldest first."""
+    parent = root / SUBDIR
+    if not parent.is_dir():
+        return []
+    return sorted(int(m.group(1)) for e in parent.iterdir() if (m := STEP_DIR.match(e.name)))
+
+
+def committed_step(root: Path, ranks: int) -> int | None:
+    """The newest step every rank holds durably (None: none yet)."""
+    done = [s for s in steps(root) if is_committed(step_dir(root, s), ranks)]
+    return max(done) if done else None
+
+
+def world_size_of(directory: Path) -> int:
+    """How many ranks wrote the step in `directory` (its rank files)."""
+    return len(list(directory.glob("rank*.pt")))
+
+
+def save(
+    root: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    own: dict[str, Any],
+    *,
+    rank: int,
+    ranks: int,
+    model_dir: Path,
+) -> Path:
+    """Write `step` with every rank (a collective); return once this rank's part is durable."""
+    directory = step_dir(root, step)
+    if rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)  # a step redone after a crash: whole anew
+        directory.mkdir(parents=True)
+        for name in MODEL_FILES:
+            if (model_dir / name).is_file():
+                shutil.copyfile(model_dir / name, directory / name)
+    if ranks > 1:
+        dist.barrier()  # nobody writes into the directory before it is clean
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    try:
+        writer = FileSystemWriter(directory, sync_files=True)
+        dcp_save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer)
+        _write_durably(rank_file(directory, rank), own)
+        if rank == 0:
+            fsync_directory(directory)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {directory}: {exc}") from exc
+    if rank == 0:
+        _prune(root, ranks)
+    return directory
+
+
+def load(
+    root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, rank: int
+) -> dict[str, Any]:
+    """Load `step` into `model` and `optimizer` (a collective); return this rank's own state."""
+    directory = step_dir(root, step)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    try:
+        dcp_load(
+            {"model": model_state, "optimizer": optimizer_state},
+            storage_reader=FileSystemReader(directory),
+        )
+        own: dict[str, Any] = torch.load(rank_file(directory, rank), weights_only=True)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {directory}: {exc}") from exc
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optimizer_state,
+    )
+    return own
+
+
+def _write_durably(path: Path, value: dict[str, Any]) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(temporary, "wb") as file:
+        torch.save(value, file)
+        file.flush()
+        os.fsync(file.fileno())
+    temporary.rename(path)
+    fsync_directory(path.parent)
+
+
+def _prune(root: Path, ranks: int) -> None:
+    """Keep the newest KEEP committed steps, and nothing older that never committed."""
+    committed = [s for s in steps(root) if is_committed(step_dir(root, s), ranks)]
+    if len(committed) <= KEEP:
+        return
+    oldest_kept = committed[-KEEP]
+    for step in steps(root):
+        if step < oldest_kept:
+            shutil.rmtree(step_dir(root, step), ignore_errors=True)

@@ -1,0 +1,38 @@
+"""`[engine.fsdp]`: the FSDP2 trainer's own settings (model directory, precision, batching).
+
+Selected with `[engine] trainer = "fsdp"` beside `kind = "torch_ref"`: the task, the sampling
+and the GRPO and AdamW settings stay those of `[engine.torch_ref]`, which both trainers read, so
+that a run can switch trainers without restating its RL. No torch here: the job config is read
+without it. Whether transformers can load `model_dir` is asked in a child process at load time
+(check.py).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+PrecisionName = Literal["float32", "bfloat16", "float16"]
+DeviceName = Literal["auto", "cpu", "cuda"]
+
+
+class FsdpSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # A local transformers directory (config.json + *.safetensors); never a hub download.
+    model_dir: str = ""
+    # "auto": CUDA (NCCL) when this process sees a GPU, else CPU (gloo).
+    device: DeviceName = "auto"
+    # The mixed-precision policy: parameters are kept in float32 (the optimiser's master copy);
+    # forward and backward compute in `param_dtype`, gradients are reduced in `reduce_dtype`.
+    # The rollout receives the weights in `param_dtype`. On CPU keep float32.
+    param_dtype: PrecisionName = "float32"
+    reduce_dtype: PrecisionName = "float32"
+    # Samples per forward/backward; the gradients of a minibatch's micro-batches accumulate
+    # before its optimiser step. 0: the whole minibatch at once.
+    micro_batch_size: Annotated[int, msgspec.Meta(ge=0)] = 0
+    max_grad_norm: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # 0: no clipping
+    # After SYNC, the parameters leave the device as well as the optimiser state.
+    offload_params: bool = True
+    # Free each layer's gathered parameters after its forward (memory) or keep them until the
+    # backward (one all-gather less per layer).
+    reshard_after_forward: bool = True

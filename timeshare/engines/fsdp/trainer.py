@@ -1,0 +1,354 @@
+"""The FSDP2 trainer: GRPO with AdamW on a transformers causal LM sharded with `fully_shard`.
+
+Every rank loads the model from the local directory, then `fully_shard` shards each decoder
+layer and the root (embeddings, final norm, head) over a 1-D mesh of the trainer ranks: gloo on
+CPU, NCCL on CUDA. Each rank samples its own prompts; FSDP averages the gradients across ranks,
+so one optimiser step sees the whole job's batch. The loss is the project's one GRPO
+(engines/grpo.py), the same as the reference trainer's.
+
+Memory between phases (memory.py says how): `offload` moves the optimiser state and gradients
+to the host, `offload_params` after SYNC the parameter shards too; `onload` brings all back bit
+for bit. The weights go out gathered one parameter at a time (weights.py), never the whole
+model at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NamedTuple, cast
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from timeshare.engines.base import RolloutSample, TrainerEngine
+from timeshare.engines.fsdp import checkpoint
+from timeshare.engines.fsdp.memory import HostStore, resident_bytes
+from timeshare.engines.fsdp.spec import FsdpSpec
+from timeshare.engines.fsdp.weights import gathered_weights
+from timeshare.engines.grpo import (
+    batch_tensors,
+    check_batch,
+    clipped_loss,
+    group_advantages,
+    rewards_of,
+    token_logprobs,
+)
+from timeshare.engines.torch_ref.spec import TorchRefSpec
+from timeshare.errors import ConfigError
+from timeshare.protocols.store import JobStore
+from timeshare.units import MIB
+
+log = structlog.get_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError('engine.fsdp.device = "cuda" but this process sees no CUDA device')
+    return torch.device(name)
+
+
+def load_model(model_dir: Path, device: torch.device) -> torch.nn.Module:
+    """The causal LM of a local transformers directory, in float32 (the master weights)."""
+    # Imported here: transformers is an extra, and only the FSDP trainer's workers need it.
+    import transformers  # noqa: PLC0415
+
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    pretrained = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, local_files_only=True
+    )
+    pretrained.config.use_cache = False  # training computes whole sequences: no KV cache
+    model: torch.nn.Module = pretrained
+    return model.to(device)
+
+
+class Batch(NamedTuple):
+    """One TRAIN's batch as tensors, and what is computed once for all its minibatches."""
+
+    prompts: torch.Tensor
+    completions: torch.Tensor
+    old: torch.Tensor  # logprobs before this step's first update
+    advantages: torch.Tensor
+    ref: torch.Tensor | None  # the reference model's logprobs (a KL term only)
+
+
+def shard(model: torch.nn.Module, mesh: DeviceMesh, spec: FsdpSpec) -> torch.nn.Module:
+    """`fully_shard` each decoder layer, then the root (what is left: embeddings, norm, head)."""
+    policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[spec.param_dtype], reduce_dtype=DTYPES[spec.reduce_dtype]
+    )
+    for layer in decoder_layers(model):
+        fully_shard(
+            layer, mesh=mesh, mp_policy=policy, reshard_after_forward=spec.reshard_after_forward
+        )
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a transformers causal LM (`model.layers` in Llama and Qwen2)."""
+    backbone = getattr(model, "model", None)
+    layers = getattr(backbone, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ConfigError(
+            f"{type(model).__name__}: no model.layers to shard (a decoder-only transformers LM "
+            "keeps its blocks there)"
+        )
+    return list(layers)
+
+
+class FsdpTrainer(TrainerEngine):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        spec: FsdpSpec,
+        rl: TorchRefSpec,
+        *,
+        store: JobStore | None = None,
+        collective_timeout_s: float = 30.0,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.spec = spec
+        self.rl = rl
+        self.store = store
+        self.collective_timeout_s = collective_timeout_s
+        self.device = pick_device(spec.device)
+        self.model_dir = Path(spec.model_dir)
+        self.step = 0
+        self.checkpoint_root: Path | None = None
+        self.optimizer_store = HostStore()  # optimiser state and gradients while offloaded
+        self.param_store = HostStore()  # parameter shards while offloaded
+        # Built in `bootstrap`: sharding needs the process group.
+        self._model: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._reference: torch.nn.Module | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def bootstrap(self, directory: Path) -> int:
+        self.join_process_group()
+        self.build()
+        self.load_checkpoint(directory)
+        self.offload()  # the optimiser waits on the host until TRAIN
+        return self.step
+
+    def join_process_group(self) -> None:
+        if dist.is_initialized():
+            return
+        assert self.store is not None, "the FSDP trainer needs the job store"
+        dist.init_process_group(
+            "nccl" if self.device.type == "cuda" else "gloo",
+            store=dist.PrefixStore("fsdp/trainers/", self.store.raw),  # type: ignore[attr-defined]
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=self.collective_timeout_s),
+        )
+
+    def build(self) -> None:
+        """Load and shard the model (and the reference model when the loss has a KL term)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self._model = shard(load_model(self.model_dir, self.device), mesh, self.spec)
+        self._optimizer = torch.optim.AdamW(
+            self.module.parameters(),
+            lr=self.rl.lr,
+            weight_decay=self.rl.weight_decay,
+            betas=(0.9, 0.99),
+        )
+        if self.rl.kl_coef > 0:
+            reference = load_model(self.model_dir, self.device).requires_grad_(False)
+            self._reference = shard(reference, mesh, self.spec)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        assert self._model is not None, "bootstrap first"
+        return self._model
+
+    @property
+    def fsdp(self) -> FSDPModule:
+        """The model as FSDP sees it (`fully_shard` made its class an `FSDPModule` too)."""
+        return cast(FSDPModule, self.module)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        assert self._optimizer is not None, "bootstrap first"
+        return self._optimizer
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """Optimiser state and gradients to the host; their device storage freed."""
+        moved = self.optimizer_store.move_off(self._optimizer_tensors())
+        log.info("trainer.offload", rank=self.rank, freed_mb=round(moved / MIB, 3))
+
+    def offload_params(self) -> None:
+        if not self.spec.offload_params:
+            return
+        moved = self.param_store.move_off(self.module.parameters())
+        log.info("trainer.offload_params", rank=self.rank, freed_mb=round(moved / MIB, 3))
+
+    def onload(self) -> None:
+        self.param_store.bring_back()
+        self.optimizer_store.bring_back()
+
+    def held_mb(self) -> float:
+        """Device bytes of parameter shards, gradients and optimiser state held now."""
+        held = resident_bytes(self.module.parameters()) + resident_bytes(self._optimizer_tensors())
+        return held / MIB
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        tensors = [p.grad for p in self.module.parameters() if p.grad is not None]
+        for state in self.optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return tensors
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def iter_weights(self) -> Iterator[tuple[str, Any]]:
+        """Every weight under its transformers name, in the rollout's dtype, one at a time."""
+        yield from gathered_weights(self.module, DTYPES[self.spec.param_dtype])
+
+    # -- training ------------------------------------------------------------------------------
+
+    def logprobs(self, batch: list[RolloutSample]) -> list[tuple[float, ...]]:
+        self.onload()
+        with torch.no_grad():
+            prompts, completions, _ = batch_tensors(batch)
+            values = self._logprobs(self.module, prompts, completions)
+        return [tuple(row) for row in values.tolist()]
+
+    def train_step(self, batch: list[RolloutSample]) -> dict[str, float]:
+        started = time.perf_counter()
+        check_batch(batch, self.step, self.rl.group_size, self.rank)
+        self.onload()
+        prompts, completions, sampled = batch_tensors(batch)
+        rewards = rewards_of(batch)
+        with torch.no_grad():
+            old = self._logprobs(self.module, prompts, completions)
+            ref = None
+            if self._reference is not None:
+                ref = self._logprobs(self._reference, prompts, completions)
+        data = Batch(prompts, completions, old, group_advantages(rewards, self.rl.group_size), ref)
+        size = len(batch) // self.rl.minibatches
+        loss, metrics = 0.0, dict[str, float]()
+        for start in range(0, len(batch), size):
+            loss, metrics = self._minibatch(data, range(start, start + size))
+            self.progress()
+        self.step += 1
+        self.last_train = {
+            **metrics,
+            "step": float(self.step),
+            "loss": loss,
+            "reward_mean": float(rewards.mean()),
+            "logprob_max_abs_diff": float((old.cpu() - sampled).abs().max()),
+            "samples": float(len(batch)),
+            "committed": float(self.step),
+            "train_s": time.perf_counter() - started,
+        }
+        self._save()  # the step is committed (durable) before TRAIN reports it done
+        return dict(self.last_train)
+
+    def _minibatch(self, data: Batch, rows: range) -> tuple[float, dict[str, float]]:
+        """One optimiser step: the micro-batches' gradients accumulate, then clip and step."""
+        micro = self.spec.micro_batch_size or len(rows)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        metrics: dict[str, float] = {}
+        for first in range(rows.start, rows.stop, micro):
+            piece = slice(first, first + micro)
+            # Gradients are reduced across ranks once, with the minibatch's last micro-batch.
+            self.fsdp.set_requires_gradient_sync(first + micro >= rows.stop)
+            new = self._logprobs(self.module, data.prompts[piece], data.completions[piece])
+            loss, metrics = clipped_loss(
+                new,
+                data.old[piece],
+                data.advantages[piece].to(new.device),
+                clip_low=self.rl.clip_ratio_low,
+                clip_high=self.rl.clip_ratio_high,
+                ref_logprobs=None if data.ref is None else data.ref[piece],
+                kl_coef=self.rl.kl_coef,
+            )
+            scaled = loss * (micro / len(rows))  # the minibatch's mean, not the sum
+            scaled.backward()  # type: ignore[no-untyped-call]
+            loss_sum += float(scaled.detach())
+        if self.spec.max_grad_norm > 0:
+            metrics["grad_norm"] = self._clip_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, metrics
+
+    def _clip_gradients(self) -> float:
+        """Clip to max_grad_norm over the whole model (every rank's shards); the norm before."""
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.spec.max_grad_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def _logprobs(
+        self, model: torch.nn.Module, prompts: torch.Tensor, completions: torch.Tensor
+    ) -> torch.Tensor:
+        tokens = torch.cat((prompts, completions), dim=1).to(self.device)
+        logits = model(input_ids=tokens[:, :-1]).logits[:, prompts.shape[1] - 1 :]
+        return token_logprobs(logits, completions.to(self.device), self.rl.temperature)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """This step, sharded, into the job's checkpoint directory (`directory` is this rank's
+        directory in it; the FSDP checkpoint is one for all ranks, in its parent)."""
+        params_offloaded = bool(self.param_store.moved)
+        self.onload()
+        own = {
+            "step": self.step,
+            "rng": torch.get_rng_state(),
+            "data_position": self.step,  # prompts are a function of (seed, rank, step)
+            "train": self.last_train,
+        }
+        checkpoint.save(
+            directory.parent,
+            self.step,
+            self.module,
+            self.optimizer,
+            own,
+            rank=self.rank,
+            ranks=self.world_size,
+            model_dir=self.model_dir,
+        )
+        if params_offloaded:
+            self.offload_params()
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """The newest step every rank holds durably, or the model directory's weights at 0."""
+        self.checkpoint_root = directory.parent
+        step = checkpoint.committed_step(self.checkpoint_root, self.world_size)
+        if step is None:
+            self.step = 0
+            return
+        own = checkpoint.load(
+            self.checkpoint_root, step, self.module, self.optimizer, rank=self.rank
+        )
+        torch.set_rng_state(own["rng"])
+        self.step = int(own["step"])
+        self.last_train = own.get("train")
+        log.info("trainer.checkpoint.loaded", rank=self.rank, step=self.step)
+
+    def _save(self) -> None:
+        if self.checkpoint_root is not None:
+            self.save_checkpoint(self.checkpoint_root / f"rank{self.rank}")
