@@ -12,13 +12,15 @@ until `close()`. `sweep_stale` removes what a killed process left in a runtime d
 (segments.py, and socket files).
 
 The settings, the report and `sweep_stale` import without torch or zmq: the job config embeds
-`TransferConfig`, and reading a config must not load them. `WeightSender` and `WeightReceiver`
-need both, so they are imported on first use (PEP 562 `__getattr__`).
+`TransferConfig`, and reading a config must not load them. `WeightSender`, `WeightReceiver` and
+`LentTensor` need them, so they are imported on first use (PEP 562 `__getattr__`).
 
 Modules:
 
     sender.py            WeightSender: one session's staging, the bucket pipeline, its ending
     sender_inputs.py     what `send` accepts, and the checks made before anything is sent
+    lent.py              LentTensor: a weight that writes itself into the staging it is lent
+                         (a sharded trainer's all-gather, straight into staging)
     sender_socket.py     the sender's REQ sockets: the invitation at the endpoint, then the
                          session's own socket: requests out, each ACK checked, all bounded
     receiver.py          WeightReceiver: what each request means; the blocking and async waits
@@ -48,10 +50,12 @@ if TYPE_CHECKING:
     # mypy sees the real types through these imports; at run time `__getattr__` below imports
     # them on first use. mypy never sees that `__getattr__` (it would type every unknown
     # attribute of this package as its return type, hiding a misspelt import).
+    from timeshare.protocols.weights.lent import LentTensor
     from timeshare.protocols.weights.receiver import WeightReceiver
     from timeshare.protocols.weights.sender import WeightSender
 else:
     _TORCH_AND_ZMQ_NAMES = {
+        "LentTensor": "timeshare.protocols.weights.lent",
         "WeightReceiver": "timeshare.protocols.weights.receiver",
         "WeightSender": "timeshare.protocols.weights.sender",
     }
@@ -65,6 +69,7 @@ else:
 
 
 __all__ = [
+    "LentTensor",
     "TransferConfig",
     "TransferReport",
     "WeightReceiver",

@@ -7,6 +7,10 @@ closed, socket file removed): a bucket is never re-sent, a new pair is needed.
 
 What `send` accepts and checks up front is in sender_inputs.py; how the sender talks to the
 receiver (the REQ socket, its deadlines, the checks on each ACK) in sender_socket.py.
+
+A `LentTensor` (lent.py) writes itself into staging and may block on a collective doing so: a
+bucket holding one is always packed in a worker thread, and one materialized (too large for a
+bucket) is materialized in a worker thread, in both cases in the order the items came in.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import NamedTuple
 
@@ -26,7 +31,16 @@ from timeshare.errors import AckTimeout, PeerError, ProtocolError, SessionClosed
 from timeshare.protocols.weights import frames
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
 from timeshare.protocols.weights.frames import PROTOCOL_VERSION
-from timeshare.protocols.weights.layout import BucketPlanner, PlannedBucket, crc32, fence, pack
+from timeshare.protocols.weights.layout import (
+    BucketPlanner,
+    PlannedBucket,
+    Weight,
+    crc32,
+    fence,
+    pack,
+    written_devices,
+)
+from timeshare.protocols.weights.lent import LentTensor
 from timeshare.protocols.weights.segments import staging_tag
 from timeshare.protocols.weights.sender_inputs import (
     NamedTensors,
@@ -56,6 +70,26 @@ class InFlight(NamedTuple):
     sent: float  # time.perf_counter() as its header went out
 
 
+async def planned(
+    planner: BucketPlanner, name: str, weight: Weight
+) -> AsyncIterator[PlannedBucket]:
+    """The buckets `planner.add` completes with `weight`, each yielded once planned.
+
+    A LentTensor too large for a bucket is materialized while planning, which may wait on a
+    collective: then each step of the planning runs in a worker thread. The planner yields the
+    bucket before it (whose lent pieces the caller writes) before it materializes, so the order
+    of the collectives stays the order of the items.
+    """
+    buckets = planner.add(name, weight)
+    if not isinstance(weight, LentTensor) or planner.lent_fits(weight):
+        for bucket in buckets:
+            yield bucket
+        return
+    step = partial(next, buckets, None)
+    while (bucket := await anyio.to_thread.run_sync(step)) is not None:
+        yield bucket
+
+
 class WeightSender:
     """Sends named tensors to one `WeightReceiver`; async, never blocks the event loop."""
 
@@ -74,7 +108,8 @@ class WeightSender:
         )
 
     async def send(self, weights: NamedTensors, *, version: int) -> TransferReport:
-        """Send every (name, tensor) of `weights` as weight version `version`.
+        """Send every (name, tensor) of `weights` as weight version `version`; a tensor may be
+        a LentTensor, which writes itself into staging (lent.py).
 
         Returns after the receiver has finished post-load processing (FINALIZED). Sized inputs
         (a dict, list or tuple) are validated whole before anything is sent.
@@ -143,10 +178,11 @@ class WeightSender:
         index = 0
         self._checksummed = 0
         self._ack_seconds = []
-        async for name, tensor in pairs(weights):
-            for bucket in planner.add(name, tensor):
+        async for name, weight in pairs(weights):
+            async for bucket in planned(planner, name, weight):
                 in_flight = await self._send_bucket(bucket, index, version, free, in_flight)
                 index += 1
+            del weight  # not held while the next one is produced: the planner keeps its own
         # The iteration is over: a bucket still to send is the last, and says the totals, so that
         # its ACK is RELEASED and no Release round trip is needed.
         totals = frames.Totals(planner.tensors, planner.bytes)
@@ -213,10 +249,13 @@ class WeightSender:
         buffer = free.popleft()
         checksum = await self._pack(bucket, self._staging.buffers[buffer])
         self._checksummed += checksum is not None
+        pieces = [p.piece for p in bucket.pieces]
+        # Packed: the sources may go now (a trainer gathering its weights one at a time frees
+        # each as soon as the sender no longer needs it, not one bucket later).
+        bucket.pieces.clear()
         if in_flight is not None:
             free.append(await self._await_bucket_ack(in_flight, version))
         seq = self._socket.next_seq()
-        pieces = [p.piece for p in bucket.pieces]
         header = frames.Bucket(
             PROTOCOL_VERSION, self._session, version, seq, index, buffer, pieces, checksum, last
         )
@@ -226,12 +265,13 @@ class WeightSender:
     async def _pack(self, bucket: PlannedBucket, buffer: torch.Tensor) -> int | None:
         def work() -> int | None:
             pack(bucket, buffer)
-            fence({p.source.device for p in bucket.pieces})
-            if self.config.checksum:
+            fence(written_devices(bucket, buffer))
+            if self.config.checksum:  # after every write, a LentTensor's padding included
                 return crc32(buffer[: bucket.extent])
             return None
 
-        if bucket.payload <= INLINE_PACK_BYTES:
+        # A LentTensor's write may wait on a collective: never on the event loop, however small.
+        if bucket.payload <= INLINE_PACK_BYTES and not bucket.lends:
             return work()
         # Not abandoned on cancel: staging must not be freed while a thread still writes it.
         return await anyio.to_thread.run_sync(work)

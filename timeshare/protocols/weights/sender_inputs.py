@@ -1,11 +1,12 @@
 """What `WeightSender.send` accepts, and the checks made on it before anything is sent.
 
 Weights are a mapping of names to tensors, or (name, tensor) pairs: a list, a tuple, any
-iterable or an async iterable. A sized input (mapping, list, tuple) is checked whole before the
-first header goes out, so bad input never starts a transfer. A stream can only be checked as it
-is read: `pairs` checks that each item is a pair, and `BucketPlanner.add` (layout.py) each
-tensor as it places it, so a bad stream fails mid-transfer (ending the session, as any failure
-does).
+iterable or an async iterable. Wherever a tensor is accepted, so is a `LentTensor` (lent.py): one
+that writes itself into the staging the sender lends it. A sized input (mapping, list, tuple) is
+checked whole before the first header goes out, so bad input never starts a transfer. A stream
+can only be checked as it is read: `pairs` checks that each item is a pair, and
+`BucketPlanner.add` (layout.py) each tensor as it places it, so a bad stream fails mid-transfer
+(ending the session, as any failure does).
 """
 
 from __future__ import annotations
@@ -13,15 +14,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from typing import TypeAlias
 
-import torch
-
 from timeshare.errors import TransferError
-from timeshare.protocols.weights.layout import check_tensor
+from timeshare.protocols.weights.layout import Weight, check_tensor
 
 NamedTensors: TypeAlias = (
-    Mapping[str, torch.Tensor]
-    | Iterable[tuple[str, torch.Tensor]]
-    | AsyncIterable[tuple[str, torch.Tensor]]
+    Mapping[str, Weight] | Iterable[tuple[str, Weight]] | AsyncIterable[tuple[str, Weight]]
 )
 
 
@@ -42,17 +39,21 @@ def checked_up_front(weights: NamedTensors) -> NamedTensors:
 
 async def pairs(
     weights: Iterable[object] | AsyncIterable[object],
-) -> AsyncIterator[tuple[str, torch.Tensor]]:
+) -> AsyncIterator[tuple[str, Weight]]:
     """The (name, tensor) pairs of `weights`, sync or async, each checked to be a pair."""
+    # Each item is dropped before the next is asked for: a producer that makes its tensors as
+    # they are asked for (a sharded trainer's gathers) then never holds two at once.
     if isinstance(weights, AsyncIterable):
         async for item in weights:
             yield _unpack_pair(item)
+            del item
     else:
         for item in weights:
             yield _unpack_pair(item)
+            del item
 
 
-def _unpack_pair(item: object) -> tuple[str, torch.Tensor]:
+def _unpack_pair(item: object) -> tuple[str, Weight]:
     if not isinstance(item, tuple) or len(item) != 2:
         raise TransferError(f"weights must be (name, tensor) pairs, got {type(item).__name__}")
     name, tensor = item
@@ -60,7 +61,7 @@ def _unpack_pair(item: object) -> tuple[str, torch.Tensor]:
 
 
 def _validate_all(
-    items: list[tuple[str, torch.Tensor]] | tuple[tuple[str, torch.Tensor], ...],
+    items: list[tuple[str, Weight]] | tuple[tuple[str, Weight], ...],
 ) -> None:
     seen: set[str] = set()
     for item in items:
