@@ -6,6 +6,9 @@
 #            summary in runs/vllm-grpo/summary.json.
 # make bench: the weight-channel benchmark, then the control socket's latency under syncs.
 # make bench-vllm: syncing a 256 MiB model into a running vLLM engine (benchmarks/vllm_sync.py).
+# make demo-fsdp / demo-fsdp-vllm: the job with the FSDP2 trainer over a transformers model
+#            (examples/fsdp-grpo.toml; with vLLM as the rollout: examples/fsdp-vllm-grpo.toml).
+# make bench-fsdp: an FSDP all-gather into the channel's staging vs gather-then-pack.
 # TORCH_SPEC picks the torch build (default: the CPU build of 2.13.0; a GPU user sets their own).
 # VLLM_SPEC picks the vLLM build (default: vLLM's CPU build, which pins that same torch; on GPUs:
 #            VLLM_SPEC=vllm==0.32.0 with a matching TORCH_SPEC).
@@ -18,7 +21,8 @@ STAMP := $(VENV)/.installed
 # apt-get install $(1); the package lists are refreshed only when the first try fails.
 apt_install = apt-get install -y -q $(1) || (apt-get update -q && apt-get install -y -q $(1))
 
-.PHONY: demo demo-vllm test lint typecheck pytest test-tools bench bench-vllm clean
+.PHONY: demo demo-vllm demo-fsdp demo-fsdp-vllm test lint typecheck pytest test-tools bench \
+	bench-vllm bench-fsdp clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +40,21 @@ demo: $(STAMP)
 demo-vllm: $(STAMP)
 	rm -rf runs/vllm-grpo
 	$(VENV)/bin/timeshare run examples/vllm-grpo.toml --summary runs/vllm-grpo/summary.json
+
+# The model both FSDP examples start from (the size of examples/tiny-grpo.toml's).
+FSDP_MODEL = $(VENV)/bin/timeshare model init --layers 2 --hidden 192 --intermediate 384 \
+	--heads 6 --kv-heads 6 --vocab 16 --max-positions 64 --seed 0
+
+demo-fsdp: $(STAMP)
+	rm -rf runs/fsdp-grpo
+	$(FSDP_MODEL) runs/fsdp-grpo/model
+	$(VENV)/bin/timeshare run examples/fsdp-grpo.toml --summary runs/fsdp-grpo/summary.json
+
+demo-fsdp-vllm: $(STAMP)
+	rm -rf runs/fsdp-vllm-grpo
+	$(FSDP_MODEL) runs/fsdp-vllm-grpo/model
+	$(VENV)/bin/timeshare run examples/fsdp-vllm-grpo.toml \
+		--summary runs/fsdp-vllm-grpo/summary.json
 
 test: lint typecheck pytest
 
@@ -66,6 +85,9 @@ bench: $(STAMP)
 
 bench-vllm: $(STAMP)
 	$(PY) benchmarks/vllm_sync.py --json runs/vllm_sync.json
+
+bench-fsdp: $(STAMP)
+	$(PY) benchmarks/fsdp_gather.py --json runs/fsdp_gather.json
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

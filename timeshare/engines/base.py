@@ -21,6 +21,7 @@ import torch
 from timeshare.engines.inlet import LocalInlet, WeightInlet
 from timeshare.errors import UnsupportedInput, WeightsTorn
 from timeshare.protocols.weights import TransferConfig
+from timeshare.protocols.weights.layout import Weight
 
 
 class WeightsDigest:
@@ -137,8 +138,10 @@ class TrainerEngine(ABC):
         """Bring back what `offload` released, exactly as it was."""
 
     @abstractmethod
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights the rollout engine needs, by name (every rank iterates: collectives)."""
+    def iter_weights(self) -> Iterator[tuple[str, Weight]]:
+        """The weights the rollout engine needs, by name (every rank iterates: collectives).
+        A weight is a tensor, or a `LentTensor` that writes itself into the channel's staging
+        (a gather whose output is staging: the only copy)."""
 
     @abstractmethod
     def offload_params(self) -> None:

@@ -4,7 +4,8 @@ The weight sender runs on the worker's event loop. A trainer's weights may be ga
 are asked for (FSDP's all-gathers block on collectives), so each one is produced in a worker
 thread, never on the loop; and each is digested as it passes, so that no tensor has to be kept
 for the digest after it went into staging: a sharded trainer holds about one bucket of gathered
-weights at a time, never the whole model.
+weights at a time, never the whole model. A `LentTensor` (a gather straight into staging) is
+digested from the staging bytes it wrote, which are exactly what the receiver gets.
 """
 
 from __future__ import annotations
@@ -15,14 +16,38 @@ import anyio
 import torch
 
 from timeshare.engines.base import WeightsDigest
+from timeshare.protocols.weights.layout import Weight
+from timeshare.protocols.weights.lent import LentTensor
 
 _DONE = object()
 
 
+class DigestedLent(LentTensor):
+    """A `LentTensor` that adds what it wrote (or materialized) to a digest."""
+
+    def __init__(self, name: str, inner: LentTensor, digest: WeightsDigest) -> None:
+        self.name = name
+        self.inner = inner
+        self.digest = digest
+        self.dtype = inner.dtype
+        self.shape = inner.shape
+        self.scratch_bytes = inner.scratch_bytes
+
+    def write_into(self, dest: torch.Tensor) -> None:
+        self.inner.write_into(dest)
+        self.digest.add(self.name, dest[: self.nbytes].view(self.dtype).view(self.shape))
+
+    def materialize(self) -> torch.Tensor:
+        tensor = self.inner.materialize()
+        self.digest.add(self.name, tensor)
+        return tensor
+
+
 async def digested(
-    named: Iterable[tuple[str, torch.Tensor]], digest: WeightsDigest
-) -> AsyncIterator[tuple[str, torch.Tensor]]:
-    """Every (name, tensor) of `named`, each produced and digested in a worker thread."""
+    named: Iterable[tuple[str, Weight]], digest: WeightsDigest
+) -> AsyncIterator[tuple[str, Weight]]:
+    """Every (name, weight) of `named`, each produced (and a tensor digested) in a worker
+    thread; a LentTensor is digested when the sender has it write."""
     items = iter(named)
     while True:
         item = await anyio.to_thread.run_sync(_next_digested, items, digest)
@@ -30,10 +55,16 @@ async def digested(
             return
         assert isinstance(item, tuple)
         yield item
+        del item  # not held while the next one is gathered
 
 
-def _next_digested(items: Iterator[tuple[str, torch.Tensor]], digest: WeightsDigest) -> object:
+def _next_digested(items: Iterator[tuple[str, Weight]], digest: WeightsDigest) -> object:
     item = next(items, _DONE)
-    if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor):
-        digest.add(item[0], item[1])
-    return item  # anything else is the sender's to refuse, naming it
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+        return item  # the sender's to refuse, naming it
+    name, weight = item
+    if isinstance(weight, LentTensor):
+        return name, DigestedLent(name, weight, digest)
+    if isinstance(weight, torch.Tensor):
+        digest.add(name, weight)
+    return item

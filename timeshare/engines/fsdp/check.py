@@ -79,7 +79,7 @@ def model_dir_problem(directory: Path) -> str:
 
 
 def _weights_problem(directory: Path, where: str, expected: dict[str, tuple[int, ...]]) -> str:
-    from safetensors import safe_open  # noqa: PLC0415
+    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
 
     files = weight_files(directory)
     if not files:
@@ -90,7 +90,7 @@ def _weights_problem(directory: Path, where: str, expected: dict[str, tuple[int,
             with safe_open(str(path), framework="pt") as tensors:
                 for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
                     found[name] = tuple(tensors.get_slice(name).get_shape())
-        except (OSError, ValueError, RuntimeError) as exc:
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
             return f"{where}: cannot read {path.name}: {_first_line(exc)}"
     missing = sorted(set(expected) - set(found))
     if missing:

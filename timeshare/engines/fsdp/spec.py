@@ -14,6 +14,9 @@ from typing import Annotated, Literal
 import msgspec
 
 PrecisionName = Literal["float32", "bfloat16", "float16"]
+# How SYNC gathers each parameter: its all-gather writes straight into the weight channel's
+# staging (the only copy), or into a fresh tensor that the channel then copies in.
+SyncGather = Literal["into_staging", "then_pack"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 
 
@@ -31,6 +34,7 @@ class FsdpSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # before its optimiser step. 0: the whole minibatch at once.
     micro_batch_size: Annotated[int, msgspec.Meta(ge=0)] = 0
     max_grad_norm: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # 0: no clipping
+    sync_gather: SyncGather = "into_staging"
     # After SYNC, the parameters leave the device as well as the optimiser state.
     offload_params: bool = True
     # Free each layer's gathered parameters after its forward (memory) or keep them until the

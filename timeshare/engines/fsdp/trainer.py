@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, cast
 
 import structlog
 import torch
@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from timeshare.engines.base import RolloutSample, TrainerEngine
 from timeshare.engines.fsdp import checkpoint
+from timeshare.engines.fsdp.gather import lent_parameters
 from timeshare.engines.fsdp.memory import HostStore, resident_bytes
 from timeshare.engines.fsdp.spec import FsdpSpec
 from timeshare.engines.fsdp.weights import gathered_weights
@@ -43,6 +44,7 @@ from timeshare.engines.grpo import (
 from timeshare.engines.torch_ref.spec import TorchRefSpec
 from timeshare.errors import ConfigError
 from timeshare.protocols.store import JobStore
+from timeshare.protocols.weights.layout import Weight
 from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
@@ -69,7 +71,15 @@ def load_model(model_dir: Path, device: torch.device) -> torch.nn.Module:
     )
     pretrained.config.use_cache = False  # training computes whole sequences: no KV cache
     model: torch.nn.Module = pretrained
-    return model.to(device)
+    model = model.to(device)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            # Weights read from a memory-mapped file are not resizable storage, which the
+            # offload frees in place (memory.py): give each its own memory. (Sharding over
+            # several ranks copies anyway; one rank keeps the loaded tensors.)
+            if not parameter.untyped_storage().resizable():
+                parameter.data = parameter.data.clone()
+    return model
 
 
 class Batch(NamedTuple):
@@ -77,6 +87,8 @@ class Batch(NamedTuple):
 
     prompts: torch.Tensor
     completions: torch.Tensor
+    sampled: torch.Tensor  # the rollout's logprobs
+    rewards: torch.Tensor
     old: torch.Tensor  # logprobs before this step's first update
     advantages: torch.Tensor
     ref: torch.Tensor | None  # the reference model's logprobs (a KL term only)
@@ -221,9 +233,16 @@ class FsdpTrainer(TrainerEngine):
 
     # -- weights -------------------------------------------------------------------------------
 
-    def iter_weights(self) -> Iterator[tuple[str, Any]]:
-        """Every weight under its transformers name, in the rollout's dtype, one at a time."""
-        yield from gathered_weights(self.module, DTYPES[self.spec.param_dtype])
+    def iter_weights(self) -> Iterator[tuple[str, Weight]]:
+        """Every weight under its transformers name, in the rollout's dtype, one at a time:
+        as a gather into the channel's staging, or gathered here (`sync_gather`)."""
+        dtype = DTYPES[self.spec.param_dtype]
+        if self.spec.sync_gather == "into_staging":
+            yield from lent_parameters(
+                self.module, dtype=dtype, timeout_s=self.collective_timeout_s
+            )
+        else:
+            yield from gathered_weights(self.module, dtype)
 
     # -- training ------------------------------------------------------------------------------
 
@@ -238,26 +257,20 @@ class FsdpTrainer(TrainerEngine):
         started = time.perf_counter()
         check_batch(batch, self.step, self.rl.group_size, self.rank)
         self.onload()
-        prompts, completions, sampled = batch_tensors(batch)
-        rewards = rewards_of(batch)
-        with torch.no_grad():
-            old = self._logprobs(self.module, prompts, completions)
-            ref = None
-            if self._reference is not None:
-                ref = self._logprobs(self._reference, prompts, completions)
-        data = Batch(prompts, completions, old, group_advantages(rewards, self.rl.group_size), ref)
+        data = self.prepare(batch)
         size = len(batch) // self.rl.minibatches
         loss, metrics = 0.0, dict[str, float]()
         for start in range(0, len(batch), size):
-            loss, metrics = self._minibatch(data, range(start, start + size))
+            loss, metrics = self.accumulate_gradients(data, range(start, start + size))
+            metrics.update(self.apply_gradients())
             self.progress()
         self.step += 1
         self.last_train = {
             **metrics,
             "step": float(self.step),
             "loss": loss,
-            "reward_mean": float(rewards.mean()),
-            "logprob_max_abs_diff": float((old.cpu() - sampled).abs().max()),
+            "reward_mean": float(data.rewards.mean()),
+            "logprob_max_abs_diff": float((data.old.cpu() - data.sampled).abs().max()),
             "samples": float(len(batch)),
             "committed": float(self.step),
             "train_s": time.perf_counter() - started,
@@ -265,8 +278,20 @@ class FsdpTrainer(TrainerEngine):
         self._save()  # the step is committed (durable) before TRAIN reports it done
         return dict(self.last_train)
 
-    def _minibatch(self, data: Batch, rows: range) -> tuple[float, dict[str, float]]:
-        """One optimiser step: the micro-batches' gradients accumulate, then clip and step."""
+    def prepare(self, batch: list[RolloutSample]) -> Batch:
+        """The batch as tensors, with the logprobs and advantages all its minibatches use."""
+        prompts, completions, sampled = batch_tensors(batch)
+        rewards = rewards_of(batch)
+        with torch.no_grad():
+            old = self._logprobs(self.module, prompts, completions)
+            ref = None
+            if self._reference is not None:
+                ref = self._logprobs(self._reference, prompts, completions)
+        advantages = group_advantages(rewards, self.rl.group_size)
+        return Batch(prompts, completions, sampled, rewards, old, advantages, ref)
+
+    def accumulate_gradients(self, data: Batch, rows: range) -> tuple[float, dict[str, float]]:
+        """The gradients of the minibatch `rows`, micro-batch by micro-batch; its mean loss."""
         micro = self.spec.micro_batch_size or len(rows)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
@@ -288,11 +313,16 @@ class FsdpTrainer(TrainerEngine):
             scaled = loss * (micro / len(rows))  # the minibatch's mean, not the sum
             scaled.backward()  # type: ignore[no-untyped-call]
             loss_sum += float(scaled.detach())
+        return loss_sum, metrics
+
+    def apply_gradients(self) -> dict[str, float]:
+        """Clip (over every rank's shards), one AdamW step, gradients dropped."""
+        metrics = {}
         if self.spec.max_grad_norm > 0:
             metrics["grad_norm"] = self._clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, metrics
+        return metrics
 
     def _clip_gradients(self) -> float:
         """Clip to max_grad_norm over the whole model (every rank's shards); the norm before."""

@@ -23,5 +23,8 @@ def gathered_weights(
     every rank iterates, in the same order)."""
     for name, parameter in module.named_parameters():
         with torch.no_grad():
-            full = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter.detach()
-            yield name, full.to(dtype)
+            gathered = parameter.full_tensor() if isinstance(parameter, DTensor) else parameter
+            gathered = gathered.detach().to(dtype)
+        yield name, gathered
+        # Not kept while the next one is gathered: the consumer holds what it still needs.
+        del gathered
