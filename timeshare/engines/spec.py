@@ -68,6 +68,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                 )
         if self.trainer == "fsdp":
             self._check_fsdp()
+        elif self.kind == "torch_ref":
+            self.torch_ref.check_model(self.torch_ref.model, "engine.torch_ref.model")
 
     def _check_fsdp(self) -> None:
         if not self.fsdp.model_dir:
@@ -75,11 +77,15 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                 'engine.fsdp.model_dir: trainer = "fsdp" trains a transformers model directory; '
                 "name one (`timeshare model init DIR` makes a small one)"
             )
-        if self.torch_ref.model_dir:
-            raise ConfigError(
-                "engine.torch_ref.model_dir: the FSDP trainer's model is engine.fsdp.model_dir; "
-                "leave engine.torch_ref.model_dir empty"
-            )
+        for key, value, unset in (
+            ("model_dir", self.torch_ref.model_dir, ""),
+            ("model", self.torch_ref.model, ModelConfig()),
+        ):
+            if value != unset:
+                raise ConfigError(
+                    f"engine.torch_ref.{key}: the FSDP trainer's model is "
+                    f"engine.fsdp.model_dir; leave engine.torch_ref.{key} unset"
+                )
         micro = self.fsdp.micro_batch_size
         minibatch = self.torch_ref.batch_size // self.torch_ref.minibatches
         if micro and minibatch % micro:

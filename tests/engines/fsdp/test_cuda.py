@@ -41,6 +41,7 @@ def test_offload_frees_device_memory_and_onload_restores_it(tmp_path: Path) -> N
         freed = held - torch.cuda.memory_allocated()
         assert freed >= sum(t.nbytes for t in before.values()) * 0.99
         assert torch.cuda.mem_get_info()[0] > free_before  # returned to the device, not cached
+        assert torch.cuda.memory_allocated() < 1 << 20  # nothing else of the trainer's stays
         trainer.onload()
         after = snapshot(trainer)
         assert before.keys() == after.keys()
@@ -49,5 +50,8 @@ def test_offload_frees_device_memory_and_onload_restores_it(tmp_path: Path) -> N
                 tensor.reshape(-1).view(torch.uint8).cpu(),
                 after[key].reshape(-1).view(torch.uint8).cpu(),
             ), key
+        # and it trains on from there
+        trainer.apply_gradients()
+        assert trainer.held_mb() > 0.0
     finally:
         dist.destroy_process_group()

@@ -28,12 +28,15 @@ from tests.configs import merged, toml_file
 from tests.cycle.jobs import assert_nothing_left
 from tests.daemon.test_run import steps_of, timeshare_run
 from tests.engines.vllm.test_run import VLLM_JOB
+from timeshare.config import load_config
 from timeshare.engines.model_dir import ModelShape, init_model_dir
 from timeshare.engines.torch_ref.task import RepeatDigit
+from timeshare.errors import ConfigError
 
 pytestmark = pytest.mark.slow
 
 STEPS = 30
+ROOT = Path(__file__).resolve().parents[3]
 # The digit task at the size examples/fsdp-grpo.toml runs (head_dim 32, as vLLM's CPU attention
 # needs), on two ranks.
 SHAPE = ModelShape(layers=2, hidden=192, intermediate=384, heads=6, kv_heads=6, vocab=16)
@@ -125,6 +128,11 @@ def test_a_run_killed_mid_step_resumes_with_the_same_rewards(
     os.kill(first.pid, signal.SIGKILL)
     first.wait(timeout=10)
     assert [s["step"] for s in steps_of(summary)] == [1, 2]
+    # What a kill in the middle of step 4's checkpoint leaves: DCP's files and rank 0's part,
+    # rank 1's never written. Not committed: the run resumes at 3 and writes step 4 anew.
+    partial = runtime_dir / "checkpoints" / "fsdp" / "step-00000004"
+    shutil.copytree(committed, partial)
+    (partial / "rank1.pt").unlink()
 
     done = timeshare_run(write_config(runtime_dir, learned.model_dir, 5), summary)
     assert done.returncode == 0, done.stderr
@@ -133,6 +141,7 @@ def test_a_run_killed_mid_step_resumes_with_the_same_rewards(
     assert [(s["step"], s["reward_mean"]) for s in steps] == expected
     assert [s["step"] for s in steps if s["resumed"]] == [3]
     assert all(s["weights_match"] for s in steps)
+    assert (partial / "rank1.pt").exists()  # step 4 was redone whole
     assert_nothing_left(runtime_dir)
 
 
@@ -197,3 +206,17 @@ def test_the_exported_checkpoint_is_the_trained_model_for_transformers_and_vllm(
     assert all(s["weights_match"] and s["logprob_max_abs_diff"] < 1e-4 for s in steps)
     assert steps[0]["reward_mean"] > 0.8, steps[0]
     assert_nothing_left(runtime_dir)
+
+
+@pytest.mark.parametrize("example", ["fsdp-grpo.toml", "fsdp-vllm-grpo.toml"])
+def test_the_examples_load_with_a_model_made_by_model_init(
+    example: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the examples' paths are relative to where make runs
+    with pytest.raises(ConfigError, match=r"engine\.fsdp\.model_dir: runs/.* is not a directory"):
+        load_config(ROOT / "examples" / example, environ={})
+    model_dir = Path(f"runs/{example.removesuffix('.toml')}/model")
+    init_model_dir(model_dir, SHAPE, seed=0)  # what `make demo-fsdp` makes
+    config = load_config(ROOT / "examples" / example, environ={}).config
+    assert config.engine.trainer == "fsdp"
+    assert config.job.ranks == 2

@@ -173,7 +173,8 @@ def test_gathering_the_weights_holds_about_one_layer_and_a_bucket(
         # gloo's all-gather on CPU may hold a second copy of the tensor it gathers (NCCL
         # gathers into the output), hence twice the largest layer.
         bound = 2 * rank["largest_mb"] + rank["bucket_mb"] + 8.0
-        assert rank["streamed_mb"] <= bound, rank
+        assert rank["streamed_mb"] <= bound, rank  # sync_gather = "then_pack"
+        assert rank["lent_mb"] <= bound, rank  # "into_staging" (large layers: gathered whole)
         # The measurement can tell: gathering the whole model first goes well past it.
         assert rank["listed_mb"] > bound, rank
-        assert rank["listed_mb"] >= rank["total_mb"], rank
+        assert rank["listed_mb"] >= 0.95 * rank["total_mb"], rank  # (resident pages: ±)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -121,7 +122,10 @@ def test_a_vllm_worker_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Pat
             run.wait()
     assert run.returncode == 1, stderr[-3000:]
     assert time.monotonic() - killed < 120  # within SYNC's deadline (phase_s)
-    assert "rank 0 failed in phase sync" in stderr, stderr[-3000:]
+    # The kill lands in the first SYNC while its buckets still flow, or, when that transfer of
+    # a tiny model ends first on a loaded machine, in the ROLLOUT that follows: either way the
+    # cycle fails naming the rollout and the phase its vLLM died in.
+    assert re.search(r"rollout rank 0 failed in phase (sync|rollout)", stderr), stderr[-3000:]
     # The driver waited for its workers; their vLLM children die with their group, just after.
     assert wait_gone(processes, 10) == []
     assert_nothing_left(runtime_dir)

@@ -2,6 +2,7 @@
 
 One step is one directory, `<job checkpoint dir>/fsdp/step-<k>/`, written by all ranks together:
 
+    ranks.json                  how many ranks write the step (written first, by rank 0)
     .metadata, __<r>_0.distcp   DCP's files: the model and optimiser state, each rank its shards
     config.json                 the model's transformers config (what `timeshare export` needs)
     rank<r>.pt                  rank r's own state (step, RNG, the TRAIN's metrics), written last
@@ -9,13 +10,16 @@ One step is one directory, `<job checkpoint dir>/fsdp/step-<k>/`, written by all
 DCP writes and fsyncs every rank's shards, then the coordinator writes `.metadata`, and
 `dcp.save` returns on every rank only after that. Each rank then writes its `rank<r>.pt`
 atomically (temporary file, fsync, rename, fsync of the directory): it says "my part of this
-step is durable". A step is committed when `.metadata` and every rank's file are there, the
-same rule as the reference trainer's (a step is committed only when every rank's checkpoint is
-durable). A step redone after a crash is removed first, by rank 0, behind a barrier.
+step is durable". A step is committed when `.metadata` and the file of every rank `ranks.json`
+names are there, the same rule as the reference trainer's (a step is committed only when every
+rank's checkpoint is durable). A step redone after a crash is removed first, by rank 0, behind a
+barrier. DCP reports its failures as `CheckpointException`, a BaseException: they are turned into
+`CheckpointError` here, so that a worker reports them as any other failure.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -24,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -35,6 +40,7 @@ from timeshare.errors import CheckpointError
 KEEP = 3  # newest committed steps kept
 SUBDIR = "fsdp"
 METADATA = ".metadata"
+RANKS_FILE = "ranks.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MODEL_FILES = ("config.json", "generation_config.json")
 
@@ -47,11 +53,21 @@ def rank_file(directory: Path, rank: int) -> Path:
     return directory / f"rank{rank}.pt"
 
 
-def is_committed(directory: Path, ranks: int) -> bool:
+def is_committed(directory: Path) -> bool:
     """Every rank's part of the step in `directory` is durable."""
-    if not (directory / METADATA).is_file():
+    ranks = ranks_of(directory)
+    if ranks is None or not (directory / METADATA).is_file():
         return False
     return all(rank_file(directory, r).is_file() for r in range(ranks))
+
+
+def ranks_of(directory: Path) -> int | None:
+    """How many ranks write the step in `directory` (None: not known, the step is not whole)."""
+    try:
+        ranks = json.loads((directory / RANKS_FILE).read_text())["ranks"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return ranks if isinstance(ranks, int) and ranks > 0 else None
 
 
 def steps(root: Path) -> list[int]:
@@ -62,15 +78,10 @@ def steps(root: Path) -> list[int]:
     return sorted(int(m.group(1)) for e in parent.iterdir() if (m := STEP_DIR.match(e.name)))
 
 
-def committed_step(root: Path, ranks: int) -> int | None:
-    """The newest step every rank holds durably (None: none yet)."""
-    done = [s for s in steps(root) if is_committed(step_dir(root, s), ranks)]
+def committed_step(root: Path) -> int | None:
+    """The newest step every rank that wrote it holds durably (None: none yet)."""
+    done = [s for s in steps(root) if is_committed(step_dir(root, s))]
     return max(done) if done else None
-
-
-def world_size_of(directory: Path) -> int:
-    """How many ranks wrote the step in `directory` (its rank files)."""
-    return len(list(directory.glob("rank*.pt")))
 
 
 def save(
@@ -86,26 +97,44 @@ def save(
 ) -> Path:
     """Write `step` with every rank (a collective); return once this rank's part is durable."""
     directory = step_dir(root, step)
-    if rank == 0:
-        shutil.rmtree(directory, ignore_errors=True)  # a step redone after a crash: whole anew
-        directory.mkdir(parents=True)
-        for name in MODEL_FILES:
-            if (model_dir / name).is_file():
-                shutil.copyfile(model_dir / name, directory / name)
-    if ranks > 1:
-        dist.barrier()  # nobody writes into the directory before it is clean
-    model_state, optimizer_state = get_state_dict(model, optimizer)
     try:
+        if rank == 0:
+            _start_step(directory, ranks, model_dir)
+        if ranks > 1:
+            dist.barrier()  # nobody writes into the directory before it is clean
+        model_state, optimizer_state = get_state_dict(model, optimizer)
         writer = FileSystemWriter(directory, sync_files=True)
         dcp_save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer)
         _write_durably(rank_file(directory, rank), own)
         if rank == 0:
             fsync_directory(directory)
-    except OSError as exc:
+    except (OSError, CheckpointException) as exc:
         raise CheckpointError(f"cannot write checkpoint {directory}: {exc}") from exc
     if rank == 0:
-        _prune(root, ranks)
+        _prune(root)
     return directory
+
+
+def _start_step(directory: Path, ranks: int, model_dir: Path) -> None:
+    """A clean directory for the step (one redone after a crash starts anew), its rank count
+    and the model's config, durable before any rank writes into it."""
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    fsync_directory(directory.parent)
+    for name in MODEL_FILES:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, directory / name)
+    (directory / RANKS_FILE).write_text(json.dumps({"ranks": ranks}))
+
+
+def check_ranks(directory: Path, ranks: int) -> None:
+    """A step written by another number of ranks is not resumed silently."""
+    written = ranks_of(directory)
+    if written != ranks:
+        raise CheckpointError(
+            f"{directory} was written by {written} ranks; this job has {ranks} (resharding a "
+            "checkpoint to another rank count is not supported: start from an export)"
+        )
 
 
 def load(
@@ -120,7 +149,7 @@ def load(
             storage_reader=FileSystemReader(directory),
         )
         own: dict[str, Any] = torch.load(rank_file(directory, rank), weights_only=True)
-    except (OSError, RuntimeError, ValueError) as exc:
+    except (OSError, RuntimeError, ValueError, CheckpointException) as exc:
         raise CheckpointError(f"cannot read checkpoint {directory}: {exc}") from exc
     set_state_dict(
         model,
@@ -141,9 +170,9 @@ def _write_durably(path: Path, value: dict[str, Any]) -> None:
     fsync_directory(path.parent)
 
 
-def _prune(root: Path, ranks: int) -> None:
+def _prune(root: Path) -> None:
     """Keep the newest KEEP committed steps, and nothing older that never committed."""
-    committed = [s for s in steps(root) if is_committed(step_dir(root, s), ranks)]
+    committed = [s for s in steps(root) if is_committed(step_dir(root, s))]
     if len(committed) <= KEEP:
         return
     oldest_kept = committed[-KEEP]

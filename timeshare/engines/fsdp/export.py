@@ -13,9 +13,11 @@ import json
 import shutil
 import warnings
 from pathlib import Path
+from pickle import UnpicklingError  # DCP's metadata file; read from disk, never a socket
 
 import torch
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -29,25 +31,18 @@ MODEL_PREFIX = "model."  # the model's keys in the checkpoint (the optimiser's a
 def find_step(source: Path) -> Path:
     """The step directory `source` names, or the newest committed step of a job's directory."""
     if (source / checkpoint.METADATA).is_file():
-        if not checkpoint.is_committed(source, checkpoint.world_size_of(source)):
+        if not checkpoint.is_committed(source):
             raise ConfigError(f"{source}: this step was never committed (a rank's part is missing)")
         return source
     if not source.is_dir():
         raise ConfigError(f"{source}: no such checkpoint directory")
-    committed = [
-        step
-        for step in checkpoint.steps(source)
-        if checkpoint.is_committed(
-            checkpoint.step_dir(source, step),
-            checkpoint.world_size_of(checkpoint.step_dir(source, step)),
-        )
-    ]
-    if not committed:
+    committed = checkpoint.committed_step(source)
+    if committed is None:
         raise ConfigError(
-            f"{source}: no committed FSDP checkpoint (a step directory holds .metadata and "
-            "every rank's rank<r>.pt)"
+            f"{source}: no committed FSDP checkpoint (a step directory holds ranks.json, "
+            ".metadata and every rank's rank<r>.pt)"
         )
-    return checkpoint.step_dir(source, committed[-1])
+    return checkpoint.step_dir(source, committed)
 
 
 def export_checkpoint(source: Path, target: Path) -> Path:
@@ -82,6 +77,6 @@ def _read_model(step: Path) -> dict[str, torch.Tensor]:
         with warnings.catch_warnings():  # "assuming ... a single process": it is, on purpose
             warnings.simplefilter("ignore", UserWarning)
             dcp_load({"model": wanted}, storage_reader=reader, no_dist=True)
-    except (OSError, RuntimeError, ValueError) as exc:
+    except (OSError, RuntimeError, ValueError, CheckpointException, UnpicklingError) as exc:
         raise CheckpointError(f"cannot read checkpoint {step}: {exc}") from exc
     return wanted

@@ -88,13 +88,18 @@ class ShardGather(LentTensor):
 
     def _all_gather(self, out: torch.Tensor, local: torch.Tensor) -> None:
         group = self.parameter.device_mesh.get_group()
-        work = dist.all_gather_single(out, local, group=group, async_op=True)
+        work = _ALL_GATHER(out, local, group=group, async_op=True)
         if work is None:  # this rank is not in the group: it cannot be
             raise TransferError(f"weight {self.name!r}: this rank is not in its mesh's group")
         if self.timeout_s is None:
             work.wait()
         else:
             work.wait(timeout=timedelta(seconds=self.timeout_s))
+
+
+# torch 2.13 names it all_gather_single and deprecates all_gather_into_tensor, which older
+# torch builds (a GPU user's) have alone.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _check_sharding(parameter: DTensor, name: str) -> None:

@@ -35,8 +35,6 @@ class FsdpSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     micro_batch_size: Annotated[int, msgspec.Meta(ge=0)] = 0
     max_grad_norm: Annotated[float, msgspec.Meta(ge=0.0)] = 1.0  # 0: no clipping
     sync_gather: SyncGather = "into_staging"
-    # After SYNC, the parameters leave the device as well as the optimiser state.
-    offload_params: bool = True
     # Free each layer's gathered parameters after its forward (memory) or keep them until the
     # backward (one all-gather less per layer).
     reshard_after_forward: bool = True

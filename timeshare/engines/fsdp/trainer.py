@@ -7,9 +7,9 @@ so one optimiser step sees the whole job's batch. The loss is the project's one 
 (engines/grpo.py), the same as the reference trainer's.
 
 Memory between phases (memory.py says how): `offload` moves the optimiser state and gradients
-to the host, `offload_params` after SYNC the parameter shards too; `onload` brings all back bit
-for bit. The weights go out gathered one parameter at a time (weights.py), never the whole
-model at once.
+to the host, `offload_params` after SYNC the parameter shards too (and the reference model's);
+`onload` brings all back bit for bit. The weights go out gathered one parameter at a time
+(gather.py, weights.py), never the whole model at once.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from timeshare.engines.grpo import (
     token_logprobs,
 )
 from timeshare.engines.torch_ref.spec import TorchRefSpec
-from timeshare.errors import ConfigError
+from timeshare.errors import CheckpointError, ConfigError
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.layout import Weight
 from timeshare.units import MIB
@@ -60,8 +60,9 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def load_model(model_dir: Path, device: torch.device) -> torch.nn.Module:
-    """The causal LM of a local transformers directory, in float32 (the master weights)."""
+def load_model(model_dir: Path) -> torch.nn.Module:
+    """The causal LM of a local transformers directory, in float32 (the master weights), in
+    host memory: `fully_shard` moves each rank's shards to its device, never the whole model."""
     # Imported here: transformers is an extra, and only the FSDP trainer's workers need it.
     import transformers  # noqa: PLC0415
 
@@ -71,7 +72,6 @@ def load_model(model_dir: Path, device: torch.device) -> torch.nn.Module:
     )
     pretrained.config.use_cache = False  # training computes whole sequences: no KV cache
     model: torch.nn.Module = pretrained
-    model = model.to(device)
     with torch.no_grad():
         for parameter in model.parameters():
             # Weights read from a memory-mapped file are not resizable storage, which the
@@ -173,7 +173,7 @@ class FsdpTrainer(TrainerEngine):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        self._model = shard(load_model(self.model_dir, self.device), mesh, self.spec)
+        self._model = shard(load_model(self.model_dir), mesh, self.spec)
         self._optimizer = torch.optim.AdamW(
             self.module.parameters(),
             lr=self.rl.lr,
@@ -181,7 +181,7 @@ class FsdpTrainer(TrainerEngine):
             betas=(0.9, 0.99),
         )
         if self.rl.kl_coef > 0:
-            reference = load_model(self.model_dir, self.device).requires_grad_(False)
+            reference = load_model(self.model_dir).requires_grad_(False)
             self._reference = shard(reference, mesh, self.spec)
 
     def close(self) -> None:
@@ -211,9 +211,7 @@ class FsdpTrainer(TrainerEngine):
         log.info("trainer.offload", rank=self.rank, freed_mb=round(moved / MIB, 3))
 
     def offload_params(self) -> None:
-        if not self.spec.offload_params:
-            return
-        moved = self.param_store.move_off(self.module.parameters())
+        moved = self.param_store.move_off(self._parameters())
         log.info("trainer.offload_params", rank=self.rank, freed_mb=round(moved / MIB, 3))
 
     def onload(self) -> None:
@@ -222,8 +220,15 @@ class FsdpTrainer(TrainerEngine):
 
     def held_mb(self) -> float:
         """Device bytes of parameter shards, gradients and optimiser state held now."""
-        held = resident_bytes(self.module.parameters()) + resident_bytes(self._optimizer_tensors())
+        held = resident_bytes(self._parameters()) + resident_bytes(self._optimizer_tensors())
         return held / MIB
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """The trained model's parameter shards, and the reference model's (a KL term)."""
+        parameters: list[torch.Tensor] = list(self.module.parameters())
+        if self._reference is not None:
+            parameters += self._reference.parameters()
+        return parameters
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         tensors = [p.grad for p in self.module.parameters() if p.grad is not None]
@@ -236,6 +241,7 @@ class FsdpTrainer(TrainerEngine):
     def iter_weights(self) -> Iterator[tuple[str, Weight]]:
         """Every weight under its transformers name, in the rollout's dtype, one at a time:
         as a gather into the channel's staging, or gathered here (`sync_gather`)."""
+        self.param_store.bring_back()  # (after an offload_params: SYNC normally comes before)
         dtype = DTYPES[self.spec.param_dtype]
         if self.spec.sync_gather == "into_staging":
             yield from lent_parameters(
@@ -247,10 +253,9 @@ class FsdpTrainer(TrainerEngine):
     # -- training ------------------------------------------------------------------------------
 
     def logprobs(self, batch: list[RolloutSample]) -> list[tuple[float, ...]]:
-        self.onload()
-        with torch.no_grad():
-            prompts, completions, _ = batch_tensors(batch)
-            values = self._logprobs(self.module, prompts, completions)
+        self.param_store.bring_back()
+        prompts, completions, _ = batch_tensors(batch)
+        values = self._logprobs_without_grad(self.module, prompts, completions)
         return [tuple(row) for row in values.tolist()]
 
     def train_step(self, batch: list[RolloutSample]) -> dict[str, float]:
@@ -282,11 +287,10 @@ class FsdpTrainer(TrainerEngine):
         """The batch as tensors, with the logprobs and advantages all its minibatches use."""
         prompts, completions, sampled = batch_tensors(batch)
         rewards = rewards_of(batch)
-        with torch.no_grad():
-            old = self._logprobs(self.module, prompts, completions)
-            ref = None
-            if self._reference is not None:
-                ref = self._logprobs(self._reference, prompts, completions)
+        old = self._logprobs_without_grad(self.module, prompts, completions)
+        ref = None
+        if self._reference is not None:
+            ref = self._logprobs_without_grad(self._reference, prompts, completions)
         advantages = group_advantages(rewards, self.rl.group_size)
         return Batch(prompts, completions, sampled, rewards, old, advantages, ref)
 
@@ -310,7 +314,7 @@ class FsdpTrainer(TrainerEngine):
                 ref_logprobs=None if data.ref is None else data.ref[piece],
                 kl_coef=self.rl.kl_coef,
             )
-            scaled = loss * (micro / len(rows))  # the minibatch's mean, not the sum
+            scaled = loss * (len(new) / len(rows))  # the minibatch's mean, not the sum
             scaled.backward()  # type: ignore[no-untyped-call]
             loss_sum += float(scaled.detach())
         return loss_sum, metrics
@@ -330,6 +334,24 @@ class FsdpTrainer(TrainerEngine):
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         return float(norm)
+
+    def _logprobs_without_grad(
+        self, model: torch.nn.Module, prompts: torch.Tensor, completions: torch.Tensor
+    ) -> torch.Tensor:
+        """Logprobs of a whole batch, micro-batch by micro-batch (the memory a forward takes is
+        bounded by `micro_batch_size`, as in training), every gathered parameter freed after."""
+        micro = self.spec.micro_batch_size or len(prompts)
+        with torch.no_grad():
+            parts = [
+                self._logprobs(model, prompts[i : i + micro], completions[i : i + micro])
+                for i in range(0, len(prompts), micro)
+            ]
+        # FSDP2 keeps the root's parameters gathered after a forward (a backward would free
+        # them); with no backward coming, free them now.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return torch.cat(parts)
 
     def _logprobs(
         self, model: torch.nn.Module, prompts: torch.Tensor, completions: torch.Tensor
@@ -367,10 +389,11 @@ class FsdpTrainer(TrainerEngine):
     def load_checkpoint(self, directory: Path) -> None:
         """The newest step every rank holds durably, or the model directory's weights at 0."""
         self.checkpoint_root = directory.parent
-        step = checkpoint.committed_step(self.checkpoint_root, self.world_size)
+        step = self._agreed(checkpoint.committed_step(self.checkpoint_root))
         if step is None:
             self.step = 0
             return
+        checkpoint.check_ranks(checkpoint.step_dir(self.checkpoint_root, step), self.world_size)
         own = checkpoint.load(
             self.checkpoint_root, step, self.module, self.optimizer, rank=self.rank
         )
@@ -378,6 +401,24 @@ class FsdpTrainer(TrainerEngine):
         self.step = int(own["step"])
         self.last_train = own.get("train")
         log.info("trainer.checkpoint.loaded", rank=self.rank, step=self.step)
+
+    def _agreed(self, step: int | None) -> int | None:
+        """The committed step, the same on every rank: each reads the checkpoint directory
+        itself, and ranks that see it differently (a directory not shared, a stale cache) must
+        not resume from different steps."""
+        if self.world_size == 1:
+            return step
+        seen = torch.tensor([-1 if step is None else step] * 2, device=self.device)
+        seen[1] = -seen[1]  # one all-reduce gives the smallest and the largest
+        dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+        smallest, largest = int(seen[0]), -int(seen[1])
+        if smallest != largest:
+            raise CheckpointError(
+                f"the trainer ranks see different committed steps in {self.checkpoint_root} "
+                f"(from {smallest} to {largest}; -1: none): the checkpoint directory must be "
+                "one directory that every rank sees"
+            )
+        return None if step is None else smallest
 
     def _save(self) -> None:
         if self.checkpoint_root is not None:

@@ -123,7 +123,9 @@ class TorchRefSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     minibatches: PositiveInt = 2
 
     def __post_init__(self) -> None:
-        self.check_model(self.model, "engine.torch_ref.model")
+        # Whether the KV cache fits the model is checked where the model is known: the FSDP
+        # trainer's is not this section's (EngineSpec, config.load_config).
+        self.check_vocab(self.model, "engine.torch_ref.model")
         if PROMPT_TOKENS + self.completion_tokens > self.kv_cache_len:
             raise ConfigError(
                 f"engine.torch_ref.kv_cache_len ({self.kv_cache_len}) is shorter than a prompt "
@@ -137,15 +139,19 @@ class TorchRefSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
     def check_model(self, model: ModelConfig, where: str) -> None:
         """A `ConfigError` if the task cannot run on `model` (`where`: the model's key or path)."""
-        if model.vocab_size < MIN_VOCAB:
-            raise ConfigError(
-                f"{where}: vocab_size ({model.vocab_size}) must be at least {MIN_VOCAB}: the "
-                "task uses ten digits, BOS and SEP"
-            )
+        self.check_vocab(model, where)
         if self.kv_cache_len > model.max_position_embeddings:
             raise ConfigError(
                 f"engine.torch_ref.kv_cache_len ({self.kv_cache_len}) exceeds "
                 f"max_position_embeddings ({model.max_position_embeddings}) of {where}"
+            )
+
+    @staticmethod
+    def check_vocab(model: ModelConfig, where: str) -> None:
+        if model.vocab_size < MIN_VOCAB:
+            raise ConfigError(
+                f"{where}: vocab_size ({model.vocab_size}) must be at least {MIN_VOCAB}: the "
+                "task uses ten digits, BOS and SEP"
             )
 
     @property

@@ -49,6 +49,7 @@ log = structlog.get_logger(__name__)
 # How often a waiting call looks at exits, stalls and its deadline.
 CHECK_S = 0.05
 ABORT_S = 2.0  # for the control lane's answer to `abort`, then for the aborted call's
+EXIT_REPORT_S = 2.0  # a worker gone from its socket: for its exit to be reported
 LANES = ("work", "control")
 R = TypeVar("R")
 
@@ -61,6 +62,7 @@ class _Liveness:
     progress_at: float = field(default_factory=time.monotonic)
     returncode: int | None = None
     why: str | None = None  # what ended it, when its exit status alone does not say
+    exited: anyio.Event = field(default_factory=anyio.Event)
 
 
 @dataclass
@@ -136,6 +138,7 @@ class WorkerLanes:
         liveness = self._workers.setdefault(worker, _Liveness())
         liveness.returncode = returncode
         liveness.why = why
+        liveness.exited.set()
         for pending in self._pending.values():
             if pending.worker == worker:
                 pending.done.set()
@@ -199,8 +202,17 @@ class WorkerLanes:
             message = f"{worker} did not take {call.command} within {deadline_s:g} s"
             raise _failure(CommandTimeout, worker, call.command, message) from exc
         except zmq.ZMQError as exc:  # ROUTER_MANDATORY: nobody with that id is connected
+            # Most often the worker has just died, and its exit is on its way from the process
+            # watcher: that is the failure to report, not the socket it left.
+            await self._exit_reported(worker, EXIT_REPORT_S)
+            self._raise_if_exited(worker, call.command)
             message = f"{worker} is not connected on the {lane} lane: {exc}"
             raise _failure(WorkerFailure, worker, call.command, message) from exc
+
+    async def _exit_reported(self, worker: WorkerId, within_s: float) -> None:
+        """Wait up to `within_s` for the worker's exit to be reported (it may never come)."""
+        with anyio.move_on_after(within_s):
+            await self._workers[worker].exited.wait()
 
     async def _wait_for_reply(
         self, lane: str, pending: _Pending, started: float, deadline_s: float
