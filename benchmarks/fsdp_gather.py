@@ -39,10 +39,10 @@ import structlog
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
+from weight_sync import weight_receiver  # this directory: the receiver every benchmark uses
 
 from timeshare.engines.fsdp.gather import lent_parameters
-from timeshare.errors import PeerClosed
-from timeshare.protocols.weights import TransferConfig, WeightReceiver, WeightSender
+from timeshare.protocols.weights import TransferConfig, WeightSender
 from timeshare.protocols.weights.layout import Weight
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
@@ -128,24 +128,6 @@ def spawn(role: str, *, answers: bool, **args: Any) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     stdout = subprocess.PIPE if answers else None
     return subprocess.Popen(argv, env=env, stdout=stdout, text=True)
-
-
-def receiver(args: dict[str, Any]) -> None:
-    """Copy every tensor of every transfer into a state dict allocated by the first one."""
-    destination: dict[str, torch.Tensor] = {}
-
-    def load(items: list[tuple[str, torch.Tensor]]) -> None:
-        for name, tensor in items:
-            if name not in destination:  # allocated by the warm-up transfer
-                destination[name] = torch.empty_like(tensor)
-            destination[name].copy_(tensor)
-
-    with WeightReceiver(args["endpoint"], TransferConfig(**args["config"])) as weights:
-        while True:
-            try:
-                weights.receive(load)
-            except PeerClosed:
-                return
 
 
 def trainer(args: dict[str, Any]) -> None:
@@ -259,7 +241,7 @@ def main() -> None:
     parser.add_argument("--peer-args", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    roles = {"receiver": receiver, "trainer": trainer}
+    roles = {"receiver": weight_receiver, "trainer": trainer}
     if args.role in roles:
         roles[args.role](json.loads(args.peer_args))
         return
