@@ -15,7 +15,9 @@ import msgspec
 
 PrecisionName = Literal["float32", "bfloat16", "float16"]
 # How SYNC gathers each parameter: its all-gather writes straight into the weight channel's
-# staging (the only copy), or into a fresh tensor that the channel then copies in.
+# staging (the only copy), or into a fresh tensor that the channel then copies in. Into staging,
+# a gather waits for a free buffer on every rank: the ranks move in lock-step with the slowest
+# rank's loader, where gathering ahead ("then_pack") lets a fast rank run a bucket ahead.
 SyncGather = Literal["into_staging", "then_pack"]
 DeviceName = Literal["auto", "cpu", "cuda"]
 
