@@ -16,6 +16,7 @@ from tests.cycle.jobs import processes_of, workers_of
 from tests.daemon.daemons import Daemon, assert_daemon_left_nothing, reap, spawn_daemon
 from tests.protocols.weights.peers import wait_until
 from timeshare.daemon.records import read_journal, read_progress
+from timeshare.runtime import wait_gone
 
 pytestmark = pytest.mark.slow
 
@@ -34,16 +35,17 @@ def tiny_service_config(root: Path, steps: int, **sections: Any) -> Path:
 
 
 def kill_mid_cycle(daemon: Daemon, after_committed: int) -> list[int]:
-    """SIGKILL the daemon once `after_committed` is committed; return its workers' pids."""
+    """SIGKILL the daemon once `after_committed` is committed; return the pids of its job's
+    processes (the workers and their zygote)."""
     daemon.wait_for(
         lambda s: s["lifecycle"] == "running" and (s["committed_step"] or 0) >= after_committed,
         timeout=120,
     )
-    workers = [p.pid for p in workers_of(daemon.root)]
-    assert len(workers) == 4
+    assert len(workers_of(daemon.root)) == 4
+    job = [p.pid for p in processes_of(daemon.root) if p.pid != daemon.process.pid]
     os.kill(daemon.process.pid, signal.SIGKILL)
     daemon.process.wait(timeout=10)
-    return workers
+    return job
 
 
 def test_operated_killed_and_resumed_from_the_committed_step(runtime_dir: Path) -> None:
@@ -60,6 +62,10 @@ def test_operated_killed_and_resumed_from_the_committed_step(runtime_dir: Path) 
         assert held["committed_step"] == held["step"] == held["weight_version"]
         assert first.ctl("resume").returncode == 0
         orphans = kill_mid_cycle(first, after_committed=held["step"] + 2)
+        # No process of the job outlives its daemon by more than a few seconds, with no new
+        # daemon to reap it: the zygote sees its request pipe close and kills every worker
+        # group; a worker dies with the zygote (parent-death signal).
+        assert wait_gone(orphans, 5.0) == []
     finally:
         reap_if_alive(first)
     killed_at = max(e["step"] for e in committed(runtime_dir))
