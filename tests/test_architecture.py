@@ -32,6 +32,7 @@ LAYERS = {
     "timeshare.levels": 0,
     "timeshare.durable": 0,
     "timeshare.runtime": 0,
+    "timeshare.cluster": 0,  # [cluster], from the file or a launcher (config reads it)
 }
 
 

@@ -8,6 +8,8 @@
     [[faults]]   injected faults, for drills
     [log]        level, and a file for JSON lines
     [daemon]     the service `timeshared`: control socket, state directory, metrics, drain
+    [cluster]    nodes, node_rank, ranks_per_node, leader_addr, leader_port: also from a
+                 launcher's environment (torchrun's, Slurm's), see cluster.py
 
 `TIMESHARE_<SECTION>__<KEY>=value` overrides a key (nested keys join with `__`; the value is read
 as a TOML value, else as a string). An unknown key, a wrong type, a value out of range or
@@ -28,6 +30,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from timeshare.cluster import ClusterSection, check_cluster, launcher_values
 from timeshare.engines.faults import Fault
 from timeshare.engines.fsdp.check import check_model_dir
 from timeshare.engines.spec import EngineSpec, rollout_vllm_spec, served_model
@@ -94,6 +97,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     faults: list[Fault] = []
     log: LogSection = LogSection()
     daemon: DaemonSection = DaemonSection()
+    cluster: ClusterSection = ClusterSection()
 
 
 COMMANDS = frozenset({*(phase.value for phase in Phase), "bootstrap", "shutdown"})
@@ -132,11 +136,13 @@ def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> 
             key = _env_key(name)
             _set(data, key, _env_value(raw))
             sources[key] = f"env {name}"
+    _apply_launcher(data, sources, environ)
     # A section given in part keeps the job's defaults for the rest (a [transfer] that sets only
     # bucket_mb keeps the SYNC-nested timeouts, not the channel's standalone ones).
     config = _convert(_merged(msgspec.to_builtins(Config()), data), sources)
     _check_nesting(config, sources)
     _check_runtime_dir(config, sources)
+    check_cluster(config.cluster, config.job.ranks, lambda key: sources.get(key, "default"))
     _check_engine(config)
     return LoadedConfig(config, sources)
 
@@ -193,6 +199,21 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+
+
+def _apply_launcher(data: dict[str, Any], sources: dict[str, str], env: Mapping[str, str]) -> None:
+    """[cluster] keys from a launcher's environment, where the file and TIMESHARE_* left them
+    unset; a value set there that the launcher contradicts is an error naming both."""
+    for name, (value, source) in launcher_values(env).items():
+        key = f"cluster.{name}"
+        if key in sources:
+            if _get(data, key) != value:
+                raise ConfigError(
+                    f"{key} = {_get(data, key)!r} (from {sources[key]}) conflicts with {source}"
+                )
+            continue
+        _set(data, key, value)
+        sources[key] = source
 
 
 def _env_key(name: str) -> str:

@@ -1,0 +1,96 @@
+"""`[cluster]`: the nodes a job spans, one daemon each, from the config file or the launcher.
+
+A launcher says the same things in its own environment: torchrun's (`NNODES`, `NODE_RANK`,
+`MASTER_ADDR`, `MASTER_PORT`) and Slurm's (`SLURM_NNODES`, `SLURM_NODEID`, and the leader as the
+first host of `SLURM_JOB_NODELIST`). What a launcher gives fills the keys the file and the
+TIMESHARE_* overrides leave unset; a value set there that a launcher contradicts, or two
+launchers that disagree, is a `ConfigError` naming both. No torch here: the config is read
+without it.
+
+One node is all a job runs on yet: a config for several is refused, saying so (issue 14 builds
+the rest).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
+
+import msgspec
+
+from timeshare.errors import ConfigError
+
+
+class ClusterSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    nodes: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    node_rank: Annotated[int, msgspec.Meta(ge=0)] = 0  # this node's index
+    ranks_per_node: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: job.ranks / nodes
+    leader_addr: str = "127.0.0.1"  # where the leader's daemon hosts the job store
+    leader_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 29400
+
+
+def _port(raw: str) -> int:
+    value = int(raw)
+    if not 1 <= value <= 65535:
+        raise ValueError(f"{value} is not a port")
+    return value
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm host list: `node[01-04,07],gpu5` gives `node01`."""
+    match = re.fullmatch(r"([^,\[\]]+)(?:\[([0-9]+)[^\]]*\])?([^,\[\]]*)(?:,.*)?", nodelist.strip())
+    if not match or not match.group(1):
+        raise ValueError(f"{nodelist!r} is not a Slurm host list")
+    prefix, first_index, suffix = match.groups()
+    return f"{prefix}{first_index or ''}{suffix}"
+
+
+# (key of [cluster], environment variable, launcher, how its value reads)
+LAUNCHER_VARIABLES: list[tuple[str, str, str, Callable[[str], Any]]] = [
+    ("nodes", "NNODES", "torchrun", int),
+    ("node_rank", "NODE_RANK", "torchrun", int),
+    ("leader_addr", "MASTER_ADDR", "torchrun", str),
+    ("leader_port", "MASTER_PORT", "torchrun", _port),
+    ("nodes", "SLURM_NNODES", "Slurm", int),
+    ("node_rank", "SLURM_NODEID", "Slurm", int),
+    ("leader_addr", "SLURM_JOB_NODELIST", "Slurm", first_host),
+]
+
+
+def launcher_values(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    """[cluster] keys a launcher's environment gives: key -> (value, where it came from)."""
+    found: dict[str, tuple[Any, str]] = {}
+    for key, variable, launcher, read in LAUNCHER_VARIABLES:
+        raw = environ.get(variable)
+        if raw is None or raw == "":
+            continue
+        try:
+            value = read(raw)
+        except ValueError as exc:
+            raise ConfigError(f"cluster.{key}: {variable}={raw!r} ({launcher}): {exc}") from exc
+        source = f"{variable}={raw} ({launcher})"
+        if key in found and found[key][0] != value:
+            raise ConfigError(f"cluster.{key}: {found[key][1]} and {source} disagree")
+        found.setdefault(key, (value, source))
+    return found
+
+
+def check_cluster(cluster: ClusterSection, ranks: int, where: Callable[[str], str]) -> None:
+    """What a [cluster] of this job cannot be, each error naming the key and its source."""
+    if cluster.node_rank >= cluster.nodes:
+        raise ConfigError(
+            f"cluster.node_rank ({cluster.node_rank}, from {where('cluster.node_rank')}) must "
+            f"be below cluster.nodes ({cluster.nodes}, from {where('cluster.nodes')})"
+        )
+    per_node = cluster.ranks_per_node or ranks // cluster.nodes
+    if per_node * cluster.nodes != ranks:
+        raise ConfigError(
+            f"job.ranks ({ranks}, from {where('job.ranks')}) is not cluster.nodes "
+            f"({cluster.nodes}) x ranks per node ({per_node})"
+        )
+    if cluster.nodes > 1:
+        raise ConfigError(
+            f"cluster.nodes = {cluster.nodes} (from {where('cluster.nodes')}): a job over "
+            "several nodes is not built yet; timeshare runs one node's ranks under one daemon"
+        )
