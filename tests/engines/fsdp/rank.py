@@ -25,11 +25,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from timeshare.engines.base import RolloutSample
-from timeshare.engines.fsdp.gather import lent_parameters
+from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
 from timeshare.engines.fsdp.memory import local
 from timeshare.engines.fsdp.spec import FsdpSpec
 from timeshare.engines.fsdp.trainer import FsdpTrainer
-from timeshare.engines.fsdp.weights import gathered_weights
 from timeshare.engines.torch_ref.spec import TorchRefSpec
 from timeshare.protocols.weights.layout import BucketPlanner, pack
 from timeshare.protocols.weights.lent import LentTensor
@@ -168,7 +167,7 @@ def memory(rank: int, world: int) -> dict[str, Any]:
 
     def streamed() -> None:  # what the weight sender does: plan buckets, pack each
         planner = BucketPlanner(BUCKET_BYTES)
-        for name, tensor in gathered_weights(model, torch.float32):
+        for name, tensor in gathered_parameters(model, dtype=torch.float32):
             for bucket in planner.add(name, tensor):
                 pack(bucket, staging)
                 bucket.pieces.clear()  # packed: its sources are free to go
@@ -187,7 +186,7 @@ def memory(rank: int, world: int) -> dict[str, Any]:
             pack(bucket, staging)
 
     def listed() -> None:  # what the worker did before: every weight gathered first
-        weights = list(gathered_weights(model, torch.float32))
+        weights = list(gathered_parameters(model, dtype=torch.float32))
         assert len(weights) == len(MEMORY_LAYERS)
 
     return {

@@ -19,8 +19,8 @@ barrier. DCP reports its failures as `CheckpointException`, a BaseException: the
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from timeshare.durable import fsync_directory
+from timeshare.durable import fsync_directory, write_atomically
 from timeshare.errors import CheckpointError
 
 KEEP = 3  # newest committed steps kept
@@ -124,7 +124,7 @@ def _start_step(directory: Path, ranks: int, model_dir: Path) -> None:
     for name in MODEL_FILES:
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, directory / name)
-    (directory / RANKS_FILE).write_text(json.dumps({"ranks": ranks}))
+    write_atomically(directory / RANKS_FILE, json.dumps({"ranks": ranks}).encode())
 
 
 def check_ranks(directory: Path, ranks: int) -> None:
@@ -161,13 +161,9 @@ def load(
 
 
 def _write_durably(path: Path, value: dict[str, Any]) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temporary, "wb") as file:
-        torch.save(value, file)
-        file.flush()
-        os.fsync(file.fileno())
-    temporary.rename(path)
-    fsync_directory(path.parent)
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    write_atomically(path, buffer.getvalue())
 
 
 def _prune(root: Path) -> None:

@@ -8,7 +8,13 @@ chunk to k rows; the output, world*k rows, then starts with the full tensor, and
 after it are the scratch the sender reserved (`scratch_bytes`).
 
 Every rank must gather the same parameters in the same order: iterate `lent_parameters` on every
-rank and hand each to its own sender with the same bucket size.
+rank and hand each to its own sender with the same bucket size. `gathered_parameters` is the
+other way (`sync_gather = "then_pack"`): each gathered into a fresh tensor as it is asked for.
+
+Names are the transformers names (`model.layers.0.self_attn.q_proj.weight`): `fully_shard` keeps
+every name. A tied head is the embedding's parameter, which `named_parameters` yields once as
+`model.embed_tokens.weight`: what vLLM's and the reference rollout's loaders expect of a tied
+model (they skip `lm_head.weight`).
 """
 
 from __future__ import annotations
@@ -125,3 +131,16 @@ def lent_parameters(
         else:
             tensor = parameter.detach()
             yield name, tensor if dtype is None else tensor.to(dtype)
+
+
+def gathered_parameters(
+    module: torch.nn.Module, *, dtype: torch.dtype | None = None, timeout_s: float | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) of every parameter, each gathered only when the consumer asks for it
+    (collectives: every rank iterates, in the same order), so that the extra memory is what the
+    consumer still holds (the weight channel: about one bucket), never the whole model."""
+    for name, weight in lent_parameters(module, dtype=dtype, timeout_s=timeout_s):
+        tensor = weight.materialize() if isinstance(weight, LentTensor) else weight
+        del weight
+        yield name, tensor
+        del tensor  # not kept while the next one is gathered

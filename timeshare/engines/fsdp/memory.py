@@ -51,16 +51,18 @@ class HostStore:
     def move_off(self, tensors: Iterable[torch.Tensor]) -> int:
         """Copy the storages under `tensors` to the host and free them; the bytes moved."""
         moved = 0
+        on_cuda = False
         for storage in storages(tensors):
             nbytes = storage.nbytes()
             if nbytes == 0:
                 continue  # already off (or empty): nothing to keep
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=storage.device.type == "cuda")
+            on_cuda |= storage.device.type == "cuda"
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_cuda)
             host.copy_(_bytes_of(storage))
             self.moved.append((storage, host))
             storage.resize_(0)
             moved += nbytes
-        if moved and _any_cuda(self.moved):
+        if on_cuda:
             torch.cuda.empty_cache()  # the allocator's blocks back to the device
         return moved
 
@@ -78,7 +80,3 @@ class HostStore:
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over all of `storage`."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def _any_cuda(moved: list[tuple[torch.UntypedStorage, torch.Tensor]]) -> bool:
-    return any(storage.device.type == "cuda" for storage, _ in moved)

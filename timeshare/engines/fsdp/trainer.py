@@ -9,7 +9,7 @@ so one optimiser step sees the whole job's batch. The loss is the project's one 
 Memory between phases (memory.py says how): `offload` moves the optimiser state and gradients
 to the host, `offload_params` after SYNC the parameter shards too (and the reference model's);
 `onload` brings all back bit for bit. The weights go out gathered one parameter at a time
-(gather.py, weights.py), never the whole model at once.
+(gather.py), never the whole model at once.
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ from torch.distributed.tensor import DTensor
 
 from timeshare.engines.base import RolloutSample, TrainerEngine
 from timeshare.engines.fsdp import checkpoint
-from timeshare.engines.fsdp.gather import lent_parameters
+from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
 from timeshare.engines.fsdp.memory import HostStore, resident_bytes
 from timeshare.engines.fsdp.spec import FsdpSpec
-from timeshare.engines.fsdp.weights import gathered_weights
 from timeshare.engines.grpo import (
     batch_tensors,
     check_batch,
@@ -242,13 +241,12 @@ class FsdpTrainer(TrainerEngine):
         """Every weight under its transformers name, in the rollout's dtype, one at a time:
         as a gather into the channel's staging, or gathered here (`sync_gather`)."""
         self.param_store.bring_back()  # (after an offload_params: SYNC normally comes before)
-        dtype = DTYPES[self.spec.param_dtype]
-        if self.spec.sync_gather == "into_staging":
-            yield from lent_parameters(
-                self.module, dtype=dtype, timeout_s=self.collective_timeout_s
-            )
-        else:
-            yield from gathered_weights(self.module, dtype)
+        weights = (
+            lent_parameters if self.spec.sync_gather == "into_staging" else gathered_parameters
+        )
+        yield from weights(
+            self.module, dtype=DTYPES[self.spec.param_dtype], timeout_s=self.collective_timeout_s
+        )
 
     # -- training ------------------------------------------------------------------------------
 
