@@ -16,6 +16,7 @@ from timeshare.state import (
     BarrierChecked,
     Blame,
     Bootstrapped,
+    Crossed,
     Drained,
     Event,
     Failed,
@@ -104,6 +105,7 @@ def sample_events(state: JobState) -> list[Event]:
         StepsChanged(9),
         Drained(),
         Failed("worker 1 died"),
+        Crossed(Phase.RESUME),
     ]
 
 
@@ -115,6 +117,7 @@ REFUSED: dict[tuple[Lifecycle, Event], str] = {
     (Lifecycle.RUNNING, PauseChecked(released(2))): "no release check is under way",
     (Lifecycle.DRAINING, PauseChecked(released(2))): "no release check is under way",
     (Lifecycle.DRAINING, Drained()): "work is still in flight",
+    (Lifecycle.RUNNING, Crossed(Phase.RESUME)): "this node waits at no fence",
 }
 
 

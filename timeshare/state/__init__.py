@@ -14,6 +14,7 @@ from timeshare.state.events import (
     BarrierChecked,
     Blame,
     Bootstrapped,
+    Crossed,
     Drained,
     Event,
     Failed,
@@ -28,7 +29,7 @@ from timeshare.state.events import (
 )
 from timeshare.state.job import MEMORY_FENCES, NEXT_PHASE, JobState, RankProgress, initial_state
 from timeshare.state.machine import TABLE, Outcome, advance
-from timeshare.state.plan import Plan, plan
+from timeshare.state.plan import Plan, applies_at_once, plan
 
 __all__ = [
     "MEMORY_FENCES",
@@ -38,6 +39,7 @@ __all__ = [
     "BarrierChecked",
     "Blame",
     "Bootstrapped",
+    "Crossed",
     "Drained",
     "Event",
     "Failed",
@@ -55,6 +57,7 @@ __all__ = [
     "Requested",
     "StepsChanged",
     "advance",
+    "applies_at_once",
     "initial_state",
     "plan",
 ]

@@ -8,8 +8,9 @@ judged here: whether they are a failure is the machine's rule.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 
 class Lifecycle(enum.Enum):
@@ -91,6 +92,13 @@ class PauseChecked:
 
 
 @dataclass(frozen=True)
+class Crossed:
+    """Every node of the job stands at the fence before `following` (several nodes only)."""
+
+    following: Phase
+
+
+@dataclass(frozen=True)
 class Requested:
     """An operator asked for pause, resume, drain or stop."""
 
@@ -122,6 +130,7 @@ Event: TypeAlias = (
     | RankFinished
     | BarrierChecked
     | PauseChecked
+    | Crossed
     | Requested
     | StepsChanged
     | Drained
@@ -132,16 +141,17 @@ Event: TypeAlias = (
 OPERATOR_EVENTS = (Requested, StepsChanged)
 
 
+_FIELDS: dict[type, Callable[[Any], str]] = {
+    RankFinished: lambda e: f"(rank {e.rank}, {e.phase.value})",
+    BarrierChecked: lambda e: f"(rank {e.rank}, {e.held_mb:g} MiB held)",
+    Requested: lambda e: f"({e.request.value})",
+    Bootstrapped: lambda e: f"(step {e.step})",
+    StepsChanged: lambda e: f"(max_steps {e.max_steps})",
+    Crossed: lambda e: f"(before {e.following.value})",
+}
+
+
 def describe(event: Event) -> str:
     """The event's fields, in words, for error messages."""
-    if isinstance(event, RankFinished):
-        return f"(rank {event.rank}, {event.phase.value})"
-    if isinstance(event, BarrierChecked):
-        return f"(rank {event.rank}, {event.held_mb:g} MiB held)"
-    if isinstance(event, Requested):
-        return f"({event.request.value})"
-    if isinstance(event, Bootstrapped):
-        return f"(step {event.step})"
-    if isinstance(event, StepsChanged):
-        return f"(max_steps {event.max_steps})"
-    return ""
+    fields = _FIELDS.get(type(event))
+    return "" if fields is None else fields(event)

@@ -45,6 +45,9 @@ class JobState:
     requests: frozenset[Request] = frozenset()
     fences: frozenset[Phase] = MEMORY_FENCES
     checking_release: bool = False  # at the pause boundary, waiting for `PauseChecked`
+    nodes: int = 1  # nodes whose ranks cross every fence together (this state holds one's)
+    first_rank: int = 0  # the job's rank number of `ranks[0]` (names ranks in reasons)
+    crossing: Phase | None = None  # every local rank at this fence: waiting for the other nodes
     reason: str | None = None  # why the job is draining, stopped or failed
     blame: Blame | None = None  # the worker and phase a failure is pinned on
 
@@ -54,17 +57,37 @@ class JobState:
 
     @property
     def idle(self) -> bool:
-        """No work in flight: no rank in a phase or at the store barrier, no release check."""
-        return all(r.done for r in self.ranks) and not self.checking_release
+        """No work in flight: no rank in a phase or at the store barrier, no release check,
+        no wait for the other nodes."""
+        return (
+            all(r.done for r in self.ranks) and not self.checking_release and self.crossing is None
+        )
 
 
 def initial_state(
-    ranks: int, *, max_steps: int | None = None, fences: frozenset[Phase] = MEMORY_FENCES
+    ranks: int,
+    *,
+    max_steps: int | None = None,
+    fences: frozenset[Phase] = MEMORY_FENCES,
+    nodes: int = 1,
+    first_rank: int = 0,
 ) -> JobState:
-    """A job that is starting: workers not yet up, nothing loaded, nothing running."""
+    """A job that is starting: workers not yet up, nothing loaded, nothing running.
+
+    With several `nodes`, the state is one node's: its `ranks`, the first numbered `first_rank`.
+    """
     if ranks < 1:
         raise ValueError(f"a job needs at least one rank, got {ranks}")
+    if nodes < 1 or first_rank < 0:
+        raise ValueError(f"nodes ({nodes}) must be at least 1, first_rank ({first_rank}) >= 0")
     if not fences <= MEMORY_FENCES:
         raise ValueError(f"fences must be a subset of {sorted(p.value for p in MEMORY_FENCES)}")
     progress = tuple(RankProgress(FIRST_PHASE, done=True) for _ in range(ranks))
-    return JobState(Lifecycle.STARTING, progress, max_steps=max_steps, fences=fences)
+    return JobState(
+        Lifecycle.STARTING,
+        progress,
+        max_steps=max_steps,
+        fences=fences,
+        nodes=nodes,
+        first_rank=first_rank,
+    )

@@ -14,6 +14,11 @@ Rules (the table below is the truth; this comment explains it):
   memory handoffs: SYNC (engine weights wake) after every OFFLOAD; RESUME (KV cache wakes) after
   every BARRIER; TRAIN (trainer onloads) after every ROLLOUT, whose end means engines slept.
   `fences` can drop one, for the test that proves it matters.
+- With several nodes, each node's machine holds its own ranks, and the fences hold across
+  nodes: when its last rank arrives at a fence, the node waits for every other node there
+  (`Outcome.cross`), and decides only once `Crossed` says all came. Every node then decides
+  from the same requests (the driver applies the operator's commands at the crossing, up to
+  the same one on every node), so every node pauses, drains or goes on at the same step.
 - BARRIER requires the rank's trainer to hold no device memory (`BarrierChecked`): anything held
   fails the job. Then, while RESUME is fenced, the rank meets every other rank at the job
   store's barrier (the fence across nodes; `Outcome.meet`) and finishes BARRIER when all came.
@@ -42,6 +47,7 @@ from timeshare.state.events import (
     BarrierChecked,
     Blame,
     Bootstrapped,
+    Crossed,
     Drained,
     Event,
     Failed,
@@ -84,6 +90,7 @@ TABLE: dict[tuple[Lifecycle, type], frozenset[Lifecycle]] = {
     (Lifecycle.RUNNING, PauseChecked): frozenset(
         {Lifecycle.RUNNING, Lifecycle.PAUSED, Lifecycle.DRAINING, Lifecycle.FAILED}
     ),
+    (Lifecycle.RUNNING, Crossed): frozenset({Lifecycle.RUNNING, Lifecycle.DRAINING}),
     (Lifecycle.RUNNING, Requested): frozenset({Lifecycle.RUNNING, Lifecycle.DRAINING}),
     (Lifecycle.PAUSED, Requested): frozenset(
         {Lifecycle.PAUSED, Lifecycle.RUNNING, Lifecycle.DRAINING}
@@ -104,13 +111,15 @@ class Outcome:
 
     `start`: (rank, phase) pairs to run, in rank order. `meet`: ranks whose BARRIER passed its
     memory check and who now wait for every rank at the store barrier. `check_release`: ask
-    every worker what device memory it holds, and answer with `PauseChecked`.
+    every worker what device memory it holds, and answer with `PauseChecked`. `cross`: wait for
+    every other node at the fence before this phase, and answer with `Crossed`.
     """
 
     state: JobState
     start: tuple[tuple[int, Phase], ...] = field(default=())
     meet: tuple[int, ...] = field(default=())
     check_release: bool = False
+    cross: Phase | None = None
 
 
 def advance(state: JobState, event: Event) -> Outcome:
@@ -191,9 +200,10 @@ def _barrier_checked(state: JobState, event: BarrierChecked) -> Outcome:
     if progress.meeting:
         raise refuse(state, event, f"rank {event.rank} was already checked")
     if event.held_mb > 0:
-        blame = Blame(event.rank, "trainer", Phase.BARRIER.value)
+        rank = state.first_rank + event.rank
+        blame = Blame(rank, "trainer", Phase.BARRIER.value)
         held = f"trainer still holds {event.held_mb:g} MiB of device memory at BARRIER"
-        return Outcome(_failed(state, f"trainer rank {event.rank}: {held}", blame))
+        return Outcome(_failed(state, f"trainer rank {rank}: {held}", blame))
     if state.lifecycle is Lifecycle.RUNNING and Phase.RESUME in state.fences:
         meeting = RankProgress(Phase.BARRIER, meeting=True)
         return Outcome(
@@ -221,6 +231,13 @@ def _pause_checked(state: JobState, event: PauseChecked) -> Outcome:
     return _decide_at_fence(checked, CYCLE_START)  # a drain or a resume came during the check
 
 
+def _crossed(state: JobState, event: Crossed) -> Outcome:
+    if state.crossing is not event.following:
+        where = "no fence" if state.crossing is None else f"the fence before {state.crossing.value}"
+        raise refuse(state, event, f"this node waits at {where}")
+    return _decide_at_fence(replace(state, crossing=None), event.following)
+
+
 def _working_rank(state: JobState, event: Event, rank: int, phase: Phase) -> RankProgress:
     """The rank's progress, if it is working in `phase`; else the event is refused."""
     if not 0 <= rank < len(state.ranks):
@@ -246,6 +263,8 @@ def _arrive_at_fence(state: JobState, following: Phase) -> Outcome:
     """A rank waits at a fence; the last one to arrive decides for the whole job (safe point)."""
     if state.lifecycle is Lifecycle.DRAINING or not all(r.done for r in state.ranks):
         return Outcome(state)
+    if state.nodes > 1:
+        return Outcome(replace(state, crossing=following), cross=following)
     return _decide_at_fence(state, following)
 
 
@@ -273,10 +292,16 @@ def _start_all(state: JobState, phase: Phase) -> Outcome:
 
 
 def _draining(state: JobState, reason: str) -> JobState:
-    # Ranks meeting at the store barrier stop waiting: no RESUME follows a drain.
+    # Ranks meeting at the store barrier stop waiting, and so does a node waiting for the
+    # others at a fence: no phase follows a drain.
     ranks = tuple(replace(r, done=True, meeting=False) if r.meeting else r for r in state.ranks)
     return replace(
-        state, lifecycle=Lifecycle.DRAINING, ranks=ranks, requests=frozenset(), reason=reason
+        state,
+        lifecycle=Lifecycle.DRAINING,
+        ranks=ranks,
+        requests=frozenset(),
+        reason=reason,
+        crossing=None,
     )
 
 
@@ -292,6 +317,7 @@ _APPLY: dict[type, Callable[[JobState, Any], Outcome]] = {
     Bootstrapped: _bootstrap,
     BarrierChecked: _barrier_checked,
     PauseChecked: _pause_checked,
+    Crossed: _crossed,
     RankFinished: _rank_finished,
 }
 

@@ -2,16 +2,17 @@
 
 Pure, like the machine: `plan(before, outcome)` looks at the move the job just made and says
 what to perform, in this order: stop waiting at the store barrier if a drain began; start the
-phases; meet the others at the store barrier; check every worker's release at a pause; finish a
-drain that has nothing in flight; publish the job's state to the store; end the run. The driver
-(timeshare/cycle) performs it and feeds what happened back as events.
+phases; meet the others at the store barrier; wait for the other nodes at a fence; check every
+worker's release at a pause; finish a drain that has nothing in flight; publish the job's state
+to the store; end the run. The driver (timeshare/cycle) performs it and feeds what happened back
+as events. `applies_at_once` says when an operator's command may reach the machine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from timeshare.state.events import Lifecycle, Phase
+from timeshare.state.events import Event, Lifecycle, Phase, Request, Requested
 from timeshare.state.job import JobState
 from timeshare.state.machine import Outcome
 
@@ -22,7 +23,9 @@ ENDED = (Lifecycle.STOPPED, Lifecycle.FAILED)
 class Plan:
     start: tuple[tuple[int, Phase], ...] = ()  # (rank, phase) to run, in rank order
     meet: tuple[int, ...] = ()  # ranks that now wait for every rank at the store barrier
-    cancel_meets: bool = False  # a drain began: nobody waits at the store barrier any more
+    cross: Phase | None = None  # wait for every other node at the fence before this phase
+    cancel_meets: bool = False  # a drain began: nobody waits at the store barrier any more, nor
+    # for the other nodes at a fence
     check_release: bool = False  # ask every worker what it holds; answer with PauseChecked
     finish_drain: bool = False  # draining and nothing in flight: answer with Drained
     publish: bool = False  # a job-wide move: every node and operator should see it
@@ -36,6 +39,7 @@ def plan(before: JobState, outcome: Outcome) -> Plan:
     return Plan(
         start=outcome.start,
         meet=outcome.meet,
+        cross=outcome.cross,
         cancel_meets=draining and moved,
         check_release=outcome.check_release,
         finish_drain=draining and after.idle,
@@ -44,3 +48,17 @@ def plan(before: JobState, outcome: Outcome) -> Plan:
         publish=moved or (len(outcome.start) == len(after.ranks)),
         ended=after.lifecycle in ENDED,
     )
+
+
+def applies_at_once(state: JobState, event: Event) -> bool:
+    """Whether an operator's command goes to the machine as soon as the driver reads it.
+
+    One node: always (the machine takes requests at any time and acts at the next fence).
+    Several: a node reads the job store's commands a little before or after another, so a
+    command could land on either side of a fence; it waits for the next crossing instead,
+    where every node applies the same ones (plan.cross). Except `stop`, which does not wait
+    for fences, and anything while PAUSED, where every node stands at the same place.
+    """
+    if state.nodes == 1 or state.lifecycle is Lifecycle.PAUSED:
+        return True
+    return isinstance(event, Requested) and event.request is Request.STOP
