@@ -103,6 +103,18 @@ class StoreError(TimeshareError):
     """Raised when the job store cannot be hosted or reached, or refuses an operation."""
 
 
+class NodeLost(TimeshareError):
+    """Raised on a node of a job spanning several when another node's daemon went silent (it
+    died, or cannot reach the job store), or when this node lost the job store itself (the
+    leader's daemon died). `node` and `ranks` name the node that is gone (the leader, for a
+    lost store)."""
+
+    def __init__(self, message: str, *, node: int, ranks: range) -> None:
+        super().__init__(message)
+        self.node = node
+        self.ranks = ranks
+
+
 class CollectiveTimeout(TimeshareError):
     """Raised on every rank of a barrier that not every rank reached within its deadline.
 

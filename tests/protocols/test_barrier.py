@@ -70,7 +70,27 @@ def test_generations_count_per_name_and_old_arrivals_are_removed() -> None:
     barrier = Barrier(store, 0, 1)
     assert [barrier.wait_blocking("x", timeout_s=5.0) for _ in range(3)] == [1, 2, 3]
     assert barrier.wait_blocking("y", timeout_s=5.0) == 1
-    assert not store.has("barrier/x/2/0") and store.has("barrier/x/3/0")
+    # The previous generation stays (a rank may still read its values), the one before goes.
+    assert not store.has("barrier/x/1/0") and store.has("barrier/x/2/0")
+    assert store.has("barrier/x/3/0")
+
+
+@pytest.mark.asyncio
+async def test_each_rank_learns_what_every_rank_brought() -> None:
+    store = JobStore.host()
+    barriers = [Barrier(JobStore.connect(*store.address), rank, 3) for rank in range(3)]
+    generations: list[int] = []
+
+    async def arrive(barrier: Barrier) -> None:
+        generations.append(
+            await barrier.wait("values", timeout_s=10.0, value={"rank": barrier.rank})
+        )
+
+    async with anyio.create_task_group() as group:
+        for barrier in barriers:
+            group.start_soon(arrive, barrier)
+    assert generations == [1, 1, 1]
+    assert barriers[2].values("values", 1) == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
 
 
 @pytest.mark.asyncio

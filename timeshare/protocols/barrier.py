@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
@@ -40,20 +41,21 @@ class Barrier:
 
     def wait_blocking(self, name: str, *, timeout_s: float) -> int:
         """Arrive at barrier `name` and wait for every rank; return its generation."""
-        generation, keys = self._arrive(name)
+        generation, keys = self._arrive(name, True)
         try:
             self.store.wait(keys, timeout_s=timeout_s)
         except TimeoutError as exc:
             raise self._timeout(name, generation, keys, timeout_s) from exc
         return generation
 
-    async def wait(self, name: str, *, timeout_s: float) -> int:
+    async def wait(self, name: str, *, timeout_s: float, value: Any = True) -> int:
         """Like `wait_blocking`, for the event loop: cancellable at once, no thread left behind.
+        `value` (JSON) is what this rank brings; `values` reads what every rank brought.
 
         It polls the store (a ~0.1 ms round trip in a worker thread) every POLL_S rather than
         blocking a thread for the whole wait, which a cancellation could not interrupt.
         """
-        generation, keys = await anyio.to_thread.run_sync(self._arrive, name)
+        generation, keys = await anyio.to_thread.run_sync(self._arrive, name, value)
         quick_until = anyio.current_time() + QUICK_POLLS_S
         pause = FIRST_POLL_S
         with anyio.move_on_after(timeout_s):
@@ -65,12 +67,19 @@ class Barrier:
         # Naming the missing ranks asks the store once per rank: in a thread too.
         raise await anyio.to_thread.run_sync(self._timeout, name, generation, keys, timeout_s)
 
-    def _arrive(self, name: str) -> tuple[int, list[str]]:
+    def values(self, name: str, generation: int) -> list[Any]:
+        """What every rank brought to a generation all of them reached, in rank order."""
+        return [self.store.read(_key(name, generation, r)) for r in range(self.world_size)]
+
+    def _arrive(self, name: str, value: Any) -> tuple[int, list[str]]:
         self._generations[name] += 1
         generation = self._generations[name]
-        self.store.put(_key(name, generation, self.rank), True)
-        if generation > 1:  # our arrival at the previous generation is no longer read by anyone
-            self.store.delete(_key(name, generation - 1, self.rank))
+        self.store.put(_key(name, generation, self.rank), value)
+        # Our arrival two generations back is read by nobody now: every rank has arrived at the
+        # previous one, so it is done reading that one's values. (The previous one may still be
+        # read by a rank that saw everyone arrive and reads the values next.)
+        if generation > 2:
+            self.store.delete(_key(name, generation - 2, self.rank))
         return generation, [_key(name, generation, r) for r in range(self.world_size)]
 
     def _timeout(

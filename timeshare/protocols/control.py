@@ -128,3 +128,7 @@ class ServiceStatus(msgspec.Struct, frozen=True, kw_only=True):
     metrics_port: int | None
     log_level: str
     loop_lag_max_ms: float
+    node: int = 0  # this daemon's node of the job
+    # Several nodes: every node as its daemon last wrote it into the job store (while a cycle
+    # runs): node, ranks, host, pid, lifecycle, step, phases, reason, and `beat_age_s`.
+    nodes: list[dict[str, Any]] = []

@@ -9,6 +9,8 @@ pickle. Blocking calls here are meant for worker threads (see barrier.py); each 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -18,6 +20,7 @@ import msgspec
 import torch.distributed as dist
 from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
 
+from timeshare.cluster import ClusterSection
 from timeshare.errors import StoreError
 from timeshare.state import JobState
 
@@ -76,29 +79,41 @@ class JobStore:
 
     def next_generation(self, name: str) -> int:
         """A number no earlier call for `name` on any rank returned (1, 2, …)."""
-        return int(self._store.add(f"{PREFIX}gen/{name}", 1))
+        with self._mapped(f"gen/{name}"):
+            return int(self._store.add(f"{PREFIX}gen/{name}", 1))
 
     def add(self, key: str, amount: int) -> int:
         """Atomically add `amount` to the integer counter `key`; return the new value."""
-        return int(self._store.add(PREFIX + key, amount))
+        with self._mapped(key):
+            return int(self._store.add(PREFIX + key, amount))
 
     def put(self, key: str, value: Any) -> None:
-        self._store.set(PREFIX + key, json.dumps(value))
+        with self._mapped(key):
+            self._store.set(PREFIX + key, json.dumps(value))
 
     def get(self, key: str, *, timeout_s: float) -> Any:
         """The JSON value under `key`, waiting at most `timeout_s` for it to be written."""
         self.wait([key], timeout_s=timeout_s)
-        return json.loads(self._store.get(PREFIX + key))
+        return self.read(key)
+
+    def read(self, key: str) -> Any:
+        """The JSON value under `key`, which the caller knows is written (else the store's own
+        timeout, then `StoreError`)."""
+        with self._mapped(key):
+            return json.loads(self._store.get(PREFIX + key))
 
     def has(self, key: str) -> bool:
-        return bool(self._store.check([PREFIX + key]))
+        with self._mapped(key):
+            return bool(self._store.check([PREFIX + key]))
 
     def has_all(self, keys: list[str]) -> bool:
         """Whether every key is set: one round trip, however many keys."""
-        return bool(self._store.check([PREFIX + k for k in keys]))
+        with self._mapped(str(keys)):
+            return bool(self._store.check([PREFIX + k for k in keys]))
 
     def delete(self, key: str) -> None:
-        self._store.delete_key(PREFIX + key)
+        with self._mapped(key):
+            self._store.delete_key(PREFIX + key)
 
     def wait(self, keys: list[str], *, timeout_s: float) -> None:
         """Block until every key exists; `TimeoutError` naming the keys after `timeout_s`."""
@@ -108,6 +123,20 @@ class JobStore:
             if "timeout" in str(exc).lower():
                 raise TimeoutError(f"keys not written within {timeout_s:g} s: {keys}") from exc
             raise StoreError(f"job store failed while waiting for {keys}: {exc}") from exc
+        except dist.DistError as exc:
+            raise self._lost(str(keys), exc) from exc
+
+    @contextmanager
+    def _mapped(self, key: str) -> Iterator[None]:
+        """torch's errors of a store operation (the leader gone, a reset connection) as ours."""
+        try:
+            yield
+        except dist.DistError as exc:
+            raise self._lost(key, exc) from exc
+
+    def _lost(self, key: str, exc: BaseException) -> StoreError:
+        host, port = self.address
+        return StoreError(f"job store at {host}:{port} failed on {key}: {exc}")
 
     def record_command(self, command: str, **params: Any) -> int:
         """Write a cycle-changing command under a new generation; return the generation."""
@@ -140,6 +169,18 @@ class AsyncJobStore:
     @classmethod
     async def host(cls) -> AsyncJobStore:
         return cls(await anyio.to_thread.run_sync(JobStore.host))
+
+    @classmethod
+    async def for_job(cls, cluster: ClusterSection, *, ready_s: float) -> AsyncJobStore:
+        """One node: a store of its own on a free loopback port. Several: the leader (node 0)
+        hosts it at `leader_addr:leader_port`; the others reach it within `ready_s`."""
+        if cluster.nodes == 1:
+            return await cls.host()
+        address = cluster.leader_addr, cluster.leader_port
+        if cluster.node_rank == 0:
+            return cls(await anyio.to_thread.run_sync(JobStore.host, *address))
+        connect = partial(JobStore.connect, *address, timeout_s=ready_s)
+        return cls(await anyio.to_thread.run_sync(connect))
 
     @property
     def address(self) -> tuple[str, int]:
