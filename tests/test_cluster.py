@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from timeshare.cluster import first_host
+from timeshare.cluster import first_host, node_ranks
 from timeshare.config import load_config
 from timeshare.errors import ConfigError
 
@@ -79,7 +79,7 @@ def test_two_launchers_that_disagree_are_named(tmp_path: Path) -> None:
         ({"SLURM_JOB_NODELIST": "[01-02]"}, "", r"is not a Slurm host list"),
         ({"NODE_RANK": "3"}, "", r"cluster\.node_rank \(3, from NODE_RANK=3 \(torchrun\)\)"),
         ({}, "[cluster]\nranks_per_node = 3\n", r"job\.ranks \(2, from default\) is not"),
-        ({"NNODES": "2"}, "", r"cluster\.nodes = 2 \(from NNODES=2 \(torchrun\)\): a job over "),
+        ({"NNODES": "4"}, "", r"job\.ranks \(2, from default\) is not cluster\.nodes \(4\)"),
     ],
 )
 def test_what_cannot_run_is_one_error_naming_key_and_source(
@@ -87,3 +87,18 @@ def test_what_cannot_run_is_one_error_naming_key_and_source(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, text), environ=environ)
+
+
+def test_each_node_runs_its_slice_of_the_global_ranks(tmp_path: Path) -> None:
+    environ = {**TORCHRUN, "NNODES": "2", "NODE_RANK": "1"}
+    loaded = load_config(write(tmp_path, "[job]\nranks = 4\n"), environ=environ)
+    cluster = loaded.config.cluster
+    assert node_ranks(cluster, 4) == range(2, 4)
+    assert node_ranks(cluster, 4, node=0) == range(0, 2)
+    explicit = load_config(
+        write(
+            tmp_path, "[job]\nranks = 6\n[cluster]\nnodes = 3\nnode_rank = 2\nranks_per_node = 2\n"
+        ),
+        environ={},
+    )
+    assert node_ranks(explicit.config.cluster, 6) == range(4, 6)

@@ -7,8 +7,8 @@ TIMESHARE_* overrides leave unset; a value set there that a launcher contradicts
 launchers that disagree, is a `ConfigError` naming both. No torch here: the config is read
 without it.
 
-One node is all a job runs on yet: a config for several is refused, saying so (issue 14 builds
-the rest).
+A node runs ranks `node_rank * ranks_per_node …` of the job (`node_ranks`): global rank numbers
+are node * ranks-per-node + local rank, on every node and in every message.
 """
 
 from __future__ import annotations
@@ -83,14 +83,20 @@ def check_cluster(cluster: ClusterSection, ranks: int, where: Callable[[str], st
             f"cluster.node_rank ({cluster.node_rank}, from {where('cluster.node_rank')}) must "
             f"be below cluster.nodes ({cluster.nodes}, from {where('cluster.nodes')})"
         )
-    per_node = cluster.ranks_per_node or ranks // cluster.nodes
+    per_node = ranks_per_node(cluster, ranks)
     if per_node * cluster.nodes != ranks:
         raise ConfigError(
             f"job.ranks ({ranks}, from {where('job.ranks')}) is not cluster.nodes "
             f"({cluster.nodes}) x ranks per node ({per_node})"
         )
-    if cluster.nodes > 1:
-        raise ConfigError(
-            f"cluster.nodes = {cluster.nodes} (from {where('cluster.nodes')}): a job over "
-            "several nodes is not built yet; timeshare runs one node's ranks under one daemon"
-        )
+
+
+def ranks_per_node(cluster: ClusterSection, ranks: int) -> int:
+    return cluster.ranks_per_node or ranks // cluster.nodes
+
+
+def node_ranks(cluster: ClusterSection, ranks: int, node: int | None = None) -> range:
+    """The job's global ranks that run on `node` (this node by default)."""
+    per_node = ranks_per_node(cluster, ranks)
+    first = per_node * (cluster.node_rank if node is None else node)
+    return range(first, first + per_node)

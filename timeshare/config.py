@@ -57,7 +57,8 @@ class DeadlineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     phase_s: Seconds = 30.0  # one phase's command on a worker
     stall_s: Seconds = 10.0  # a busy worker without progress
     barrier_s: Seconds = 20.0  # waiting for the other ranks at BARRIER
-    ready_s: Seconds = 60.0  # workers up and connected
+    ready_s: Seconds = 60.0  # workers up and connected; a follower node: the leader's store
+    node_s: Seconds = 5.0  # several nodes: a node whose daemon is silent this long is lost
     commands: dict[str, Seconds] = {}  # per command (a phase, bootstrap, shutdown): not phase_s
 
     def for_command(self, command: str) -> float:

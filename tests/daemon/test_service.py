@@ -141,6 +141,8 @@ def test_watch_streams_transitions_and_metrics_scrape(runtime_dir: Path) -> None
         assert "timeshare_failures" in families and "timeshare_timeouts" in families
         build = next(iter(families["timeshare_build_info"].samples))
         assert build.labels["version"]
+        # Every sample says which node of the job it was measured on (one node: node 0).
+        assert {s.labels.get("node") for f in families.values() for s in f.samples} == {"0"}
         requests = families["timeshare_control_requests"].samples
         assert any(s.labels.get("method") == "status" and s.value >= 1 for s in requests)
         assert daemon.stop() == 0

@@ -2,11 +2,15 @@
 
 An operator's pause, resume, drain, stop or new step limit is written to the job store under a
 fresh generation (by the service, on any node), so that every node applies each one once, in
-order, at the same safe point. A `log_level` goes to every worker's control lane instead (it is
-answered while work runs). A command that names nothing known is logged and skipped.
+order, at the same safe point (when a command reaches the machine is `applies_at_once`'s rule).
+A `log_level` goes to every worker's control lane instead (it is answered while work runs). A
+command that names nothing known is logged and skipped.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import structlog
@@ -36,34 +40,65 @@ def event_of(command: JobCommand) -> Event | None:
         return None
 
 
-async def watch_commands(
-    store: AsyncJobStore,
-    events: MemoryObjectSendStream[Event],
-    after: int,
-    workers: Workers,
-    worker_ids: list[WorkerId],
-) -> None:
-    """Feed every command written after generation `after` to `events`, until cancelled."""
-    applied = after
-    while True:
-        latest = await store.latest_command()
-        for generation in range(applied + 1, latest + 1):
-            try:
-                command = await store.command(generation, timeout_s=READ_S)
-            except TimeoutError:  # its writer died between taking the generation and writing
-                log.warning("cycle.command.lost", generation=generation, waited_s=READ_S)
-                continue
-            if command is not None and command.command == "log_level":
-                await _set_log_level(workers, worker_ids, command)
-                continue
-            event = None if command is None else event_of(command)
-            if command is None or event is None:
-                log.warning("cycle.command.unknown", generation=generation, command=command)
-                continue
-            log.info("cycle.command.received", generation=generation, command=command.command)
-            await events.send(event)
-        applied = latest
-        await anyio.sleep(POLL_S)
+@dataclass(frozen=True)
+class ReadCommand:
+    """A command of the job store, as the machine's event; `generation` orders it."""
+
+    generation: int
+    event: Event
+
+
+class CommandFeed:
+    """Reads the job store's commands once each, in order, and sends each to the cycle.
+
+    `watch` reads what is written as it comes; a crossing of the nodes reads up to the agreed
+    generation at once (`read_through`), so that every command up to it is in the cycle's inbox
+    before the crossing's own report.
+    """
+
+    def __init__(
+        self,
+        store: AsyncJobStore,
+        reports: MemoryObjectSendStream[Any],
+        after: int,
+        workers: Workers,
+        worker_ids: list[WorkerId],
+    ) -> None:
+        self.store = store
+        self.reports = reports
+        self.read = after  # the generation read last
+        self.workers = workers
+        self.worker_ids = worker_ids
+        self._reading = anyio.Lock()
+
+    async def watch(self) -> None:
+        """Feed every command written after the first `read`, until cancelled."""
+        while True:
+            await self.read_through(await self.store.latest_command())
+            await anyio.sleep(POLL_S)
+
+    async def read_through(self, latest: int) -> None:
+        """Send every command up to generation `latest` not sent yet."""
+        async with self._reading:
+            for generation in range(self.read + 1, latest + 1):
+                await self._read(generation)
+            self.read = max(self.read, latest)
+
+    async def _read(self, generation: int) -> None:
+        try:
+            command = await self.store.command(generation, timeout_s=READ_S)
+        except TimeoutError:  # its writer died between taking the generation and writing
+            log.warning("cycle.command.lost", generation=generation, waited_s=READ_S)
+            return
+        if command is not None and command.command == "log_level":
+            await _set_log_level(self.workers, self.worker_ids, command)
+            return
+        event = None if command is None else event_of(command)
+        if command is None or event is None:
+            log.warning("cycle.command.unknown", generation=generation, command=command)
+            return
+        log.info("cycle.command.received", generation=generation, command=command.command)
+        await self.reports.send(ReadCommand(generation, event))
 
 
 async def _set_log_level(workers: Workers, worker_ids: list[WorkerId], command: JobCommand) -> None:

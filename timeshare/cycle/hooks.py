@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from timeshare.config import DeadlineSection
 from timeshare.protocols.commands.results import BootstrapResult, PhaseResult
+from timeshare.protocols.nodes import NodeRecord
 from timeshare.state import JobState, Phase
 
 
@@ -41,6 +42,7 @@ class BootstrapReport:
 PhaseObserver = Callable[[PhaseReport | BootstrapReport], Awaitable[None]]
 # Called with the job's state after every transition; synchronous, so it must return at once.
 StateObserver = Callable[[JobState], None]
+NodesObserver = Callable[[list[NodeRecord]], None]
 # The deadlines in force now: a service reloads them while the cycle runs.
 DeadlineSource = Callable[[], DeadlineSection]
 
@@ -55,6 +57,7 @@ class CycleHooks:
     keep_reports: bool = True  # False for a service: memory must not grow with the steps
     # Commands of the job store after this generation apply to the run (None: from its start).
     commands_from: int | None = None
+    on_nodes: NodesObserver | None = None  # several nodes: every node's record, every beat
 
 
 @dataclass
@@ -66,6 +69,7 @@ class RunSummary:
     reason: str | None
     cycle_seconds: float = 0.0  # from the end of bootstrap to the stop
     first_step: int = 0  # the step the checkpoint held at bootstrap
+    stop_requested: bool = False  # a `stop` of the job store ended it (given on any node)
     phase_seconds: dict[str, list[float]] = field(default_factory=dict)
     reports: list[PhaseReport] = field(default_factory=list)  # in the order phases ended
 
@@ -80,6 +84,10 @@ class Telling:
     def state(self, state: JobState) -> None:
         if self.hooks.on_state is not None:
             self.hooks.on_state(state)
+
+    def nodes(self, records: list[NodeRecord]) -> None:
+        if self.hooks.on_nodes is not None:
+            self.hooks.on_nodes(records)
 
     async def bootstrapped(self, report: BootstrapReport) -> None:
         if self.hooks.observer is not None:

@@ -9,7 +9,7 @@ shows where it was stuck.)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import anyio
@@ -17,6 +17,7 @@ import structlog
 
 from timeshare.cycle.workers import Workers
 from timeshare.errors import (
+    CollectiveTimeout,
     CycleFailed,
     MemoryHeld,
     TimeshareError,
@@ -31,6 +32,7 @@ from timeshare.protocols.commands.results import (
     PhaseResult,
     result_type,
 )
+from timeshare.protocols.nodes import NodeCrossing
 from timeshare.state import Blame, Held, JobState, Phase
 
 log = structlog.get_logger(__name__)
@@ -54,6 +56,20 @@ def cycle_failed(
     return failed
 
 
+def node_failed(node: int, ranks: range, phase: str, exc: BaseException) -> CycleFailed:
+    """The run's failure when a whole node is gone (its daemon, or the store it hosted)."""
+    failed = CycleFailed(
+        f"node {node} (ranks {ranks.start}-{ranks.stop - 1}) failed in phase {phase}: "
+        f"{type(exc).__name__}: {exc}",
+        rank=ranks.start,
+        role="node",
+        phase=phase,
+        cause=exc,
+    )
+    failed.__cause__ = exc
+    return failed
+
+
 def blame_of(failed: CycleFailed) -> Blame:
     return Blame(failed.rank, failed.role, failed.phase)
 
@@ -65,8 +81,11 @@ def rule_broken(state: JobState) -> CycleFailed:
     return cycle_failed(blame.rank, blame.role, blame.phase, MemoryHeld(state.reason))
 
 
-async def bootstrap(workers: Workers, ranks: int, deadline_s: float) -> list[BootstrapResult]:
-    """Every worker loads the last committed checkpoint; the trainers' results, by rank."""
+async def bootstrap(
+    workers: Workers, ranks: Sequence[int], deadline_s: float
+) -> list[BootstrapResult]:
+    """Every worker of `ranks` loads the last committed checkpoint; the trainers' results, in
+    the order of `ranks`."""
     results: dict[int, BootstrapResult] = {}
 
     async def load(worker: WorkerId) -> None:
@@ -76,7 +95,7 @@ async def bootstrap(workers: Workers, ranks: int, deadline_s: float) -> list[Boo
             results[worker.rank] = result
 
     await _on_every_worker(ranks, load, "bootstrap")
-    return [results[rank] for rank in range(ranks)]
+    return [results[rank] for rank in ranks]
 
 
 async def run_phase(
@@ -108,7 +127,7 @@ async def run_phase(
     return results
 
 
-async def meet_at_barrier(barrier: Barrier, cycle: int, timeout_s: float) -> None:
+async def meet_at_barrier(barrier: Barrier, cycle: str, timeout_s: float) -> None:
     """This rank waits for every rank at the store barrier (the RESUME fence across nodes).
 
     The barrier is named per cycle: a later cycle on the same store starts its generations
@@ -123,7 +142,28 @@ async def meet_at_barrier(barrier: Barrier, cycle: int, timeout_s: float) -> Non
         ) from exc
 
 
-async def held_memory(workers: Workers, ranks: int, deadline_s: float) -> tuple[Held, ...]:
+async def cross_nodes(
+    crossing: NodeCrossing,
+    value: dict[str, Any],
+    following: Phase,
+    ranks_per_node: int,
+    timeout_s: float,
+) -> list[dict[str, Any]]:
+    """This node waits for every other node at the fence before `following`; what each brought.
+    A node that does not come is the run's failure, named with its ranks."""
+    try:
+        return await crossing.cross(value, timeout_s=timeout_s)
+    except CollectiveTimeout as exc:
+        node = exc.missing[0]
+        ranks = range(node * ranks_per_node, (node + 1) * ranks_per_node)
+        raise node_failed(node, ranks, following.value, exc) from exc
+    except TimeshareError as exc:  # the store itself is gone: the leader's daemon with it
+        raise node_failed(0, range(ranks_per_node), following.value, exc) from exc
+
+
+async def held_memory(
+    workers: Workers, ranks: Sequence[int], deadline_s: float
+) -> tuple[Held, ...]:
     """What device memory every worker says it holds (the job stands at the pause boundary)."""
     held: dict[WorkerId, HeldResult] = {}
 
@@ -140,12 +180,12 @@ async def held_memory(workers: Workers, ranks: int, deadline_s: float) -> tuple[
 
 
 async def _on_every_worker(
-    ranks: int, ask: Callable[[WorkerId], Coroutine[Any, Any, None]], what: str
+    ranks: Sequence[int], ask: Callable[[WorkerId], Coroutine[Any, Any, None]], what: str
 ) -> None:
     """`ask` every worker at once; the first failure is the run's, naming its worker and `what`."""
     try:
         async with anyio.create_task_group() as group:
-            for rank in range(ranks):
+            for rank in ranks:
                 for role in ROLES:
                     group.start_soon(ask, WorkerId(role, rank))
     except* WorkerFailure as failures:

@@ -6,11 +6,17 @@ tasks, which report back into one inbox; what they report becomes the next event
 decides anything about the job: a failure, a drain that is done, a pause that holds memory, the
 BARRIER's rule — all are the machine's. The runner only keeps what the machine does not need:
 each phase's results until the phase ends, each rank's samples until its next TRAIN.
+
+With several nodes, each node's daemon runs this over its own ranks (global rank numbers:
+node * ranks-per-node + local), beats in the job store (protocols/nodes.py: a node gone quiet
+fails the run, naming it), meets the other nodes at every fence, and holds the operator's
+commands until a crossing, where every node applies the same ones.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,28 +25,34 @@ import msgspec
 import structlog
 from anyio.abc import TaskGroup
 
+from timeshare.cluster import node_ranks, ranks_per_node
 from timeshare.config import Config, DeadlineSection
-from timeshare.cycle.commands import watch_commands
+from timeshare.cycle.commands import CommandFeed, ReadCommand
 from timeshare.cycle.hooks import BootstrapReport, CycleHooks, PhaseReport, RunSummary, Telling
 from timeshare.cycle.phases import (
     blame_of,
     bootstrap,
+    cross_nodes,
     cycle_failed,
     held_memory,
     meet_at_barrier,
+    node_failed,
     rule_broken,
     run_phase,
 )
 from timeshare.cycle.workers import Workers, WorkerSpawner, spawn_workers, worker_ids
-from timeshare.errors import CycleFailed, WorkerFailure
+from timeshare.errors import CycleFailed, NodeLost, StoreError, WorkerFailure
 from timeshare.protocols.barrier import Barrier
 from timeshare.protocols.commands.results import HeldResult, PhaseResult, RolloutResult
+from timeshare.protocols.nodes import BEAT_S, NodeBeat, NodeCrossing, store_lost
 from timeshare.protocols.store import AsyncJobStore, JobStore
 from timeshare.state import (
     MEMORY_FENCES,
+    NEXT_PHASE,
     OPERATOR_EVENTS,
     BarrierChecked,
     Bootstrapped,
+    Crossed,
     Drained,
     Event,
     Failed,
@@ -51,14 +63,20 @@ from timeshare.state import (
     Phase,
     Plan,
     RankFinished,
+    Request,
+    Requested,
     advance,
+    applies_at_once,
     initial_state,
     plan,
 )
+from timeshare.state.job import LIVE
 
 log = structlog.get_logger(__name__)
 
 INBOX = 1000  # reports waiting for the loop: at most a phase and a meeting per rank, commands
+PREVIOUS_PHASE = {following: phase for phase, following in NEXT_PHASE.items()}
+LAST_WORD_S = 2.0  # for a node's final record, on its way out
 
 
 async def run_cycle(
@@ -68,17 +86,31 @@ async def run_cycle(
     hooks: CycleHooks | None = None,
     spawn: WorkerSpawner = spawn_workers,
     fences: frozenset[Phase] = MEMORY_FENCES,
+    across_nodes: bool = True,
 ) -> RunSummary:
-    """Run the job until the machine stops it; raise `CycleFailed` on the first failure.
+    """Run the job (this node's ranks of it) until the machine stops it; raise `CycleFailed`
+    on the first failure.
 
-    The job store is hosted here unless the caller hosts it (`store`). `hooks` are how a front
-    end watches and steers the run. `spawn` starts the workers (real processes unless a test
-    passes a fake). `fences` is a test-only switch: the proof that each memory fence matters
-    drops one.
+    The job store is hosted (or, on a follower node, reached) here unless the caller did
+    (`store`). `hooks` are how a front end watches and steers the run. `spawn` starts the
+    workers (real processes unless a test passes a fake). `fences` and `across_nodes` are
+    test-only switches: the proof that each memory fence matters drops one, and the proof that
+    the fences must hold across nodes keeps them within each node.
     """
-    job_store = AsyncJobStore(store) if store is not None else await AsyncJobStore.host()
+    if store is not None:
+        job_store = AsyncJobStore(store)
+    else:
+        try:
+            job_store = await AsyncJobStore.for_job(
+                config.cluster, ready_s=config.deadlines.ready_s
+            )
+        except StoreError as exc:
+            raise node_failed(
+                0, range(ranks_per_node(config.cluster, config.job.ranks)), "start", exc
+            ) from exc
+    cycle = _Cycle(config, job_store, hooks or CycleHooks(), fences, across_nodes)
     async with spawn(config, job_store.blocking) as workers:
-        ended = await _Cycle(config, workers, job_store, hooks or CycleHooks(), fences).run()
+        ended = await cycle.run(workers)
         if isinstance(ended, RunSummary):
             await workers.shut_down(deadline_s=config.deadlines.for_command("shutdown"))
     if isinstance(ended, CycleFailed):
@@ -104,21 +136,31 @@ class _Met:
     rank: int
 
 
-_Report = _Ran | _Met | CycleFailed | Event
+@dataclass(frozen=True)
+class _Crossed:
+    """Every node stands at the fence before `following`; commands up to `commands` apply."""
+
+    following: Phase
+    commands: int
+
+
+_Report = _Ran | _Met | _Crossed | ReadCommand | CycleFailed | Event
 
 
 class _Cycle:
     def __init__(
         self,
         config: Config,
-        workers: Workers,
         store: AsyncJobStore,
         hooks: CycleHooks,
         fences: frozenset[Phase],
+        across_nodes: bool,
     ) -> None:
         self.config = config
-        self.ranks = config.job.ranks
-        self.workers = workers
+        self.node = config.cluster.node_rank
+        self.nodes = config.cluster.nodes if across_nodes else 1
+        self.node_ranks = node_ranks(config.cluster, config.job.ranks)  # global, this node's
+        self.ranks = len(self.node_ranks)
         self.store = store
         self.hooks = hooks
         self.fences = fences
@@ -126,31 +168,66 @@ class _Cycle:
         self.telling = Telling(hooks)
         self.failure: CycleFailed | None = None
         self.barriers: list[Barrier] = []
-        self.cycle_id = 0  # names this cycle's store barriers
+        self.cycle_id = 0  # this node's count of its cycles on this store
+        self.meeting = ""  # names this cycle's store barrier at BARRIER
         self.meetings: dict[int, anyio.CancelScope] = {}
         self.at_barrier: dict[int, _Ran] = {}  # BARRIER answered; reported once the rank met
         self.batches: dict[int, msgspec.Raw] = {}  # rank -> its last ROLLOUT's samples
+        self.crossing: NodeCrossing | None = None
+        self.crossing_scope = anyio.CancelScope()
+        self.beat: NodeBeat | None = None
+        self.commands: CommandFeed | None = None
+        self.held: list[ReadCommand] = []  # read, waiting for the next crossing of the nodes
+        self.pending: deque[Event] = deque()  # to give the machine before the next report
+        self.lost: NodeLost | None = None
+        self.state: JobState  # the machine's, as last moved
 
     @property
     def deadlines(self) -> DeadlineSection:
         source = self.hooks.deadlines
         return self.config.deadlines if source is None else source()
 
-    async def run(self) -> RunSummary | CycleFailed:
-        state = initial_state(self.ranks, max_steps=self.config.job.steps, fences=self.fences)
+    async def run(self, workers: Workers) -> RunSummary | CycleFailed:
+        self.workers = workers
+        state = initial_state(
+            self.ranks,
+            max_steps=self.config.job.steps,
+            fences=self.fences,
+            nodes=self.nodes,
+            first_rank=self.node_ranks.start,
+        )
         self.telling.state(state)
-        after = self.hooks.commands_from
-        if after is None:  # commands written from now on apply (one sent in start-up waits)
-            after = await self.store.latest_command()
+        self.state = state
+        ended: RunSummary | CycleFailed | None = None
+        async with anyio.create_task_group() as beating:
+            if self.nodes > 1:  # a node gone (or the store) ends the run, wherever it stands
+                self.beat = await self._node_beat()
+                beating.start_soon(self._keep_beating, self.beat, beating.cancel_scope)
+            ended = await self._run(state)
+            beating.cancel_scope.cancel()
+        if self.lost is not None:
+            return self._failure_of_lost()
+        assert ended is not None
+        if self.beat is not None:  # the others learn at once that this node stopped or failed
+            await self._last_word(self.beat)
+        return ended
+
+    async def _run(self, state: JobState) -> RunSummary | CycleFailed:
         try:
-            step = await self._bootstrap()
+            after = self.hooks.commands_from
+            if after is None:  # commands written from now on apply (one sent in start-up waits)
+                after = await self.store.latest_command()
+            step, after = await self._bootstrap(after)
         except CycleFailed as failed:
             return await self._failed(state, failed)
+        except StoreError as exc:  # several nodes: the leader, and its store, are gone
+            return await self._failed(state, self._store_lost(exc))
         self.telling.summary.first_step = step
         started = time.monotonic()
         async with anyio.create_task_group() as group, self.inbox:
-            ids = worker_ids(self.ranks)
-            group.start_soon(watch_commands, self.store, self.send, after, self.workers, ids)
+            ids = worker_ids(self.node_ranks)
+            self.commands = CommandFeed(self.store, self.send, after, self.workers, ids)
+            group.start_soon(self._watch_commands, self.commands)
             state = await self._drive(group, state, Bootstrapped(step))
             group.cancel_scope.cancel()
         if state.lifecycle is Lifecycle.FAILED:
@@ -158,20 +235,87 @@ class _Cycle:
         log.info("cycle.run.stopped", step=state.step, reason=state.reason)
         return self.telling.stopped(state, time.monotonic() - started)
 
-    async def _bootstrap(self) -> int:
-        """Workers up, the checkpoint loaded; the step the job resumes at (the trainers')."""
+    async def _bootstrap(self, after: int) -> tuple[int, int]:
+        """Workers up, the checkpoint loaded; the step the job resumes at (the trainers', the
+        smallest of every node's), and the command generation after which commands apply."""
         try:
             await self.workers.wait_ready(timeout_s=self.deadlines.ready_s)
         except WorkerFailure as exc:
             raise cycle_failed(exc.rank, exc.role, "bootstrap", exc) from exc
-        loaded = await bootstrap(self.workers, self.ranks, self.deadlines.for_command("bootstrap"))
+        deadline_s = self.deadlines.for_command("bootstrap")
+        loaded = await bootstrap(self.workers, self.node_ranks, deadline_s)
         step = min(result.step for result in loaded)
-        for rank, result in enumerate(loaded):
-            await self.telling.bootstrapped(BootstrapReport(step, rank, result))
         connections = [await self.store.another_connection() for _ in range(self.ranks)]
-        self.barriers = [Barrier(c, rank, self.ranks) for rank, c in enumerate(connections)]
-        self.cycle_id = await self.store.next_generation("cycle")
-        return step
+        world = self.config.job.ranks if self.nodes > 1 else self.ranks
+        first = self.node_ranks.start if self.nodes > 1 else 0
+        self.barriers = [Barrier(c, first + i, world) for i, c in enumerate(connections)]
+        self.cycle_id = await self.store.next_generation(f"cycle/node/{self.node}")
+        self.meeting = str(self.cycle_id)  # the same on every node: each counts its cycles
+        if self.nodes == 1 and self.config.cluster.nodes > 1:  # the fences kept within the node
+            self.meeting = f"{self.cycle_id}/node/{self.node}"
+        if self.nodes > 1:  # every node loaded; they agree on the step and on the commands
+            self.crossing = NodeCrossing.of(
+                await self.store.another_connection(), self.node, self.nodes, self.cycle_id
+            )
+            brought = await cross_nodes(
+                self.crossing,
+                {"step": step, "commands": after},
+                Phase.SYNC,
+                self.ranks,
+                timeout_s=self.deadlines.ready_s + deadline_s,
+            )
+            step = min(int(node["step"]) for node in brought)
+            after = min(int(node["commands"]) for node in brought)
+            assert self.beat is not None
+            self.beat.judging = True  # every node came: from now on, one gone quiet is lost
+        for rank, result in zip(self.node_ranks, loaded, strict=True):
+            await self.telling.bootstrapped(BootstrapReport(step, rank, result))
+        return step, after
+
+    # -- the nodes -------------------------------------------------------------------------------
+
+    async def _node_beat(self) -> NodeBeat:
+        connection = await self.store.another_connection()
+        return NodeBeat(
+            connection,
+            self.node,
+            self.nodes,
+            self.ranks,
+            lost_s=self.deadlines.node_s,
+        )
+
+    async def _keep_beating(self, beat: NodeBeat, run: anyio.CancelScope) -> None:
+        """Beat until cancelled; a node lost (or the store) cancels the whole run."""
+        while True:
+            try:
+                records = await anyio.to_thread.run_sync(beat.beat_once)
+            except NodeLost as lost:
+                log.error("cycle.node.lost", node=lost.node, error=str(lost))
+                self.lost = lost
+                run.cancel()
+                return
+            self.telling.nodes(records)
+            await anyio.sleep(BEAT_S)
+
+    def _failure_of_lost(self) -> CycleFailed:
+        """The run ends because a node is gone: the machine learns it, as any failure."""
+        assert self.lost is not None
+        state = self.state
+        failed = node_failed(self.lost.node, self.lost.ranks, self._phase_now(), self.lost)
+        if state.lifecycle in LIVE:
+            self.state = advance(state, self._keep(failed)).state
+            self.telling.state(self.state)
+        self.failure = failed
+        return self._failure_of(self.state)
+
+    async def _last_word(self, beat: NodeBeat) -> None:
+        """Write this node's final record (stopped, or failed and why); the store may be gone."""
+        beat.update(self.state)
+        with anyio.move_on_after(LAST_WORD_S):
+            try:
+                await anyio.to_thread.run_sync(beat.beat_once, abandon_on_cancel=True)
+            except NodeLost as exc:
+                log.warning("cycle.node.last_word_lost", error=str(exc))
 
     # -- advance, plan, perform ------------------------------------------------------------------
 
@@ -186,9 +330,13 @@ class _Cycle:
                 event = await self._next_event(state)
                 continue
             before, state = state, outcome.state
+            self.state = state
             self.telling.state(state)
+            if self.beat is not None:
+                self.beat.update(state)
             if state.lifecycle is Lifecycle.PAUSED and before.lifecycle is not Lifecycle.PAUSED:
                 log.info("cycle.pause.verified", workers=2 * self.ranks)
+                self._release_held(None)  # every node stands paused: commands apply as read
             if isinstance(event, BarrierChecked) and event.rank not in outcome.meet:
                 await self._barrier_done(state, event.rank)  # nobody to meet: BARRIER ended
             steps = plan(before, outcome)
@@ -204,13 +352,19 @@ class _Cycle:
                 scope.cancel()
             self.meetings.clear()
             self.at_barrier.clear()
+            self.crossing_scope.cancel()
         for rank, phase in steps.start:
             group.start_soon(self._run_phase, rank, phase, state.step)
         for rank in steps.meet:
             self.meetings[rank] = anyio.CancelScope()
             group.start_soon(self._meet, rank, self.meetings[rank])
+        if steps.cross is not None:
+            self.crossing_scope = anyio.CancelScope()
+            group.start_soon(self._cross, steps.cross, self.crossing_scope)
         if steps.publish:
-            await self.store.publish(state)
+            lost = await self._publish(state)
+            if lost is not None:
+                return self._keep(lost)
         if steps.check_release:
             return await self._check_release()
         if steps.finish_drain:
@@ -220,9 +374,24 @@ class _Cycle:
     async def _next_event(self, state: JobState) -> Event:
         """What happened next, as the machine's event (reports of cancelled work are dropped)."""
         while True:
+            if self.pending:
+                return self.pending.popleft()
             report = await self.inbox.receive()
             if isinstance(report, CycleFailed):
                 return self._keep(report)
+            if isinstance(report, ReadCommand):
+                if report.event == Requested(Request.STOP):
+                    self.telling.summary.stop_requested = True  # the daemon stops too
+                if applies_at_once(state, report.event):
+                    return report.event
+                self.held.append(report)  # until the next crossing of the nodes
+                continue
+            if isinstance(report, _Crossed):
+                if state.crossing is not report.following:
+                    continue  # a stop called the crossing off
+                self._release_held(report.commands)
+                self.pending.append(Crossed(report.following))
+                continue
             if isinstance(report, _Ran):
                 return await self._ran(report)
             if isinstance(report, _Met):
@@ -259,7 +428,8 @@ class _Cycle:
             params["trainer"]["batch"] = self.batches.pop(rank, [])
         try:
             deadline_s = self.deadlines.for_command(phase.value)
-            results = await run_phase(self.workers, rank, phase, params, deadline_s)
+            global_rank = self.node_ranks[rank]
+            results = await run_phase(self.workers, global_rank, phase, params, deadline_s)
         except CycleFailed as failed:
             await self.send.send(failed)
             return
@@ -268,15 +438,70 @@ class _Cycle:
     async def _meet(self, rank: int, scope: anyio.CancelScope) -> None:
         with scope:
             try:
-                await meet_at_barrier(self.barriers[rank], self.cycle_id, self.deadlines.barrier_s)
+                await meet_at_barrier(self.barriers[rank], self.meeting, self.deadlines.barrier_s)
             except CycleFailed as failed:
-                await self.send.send(failed)
+                cause = failed.cause  # a store gone is not the rank's failure but the leader's
+                lost = self._store_lost(cause) if isinstance(cause, StoreError) else None
+                await self.send.send(lost or failed)
                 return
             await self.send.send(_Met(rank))
 
+    async def _cross(self, following: Phase, scope: anyio.CancelScope) -> None:
+        """Meet every node at the fence before `following`, bringing the last command this node
+        has seen; then read every command up to the last any node had seen."""
+        assert self.crossing is not None and self.commands is not None
+        previous = PREVIOUS_PHASE[following].value
+        timeout_s = self.deadlines.for_command(previous) + self.deadlines.barrier_s
+        with scope:
+            try:
+                latest = await self.store.latest_command()
+                brought = await cross_nodes(
+                    self.crossing, {"commands": latest}, following, self.ranks, timeout_s
+                )
+                commands = max(int(node["commands"]) for node in brought)
+                await self.commands.read_through(commands)  # into the inbox, before the crossing
+            except CycleFailed as failed:
+                await self.send.send(failed)
+                return
+            except StoreError as exc:
+                await self.send.send(self._store_lost(exc))
+                return
+            await self.send.send(_Crossed(following, commands))
+
+    async def _watch_commands(self, commands: CommandFeed) -> None:
+        try:
+            await commands.watch()
+        except StoreError as exc:  # several nodes: the leader, and its store, are gone
+            await self.send.send(self._store_lost(exc))
+
+    def _store_lost(self, exc: StoreError) -> CycleFailed:
+        """The run's failure when the job store is gone (with the leader that hosted it)."""
+        lost = store_lost(self.store.address, self.node, self.ranks, exc)
+        return node_failed(lost.node, lost.ranks, self._phase_now(), lost)
+
+    def _phase_now(self) -> str:
+        state = self.state
+        return "start" if state.lifecycle is Lifecycle.STARTING else state.phases[0].value
+
+    async def _publish(self, state: JobState) -> CycleFailed | None:
+        """Where the job stands, into the store; the failure if the store is gone."""
+        try:
+            await self.store.publish(state)
+        except StoreError as exc:
+            if state.lifecycle in LIVE:
+                return self._store_lost(exc)
+            log.warning("cycle.state.unpublished", error=str(exc))  # the run is over anyway
+        return None
+
+    def _release_held(self, through: int | None) -> None:
+        """Commands held for a crossing, up to generation `through` (None: all), go next."""
+        release = [c for c in self.held if through is None or c.generation <= through]
+        self.held = [c for c in self.held if c not in release]
+        self.pending.extend(c.event for c in release)
+
     async def _check_release(self) -> Event:
         try:
-            held = await held_memory(self.workers, self.ranks, self.deadlines.phase_s)
+            held = await held_memory(self.workers, self.node_ranks, self.deadlines.phase_s)
         except CycleFailed as failed:
             return self._keep(failed)
         return PauseChecked(held)
@@ -286,14 +511,16 @@ class _Cycle:
     async def _report(self, ran: _Ran) -> None:
         trainer, rollout = ran.results["trainer"], ran.results["rollout"]
         seconds = time.monotonic() - ran.started
-        report = PhaseReport(ran.step, ran.rank, ran.phase, ran.started, seconds, trainer, rollout)
+        rank = self.node_ranks[ran.rank]
+        report = PhaseReport(ran.step, rank, ran.phase, ran.started, seconds, trainer, rollout)
         await self.telling.phase_ended(report)
 
     async def _failed(self, state: JobState, failed: CycleFailed) -> CycleFailed:
         """A failure before the cycle ran: the machine still learns it, and tells."""
         state = advance(state, self._keep(failed)).state
+        self.state = state
         self.telling.state(state)
-        await self.store.publish(state)
+        await self._publish(state)
         return self._failure_of(state)
 
     def _keep(self, failed: CycleFailed) -> Failed:

@@ -11,7 +11,8 @@ has run all six of its phases. For each step:
 - `phases`: the wall time of each phase on its slowest rank; `per_rank`: each rank's.
 - `sync`: bytes moved by every rank, over the slowest rank's transfer time, as GB/s.
 - `weights_match`: every rollout holds exactly the trainer's weights (their digests agree);
-  `ranks_agree`: every rank's trainer sent the same weights.
+  `ranks_agree`: every rank's trainer sent the same weights; `weights_digest`: theirs (None
+  where they differ), for comparing nodes.
 - `logprob_max_abs_diff`: the largest difference between the trainer's and the rollout's
   logprobs of the sampled tokens (None: the engine does not measure it).
 - `rollout_resident_mb`: memory the rollout engines keep while asleep because their platform
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import TypeVar
 
 import msgspec
@@ -73,13 +75,15 @@ class StepFigures(msgspec.Struct, frozen=True, kw_only=True):
     rollout_resident_mb: float
     committed_step: int | None
     resumed: bool
+    weights_digest: str | None = None
 
 
 class StepLog:
-    """Collects phase reports; `add` returns a step's figures once every rank ran all six."""
+    """Collects phase reports; `add` returns a step's figures once every rank ran all six.
+    `ranks`: how many ranks report (numbered from 0), or which (a node's, of several)."""
 
-    def __init__(self, ranks: int) -> None:
-        self.ranks = ranks
+    def __init__(self, ranks: int | Sequence[int]) -> None:
+        self.ranks = range(ranks) if isinstance(ranks, int) else ranks
         self._pending: dict[int, list[PhaseReport]] = defaultdict(list)
         self._resumed: set[int] = set()  # steps whose TRAIN comes from the checkpoint
 
@@ -114,7 +118,7 @@ class StepLog:
         if report.phase is Phase.TRAIN or report.step in self._pending:
             self._pending[report.step].append(report)
         reports = self._pending.get(report.step, [])
-        if len(reports) < self.ranks * len(PHASES):
+        if len(reports) < len(self.ranks) * len(PHASES):
             return None
         del self._pending[report.step]
         resumed = report.step in self._resumed
@@ -128,14 +132,14 @@ class StepLog:
 
 
 def step_figures(
-    step: int, reports: list[PhaseReport], ranks: int, *, resumed: bool = False
+    step: int, reports: list[PhaseReport], ranks: Sequence[int], *, resumed: bool = False
 ) -> StepFigures:
     by_rank: dict[int, dict[str, PhaseReport]] = defaultdict(dict)
     for report in reports:
         by_rank[report.rank][report.phase.value] = report
-    trains = [_as(TrainResult, by_rank[r]["train"].trainer) for r in range(ranks)]
-    sent = [_as(SyncResult, by_rank[r]["sync"].trainer) for r in range(ranks)]
-    received = [_as(SyncResult, by_rank[r]["sync"].rollout) for r in range(ranks)]
+    trains = [_as(TrainResult, by_rank[r]["train"].trainer) for r in ranks]
+    sent = [_as(SyncResult, by_rank[r]["sync"].trainer) for r in ranks]
+    received = [_as(SyncResult, by_rank[r]["sync"].rollout) for r in ranks]
     transfer_bytes = sum(s.bytes for s in sent)
     transfer_s = max(s.seconds for s in sent)
     rewards = [t.reward_mean for t in trains if t.reward_mean is not None]
@@ -146,16 +150,17 @@ def step_figures(
         weight_version=sent[0].version,
         sample_version=step - 1,
         reward_mean=sum(rewards) / len(rewards) if rewards else None,
-        phases={p: max(by_rank[r][p].seconds for r in range(ranks)) for p in PHASES},
-        per_rank=[RankFigures(r, {p: by_rank[r][p].seconds for p in PHASES}) for r in range(ranks)],
-        bubble_s=sum(_bubble(by_rank[r]) for r in range(ranks)) / ranks,
-        step_s=max(_wall(by_rank[r]) for r in range(ranks)),
+        phases={p: max(by_rank[r][p].seconds for r in ranks) for p in PHASES},
+        per_rank=[RankFigures(r, {p: by_rank[r][p].seconds for p in PHASES}) for r in ranks],
+        bubble_s=sum(_bubble(by_rank[r]) for r in ranks) / len(ranks),
+        step_s=max(_wall(by_rank[r]) for r in ranks),
         sync=SyncFigures(transfer_bytes, transfer_s, gbps(transfer_bytes, transfer_s)),
         weights_match=all(s.digest == r.digest for s, r in zip(sent, received, strict=True)),
         ranks_agree=len({s.digest for s in sent}) == 1,
+        weights_digest=sent[0].digest if len({s.digest for s in sent}) == 1 else None,
         logprob_max_abs_diff=max(logprob_diffs) if logprob_diffs else None,
         rollout_resident_mb=sum(
-            _as(RolloutResult, by_rank[r]["rollout"].rollout).resident_mb for r in range(ranks)
+            _as(RolloutResult, by_rank[r]["rollout"].rollout).resident_mb for r in ranks
         ),
         committed_step=None if None in committed else min(c for c in committed if c is not None),
         resumed=resumed,

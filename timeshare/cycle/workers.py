@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -25,6 +25,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 import structlog
 
+from timeshare.cluster import node_ranks
 from timeshare.config import Config
 from timeshare.cycle.factory import Forked, Refused, WorkerFactory
 from timeshare.durable import write_atomically
@@ -89,8 +90,8 @@ class Workers(Protocol):
 WorkerSpawner = Callable[[Config, JobStore], AbstractAsyncContextManager[Workers]]
 
 
-def worker_ids(ranks: int) -> list[WorkerId]:
-    return [WorkerId(role, rank) for rank in range(ranks) for role in ROLES]
+def worker_ids(ranks: Iterable[int]) -> list[WorkerId]:
+    return [WorkerId(role, rank) for rank in ranks for role in ROLES]
 
 
 class WorkerProcesses:
@@ -154,7 +155,8 @@ async def spawn_workers(config: Config, store: JobStore) -> AsyncIterator[Worker
             WorkerLanes.open(runtime, stall_timeout_s=config.deadlines.stall_s) as lanes,
             anyio.create_task_group() as watcher,
         ):
-            asked = dict(enumerate(worker_ids(config.job.ranks), start=1))
+            ranks = node_ranks(config.cluster, config.job.ranks)
+            asked = dict(enumerate(worker_ids(ranks), start=1))
             watcher.start_soon(_follow, factory, lanes, runtime, asked, pids)
             for request_id, worker in asked.items():
                 lanes.expect(worker)  # before it is forked, so that its hello is not missed

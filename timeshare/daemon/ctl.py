@@ -132,6 +132,9 @@ def _run(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+NODE_QUIET_S = 3.0  # a daemon beats twice a second: quieter than this, it says so
+
+
 def status_table(status: dict[str, Any]) -> str:
     """`timesharectl status` for people."""
     rows = [
@@ -161,8 +164,20 @@ def status_table(status: dict[str, Any]) -> str:
     if status.get("metrics_port"):
         rows.append(("metrics", f"http://127.0.0.1:{status['metrics_port']}/metrics"))
     rows.append(("pid", status.get("pid")))
+    rows += [(f"node {node['node']}", _node_line(node)) for node in status.get("nodes") or []]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _node_line(node: dict[str, Any]) -> str:
+    """One node of several: its ranks, where it stands, and whether its daemon beats."""
+    ranks = node.get("ranks") or []
+    span = f"ranks {ranks[0]}-{ranks[-1]}" if ranks else "no ranks"
+    phases = ",".join(node.get("phases") or []) or "-"
+    age = float(node.get("beat_age_s") or 0.0)
+    alive = "alive" if age < NODE_QUIET_S else f"silent for {age:.0f} s"
+    where = f"{node.get('host')} pid {node.get('pid')}"
+    return f"{span}  {node.get('lifecycle')} step {node.get('step')}  {phases}  {alive} ({where})"
 
 
 def _event_line(event: dict[str, Any]) -> str:

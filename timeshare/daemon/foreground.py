@@ -15,6 +15,7 @@ from typing import TextIO
 
 import anyio
 
+from timeshare.cluster import node_ranks
 from timeshare.config import Config
 from timeshare.cycle import BootstrapReport, CycleHooks, PhaseReport, RunSummary, run_cycle
 from timeshare.cycle.steps import StepFigures, StepLog
@@ -73,8 +74,8 @@ class Progress:
 async def run_foreground(config: Config, summary_path: Path | None) -> RunSummary:
     progress = Progress(config.job.steps, sys.stdout, sys.stdout.isatty())
     summary = SummaryFile(summary_path, config.job.ranks) if summary_path else None
-
-    steps = StepLog(config.job.ranks)
+    ranks = node_ranks(config.cluster, config.job.ranks)  # this node's: it reports their steps
+    steps = StepLog(ranks)
     writing = anyio.Lock()  # one summary write at a time (ranks finish phases concurrently)
 
     async def observe(report: PhaseReport | BootstrapReport) -> None:
@@ -89,7 +90,7 @@ async def run_foreground(config: Config, summary_path: Path | None) -> RunSummar
             return
         # Bootstrapped at the committed step: keep what the summary says up to it, and finish
         # that step here if a crash cut it short after its TRAIN.
-        if summary is not None and report.rank == 0:
+        if summary is not None and report.rank == ranks.start:
             async with writing:
                 await anyio.to_thread.run_sync(summary.resume_from, report.step)
         if summary is None or not summary.has(report.step):

@@ -45,7 +45,7 @@ from timeshare.daemon.systemd import (
     take_service_variables,
     watchdog_interval_s,
 )
-from timeshare.errors import ConfigError, ControlError, SocketInUse
+from timeshare.errors import ConfigError, ControlError, SocketInUse, StoreError
 from timeshare.protocols.store import AsyncJobStore
 from timeshare.state.service import ServiceLifecycle
 
@@ -133,7 +133,12 @@ async def _serve(
     watchdog_s: float | None,
     activated: bool,
 ) -> int:
-    metrics = Metrics()
+    try:  # a follower node waits for its leader's store (ready_s), then fails, naming it
+        store = await AsyncJobStore.for_job(config.cluster, ready_s=config.deadlines.ready_s)
+    except StoreError as exc:
+        print(f"timeshared: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    metrics = Metrics(node=config.cluster.node_rank)
     metrics_server: MetricsServer | None = None
     if config.daemon.metrics:
         try:
@@ -144,7 +149,6 @@ async def _serve(
             port = config.daemon.metrics_port
             print(f"timeshared: daemon.metrics_port {port}: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
-    store = await AsyncJobStore.host()
     bound = None if metrics_server is None else metrics_server.port
     parts = ServiceParts(notifier, metrics, store, metrics_port=bound, activated=activated)
     saved = await anyio.to_thread.run_sync(load_saved_progress, paths.state_dir)

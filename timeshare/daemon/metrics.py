@@ -1,6 +1,8 @@
 """Prometheus metrics of `timeshared`, served as text on a loopback port.
 
 One registry per daemon (not the process-global one), so tests and benchmarks can run several.
+Every sample carries a `node` label (the daemon's node of the job), so that the daemons of a job
+over several nodes can be scraped into one dashboard.
 The HTTP server is prometheus-client's own, in its own thread: a scrape never waits for the
 event loop, and the loop never waits for a scrape (updating a metric takes a lock for a few
 microseconds).
@@ -10,12 +12,15 @@ from __future__ import annotations
 
 import platform
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib.metadata import version
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, Info
 from prometheus_client import start_http_server as _start_http_server
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from timeshare.state import Phase
 from timeshare.state.service import ServiceLifecycle
@@ -43,12 +48,32 @@ PHASE_BUCKETS = (
 )
 
 
-class Metrics:
-    """Every metric the daemon exports; methods say what happened, in the daemon's words."""
+class NodeLabelled(Collector):
+    """Every metric of `inner`, each sample labelled with the node it was measured on."""
 
-    def __init__(self) -> None:
+    def __init__(self, inner: CollectorRegistry, node: int) -> None:
+        self.inner = inner
+        self.node = str(node)
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.inner.collect():
+            labelled = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            labelled.samples = [
+                sample._replace(labels={**sample.labels, "node": self.node})
+                for sample in metric.samples
+            ]
+            yield labelled
+
+
+class Metrics:
+    """Every metric the daemon exports; methods say what happened, in the daemon's words.
+    `registry` is what is served: every metric, labelled with `node`."""
+
+    def __init__(self, node: int = 0) -> None:
+        own = CollectorRegistry()
         self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry.register(NodeLabelled(own, node))
+        r = own
         self.lifecycle = Enum(
             "timeshare_lifecycle", "Where the job stands", states=LIFECYCLE_STATES, registry=r
         )

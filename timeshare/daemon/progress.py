@@ -11,6 +11,7 @@ journal entries it produced; the service writes them.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,8 @@ def load_saved_progress(state_dir: Path) -> SavedProgress:
 
 
 class JobProgress:
-    def __init__(self, ranks: int, metrics: Metrics, saved: SavedProgress) -> None:
-        self.ranks = ranks
+    def __init__(self, ranks: Sequence[int], metrics: Metrics, saved: SavedProgress) -> None:
+        self.ranks = ranks  # this node's
         self.metrics = metrics
         self.committed_step = saved.committed_step
         self.weight_version = saved.weight_version
@@ -61,7 +62,7 @@ class JobProgress:
         known = self.last_step is not None and self.last_step.get("step", 0) >= report.step
         if not known:
             self._steps.resume(report)  # finish that step's figures if a crash cut it short
-        if report.rank != 0:
+        if report.rank != self.ranks[0]:
             return []
         if report.step > 0:
             self.committed_step = report.step
@@ -89,7 +90,7 @@ class JobProgress:
         """Journal entries of a phase every rank has now finished."""
         key = (report.step, report.phase)
         self._finished[key] += 1
-        if self._finished[key] < self.ranks:
+        if self._finished[key] < len(self.ranks):
             return []
         del self._finished[key]
         if isinstance(report.trainer, TrainResult) and report.trainer.committed is not None:

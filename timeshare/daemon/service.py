@@ -20,6 +20,7 @@ import msgspec
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from timeshare.cluster import node_ranks
 from timeshare.config import Config, LoadedConfig
 from timeshare.cycle import BootstrapReport, CycleHooks, PhaseReport, run_cycle
 from timeshare.cycle.workers import WorkerSpawner, spawn_workers
@@ -31,6 +32,7 @@ from timeshare.daemon.systemd import Notifier
 from timeshare.daemon.watchers import Watchers
 from timeshare.errors import CycleFailed
 from timeshare.protocols.control import ServiceStatus
+from timeshare.protocols.nodes import NodeRecord
 from timeshare.protocols.store import AsyncJobStore
 from timeshare.state import JobState
 from timeshare.state.service import (
@@ -40,6 +42,7 @@ from timeshare.state.service import (
     JobMoved,
     ServiceEvent,
     ServiceLifecycle,
+    StopRequested,
     advance_service,
 )
 
@@ -79,7 +82,8 @@ class Service:
         self.config = config  # with the daemon's paths resolved
         self.paths = paths
         self.parts = parts
-        self.progress = JobProgress(config.job.ranks, parts.metrics, saved)
+        ranks = node_ranks(config.cluster, config.job.ranks)
+        self.progress = JobProgress(ranks, parts.metrics, saved)
         self.records = RecordWriter(
             paths.state_dir, lambda: msgspec.to_builtins(self.progress.snapshot())
         )
@@ -87,6 +91,7 @@ class Service:
         self.loop_lag = LoopLag()
         self.state = S.IDLE if parts.activated else S.STARTING
         self.job: JobState | None = None  # the running cycle's machine, as last told
+        self.node_records: list[NodeRecord] = []  # several nodes: each one's, as last read
         self.reason: str | None = None
         if parts.activated:
             self.reason = "socket-activated: `timesharectl resume` starts the cycle"
@@ -118,7 +123,16 @@ class Service:
             metrics_port=self.parts.metrics_port,
             log_level=self.config.log.level,
             loop_lag_max_ms=round(self.loop_lag.max_s * 1000, 3),
+            node=self.config.cluster.node_rank,
+            nodes=self._nodes() if self.cycle_runs else [],
         )
+
+    def _nodes(self) -> list[dict[str, Any]]:
+        now = time.time()
+        return [
+            {**msgspec.to_builtins(record), "beat_age_s": round(max(now - record.at, 0.0), 3)}
+            for record in self.node_records
+        ]
 
     @property
     def cycle_runs(self) -> bool:
@@ -168,6 +182,7 @@ class Service:
             deadlines=lambda: self.config.deadlines,
             keep_reports=False,
             commands_from=self._commands_from,
+            on_nodes=self._on_nodes,
         )
         failed = False
         try:
@@ -177,6 +192,8 @@ class Service:
                 summary = await run_cycle(self.config, store, hooks=hooks, spawn=spawn)
                 self.reason = summary.reason
                 self.journal_add("cycle.stopped", step=summary.step, reason=summary.reason)
+                if summary.stop_requested and self.state not in FINAL:
+                    self.move(StopRequested())  # given on another node: this daemon stops too
             if scope.cancelled_caught:
                 self._drain_overdue()
         except CycleFailed as exc:
@@ -230,6 +247,9 @@ class Service:
         self.records.add(entry)
         self.watchers.publish(entry)
         self._wake()
+
+    def _on_nodes(self, records: list[NodeRecord]) -> None:
+        self.node_records = records
 
     async def _observe(self, report: PhaseReport | BootstrapReport) -> None:
         """Every phase that ended well (awaited by the driver: only in-memory work here)."""

@@ -1,0 +1,119 @@
+"""A node of two lost, each way: a follower SIGKILLed mid-ROLLOUT, the leader SIGKILLed
+mid-SYNC. The other node fails within its deadline naming the node that is gone, nothing of the
+killed one's job outlives it by 5 s, and both started again resume the job from its committed
+step. And a follower whose leader never comes gives up after `ready_s`, naming the address."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.configs import SERVICE, TINY
+from tests.cycle.jobs import processes_of
+from tests.daemon.test_run import steps_of
+from tests.nodes.cluster import (
+    free_port,
+    node_configs,
+    node_dir,
+    running_nodes,
+    wait_for_record,
+)
+from timeshare.runtime import wait_gone
+
+STEPS = 5
+NODE_S = 3.0
+JOB = {"ranks": 4, "steps": STEPS}
+DEADLINES = {"node_s": NODE_S, "ready_s": 60.0}
+
+
+def hang(role: str, rank: int, phase: str, step: int) -> dict[str, Any]:
+    return {"role": role, "rank": rank, "phase": phase, "kind": "hang", "step": step}
+
+
+def job_pids(root: Path, node: int) -> list[int]:
+    return [p.pid for p in processes_of(node_dir(root, node) / "run")]
+
+
+def assert_resumes_from(root: Path, port: int, committed: int) -> None:
+    """Both nodes started again, with no fault: the job goes on from `committed`, no step is
+    trained twice, and every step's figures are there on both nodes."""
+    configs = node_configs(root, TINY, port, job=JOB, deadlines=DEADLINES)
+    with running_nodes(configs) as runs:
+        outcomes = [run.wait(timeout=240) for run in runs]
+    for node, (code, out) in enumerate(outcomes):
+        assert code == 0, f"node {node}: {out}"
+        assert f"stopped at step {STEPS} ({STEPS - committed} steps this run)" in out, out
+        steps = steps_of(runs[node].summary)
+        assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), (node, steps)
+        assert all(s["committed_step"] == s["step"] and s["weights_match"] for s in steps)
+    for node in range(2):
+        assert job_pids(root, node) == []
+
+
+@pytest.mark.slow
+def test_a_follower_killed_mid_rollout_fails_the_leader_naming_it(tmp_path: Path) -> None:
+    root, port = Path(str(tmp_path)), free_port()
+    only = {1: {"faults": [hang("rollout", 2, "rollout", 3)]}}  # it is killed there
+    configs = node_configs(root, TINY, port, only=only, job=JOB, deadlines=DEADLINES)
+    with running_nodes(configs) as (leader, follower):
+        wait_for_record(port, 1, lambda r: r.step == 3 and "rollout" in r.phases)
+        job = job_pids(root, 1)
+        follower.kill()
+        killed = time.monotonic()
+        assert wait_gone(job, 5.0) == [], "the follower's job outlived it"
+        code, out = leader.wait(timeout=60)
+        seen_s = time.monotonic() - killed
+    assert code == 1, out
+    assert "node 1 (ranks 2-3)" in out and "lost" in out, out
+    assert seen_s < NODE_S + 10, seen_s
+    assert job_pids(root, 0) == []
+    assert_resumes_from(root, port, committed=3)
+
+
+@pytest.mark.slow
+def test_the_leader_killed_mid_sync_ends_every_follower(tmp_path: Path) -> None:
+    root, port = Path(str(tmp_path)), free_port()
+    only = {0: {"faults": [hang("trainer", 0, "sync", 3)]}}  # it is killed there
+    configs = node_configs(root, TINY, port, only=only, job=JOB, deadlines=DEADLINES)
+    with running_nodes(configs) as (leader, follower):
+        wait_for_record(port, 0, lambda r: r.step == 3 and "sync" in r.phases)
+        job = job_pids(root, 0)
+        leader.kill()
+        killed = time.monotonic()
+        assert wait_gone(job, 5.0) == [], "the leader's job outlived it"
+        code, out = follower.wait(timeout=60)
+        seen_s = time.monotonic() - killed
+    assert code == 1, out
+    assert "lost the job store" in out and f"127.0.0.1:{port}" in out, out
+    assert seen_s < NODE_S + 10, seen_s
+    assert job_pids(root, 1) == []
+    assert_resumes_from(root, port, committed=3)
+
+
+@pytest.mark.parametrize("program", ["run", "daemon"])
+def test_a_follower_whose_leader_never_comes_exits_1_naming_it(
+    tmp_path: Path, program: str
+) -> None:
+    port = free_port()
+    preset = TINY if program == "run" else SERVICE
+    config = node_configs(
+        Path(str(tmp_path)), preset, port, job={"ranks": 4}, deadlines={"ready_s": 2.0}
+    )[1]
+    command = ["timeshare", "run"] if program == "run" else ["timeshare.daemon", "--config"]
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", *command, str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1, done
+    assert f"cannot reach the job store at 127.0.0.1:{port} within 2 s" in done.stderr
+    assert time.monotonic() - started < 60
+    assert processes_of(node_dir(Path(str(tmp_path)), 1)) == []

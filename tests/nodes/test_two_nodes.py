@@ -1,0 +1,95 @@
+"""Two nodes x two ranks on loopback, each node its own `timeshare run` (or `timeshared`): one
+job, every step on both, the same weights everywhere, and a command given on either node
+applied by both at the same step."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.configs import SERVICE, TINY
+from tests.cycle.jobs import processes_of
+from tests.daemon.daemons import assert_daemon_left_nothing, running_daemon
+from tests.daemon.test_run import steps_of
+from tests.nodes.cluster import free_port, node_configs, node_dir, running_nodes
+
+STEPS = 5
+
+
+@pytest.mark.slow
+def test_two_nodes_run_one_job_with_the_same_weights_everywhere(tmp_path: Path) -> None:
+    root = Path(str(tmp_path))
+    port = free_port()
+    configs = node_configs(root, TINY, port, job={"ranks": 4, "steps": STEPS})
+    with running_nodes(configs) as runs:
+        outcomes = [run.wait(timeout=240) for run in runs]
+    for node, (code, out) in enumerate(outcomes):
+        assert code == 0, f"node {node}: {out}"
+        assert f"stopped at step {STEPS}" in out
+    summaries = [steps_of(run.summary) for run in runs]
+    for node, steps in enumerate(summaries):
+        assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), node
+        assert [r["rank"] for r in steps[0]["per_rank"]] == [2 * node, 2 * node + 1]
+        for step in steps:
+            assert step["weights_match"] and step["ranks_agree"], (node, step)
+            assert step["committed_step"] == step["step"], (node, step)
+    # Every trainer of the job sent the same weights: one process group over both nodes.
+    for first, second in zip(*summaries, strict=True):
+        assert first["weights_digest"] is not None
+        assert first["weights_digest"] == second["weights_digest"], first["step"]
+    for node in range(2):
+        assert processes_of(node_dir(root, node)) == []
+        run_dir = node_dir(root, node) / "run"
+        left = [p.name for p in run_dir.iterdir()] if run_dir.exists() else []
+        assert "workers.json" not in left and not any(n.endswith(".sock") for n in left), left
+
+
+@pytest.mark.slow
+def test_a_pause_given_on_the_follower_pauses_both_nodes_at_the_same_step(tmp_path: Path) -> None:
+    root = Path(str(tmp_path))
+    port = free_port()
+    delays = {"rollout": {str(rank): 0.05 for rank in range(4)}}
+    configs = node_configs(
+        root, SERVICE, port, job={"ranks": 4}, engine={"simulated": {"delays": delays}}
+    )
+    with (
+        running_daemon(node_dir(root, 0), configs[0]) as leader,
+        running_daemon(node_dir(root, 1), configs[1]) as follower,
+    ):
+        leader.wait_for(lambda s: s["lifecycle"] == "running" and (s["step"] or 0) >= 2)
+        paused = follower.ctl("pause", "--wait")
+        assert paused.returncode == 0, paused.stderr
+        statuses = [d.wait_for(lambda s: s["lifecycle"] == "paused") for d in (leader, follower)]
+        assert statuses[0]["step"] == statuses[1]["step"]
+        step = statuses[0]["step"]
+        # Either node's status shows both: their ranks, where they stand, their daemons alive.
+        shown = follower.wait_for(
+            lambda s: [n["lifecycle"] for n in s["nodes"]] == ["paused", "paused"]
+        )
+        assert [n["ranks"] for n in shown["nodes"]] == [[0, 1], [2, 3]]
+        assert all(n["beat_age_s"] < 3.0 and n["step"] == step for n in shown["nodes"])
+        table = leader.ctl("status")
+        assert table.returncode == 0
+        assert re.search(rf"node 1 +ranks 2-3  paused step {step} .* alive", table.stdout), table
+        # A resume on the leader runs both on; a stop on the follower stops both.
+        assert leader.ctl("resume").returncode == 0
+
+        def running_past_the_pause(status: dict[str, Any]) -> bool:
+            return bool(status["lifecycle"] == "running" and status["step"] > step)
+
+        for daemon in (leader, follower):
+            daemon.wait_for(running_past_the_pause)
+        stopped = follower.ctl("stop")
+        assert stopped.returncode == 0, stopped.stderr
+        assert [d.process.wait(timeout=90) for d in (leader, follower)] == [0, 0]
+        journal = [
+            json.loads(line)
+            for line in (node_dir(root, 1) / "state" / "journal.jsonl").read_text().splitlines()
+        ]
+        assert any(e.get("kind") == "command" and e.get("command") == "pause" for e in journal)
+    for node in range(2):
+        assert_daemon_left_nothing(node_dir(root, node))
