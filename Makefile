@@ -9,6 +9,7 @@
 # make demo-fsdp / demo-fsdp-vllm: the job with the FSDP2 trainer over a transformers model
 #            (examples/fsdp-grpo.toml; with vLLM as the rollout: examples/fsdp-vllm-grpo.toml).
 # make bench-fsdp: an FSDP all-gather into the channel's staging vs gather-then-pack.
+# make bench-nodes: the main job of 4 ranks as 1 node x 4 and as 2 nodes x 2, per phase.
 # TORCH_SPEC picks the torch build (default: the CPU build of 2.13.0; a GPU user sets their own).
 # VLLM_SPEC picks the vLLM build (default: vLLM's CPU build, which pins that same torch; on GPUs:
 #            VLLM_SPEC=vllm==0.32.0 with a matching TORCH_SPEC).
@@ -22,7 +23,7 @@ STAMP := $(VENV)/.installed
 apt_install = apt-get install -y -q $(1) || (apt-get update -q && apt-get install -y -q $(1))
 
 .PHONY: demo demo-vllm demo-fsdp demo-fsdp-vllm test lint typecheck pytest test-tools bench \
-	bench-vllm bench-fsdp clean
+	bench-vllm bench-fsdp bench-nodes clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -88,6 +89,9 @@ bench-vllm: $(STAMP)
 
 bench-fsdp: $(STAMP)
 	$(PY) benchmarks/fsdp_gather.py --json runs/fsdp_gather.json
+
+bench-nodes: $(STAMP)
+	$(PY) benchmarks/nodes.py --steps 30 --json runs/nodes.json
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
