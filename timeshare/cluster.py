@@ -97,6 +97,9 @@ def ranks_per_node(cluster: ClusterSection, ranks: int) -> int:
 
 def node_ranks(cluster: ClusterSection, ranks: int, node: int | None = None) -> range:
     """The job's global ranks that run on `node` (this node by default)."""
-    per_node = ranks_per_node(cluster, ranks)
-    first = per_node * (cluster.node_rank if node is None else node)
-    return range(first, first + per_node)
+    node = cluster.node_rank if node is None else node
+    return ranks_of_node(node, ranks_per_node(cluster, ranks))
+
+
+def ranks_of_node(node: int, per_node: int) -> range:
+    return range(node * per_node, (node + 1) * per_node)

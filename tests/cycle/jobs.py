@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import stat
+import time
 from pathlib import Path
 
 import anyio
@@ -45,9 +47,26 @@ def workers_of(runtime_dir: Path) -> list[psutil.Process]:
     return [p for p in processes_of(runtime_dir) if p.name().startswith(names)]
 
 
+CHILDREN_GONE_S = 5.0
+
+
+def _children() -> list[str]:
+    """This process's live children (zombies are reaped by whoever waits for them)."""
+    live = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.status() != psutil.STATUS_ZOMBIE:
+                live.append(f"{child.pid} {' '.join(child.cmdline())[:200]}")
+    return live
+
+
 def assert_nothing_left(runtime_dir: Path) -> None:
     assert processes_of(runtime_dir) == []
-    assert psutil.Process().children(recursive=True) == []
+    # A child killed a moment ago may not be reaped yet: a few seconds, then name what is left.
+    deadline = time.monotonic() + CHILDREN_GONE_S
+    while (children := _children()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert children == [], children
     run_dir = runtime_dir / "run"
     left = [p.name for p in run_dir.iterdir()] if run_dir.exists() else []
     sockets = [n for n in left if stat.S_ISSOCK((run_dir / n).lstat().st_mode)]

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from tests.configs import job, toml
+from tests.cycle.jobs import processes_of
 from timeshare.protocols.nodes import NodeRecord, record_key
 from timeshare.protocols.store import JobStore
 
@@ -139,3 +140,13 @@ def wait_for_record(
             return record
         assert time.monotonic() < deadline, f"node {node} never got there: {record}"
         time.sleep(0.05)
+
+
+def assert_nodes_left_nothing(root: Path, nodes: int = NODES) -> None:
+    """On every node: no process of the job, no socket file, no record of workers."""
+    for node in range(nodes):
+        directory = node_dir(root, node)
+        assert processes_of(directory / "run") == [], node
+        run_dir = directory / "run"
+        left = list(run_dir.rglob("*")) if run_dir.exists() else []
+        assert [p for p in left if p.is_socket() or p.name == "workers.json"] == [], left

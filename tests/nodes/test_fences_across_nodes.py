@@ -59,8 +59,8 @@ async def both_nodes(root: Path, *, across_nodes: bool) -> list[RunSummary | Cyc
 
 @pytest.mark.slow
 @pytest.mark.asyncio
-async def test_fenced_across_nodes_no_device_ever_runs_out(tmp_path: Path) -> None:
-    root = Path(str(tmp_path))
+async def test_fenced_across_nodes_no_device_ever_runs_out(runtime_dir: Path) -> None:
+    root = runtime_dir
     ended = await both_nodes(root, across_nodes=True)
     assert [(e.lifecycle, e.step) for e in ended if isinstance(e, RunSummary)] == [
         ("stopped", 2),
@@ -73,9 +73,9 @@ async def test_fenced_across_nodes_no_device_ever_runs_out(tmp_path: Path) -> No
 @pytest.mark.slow
 @pytest.mark.asyncio
 async def test_fenced_within_each_node_only_a_device_of_the_other_node_runs_out(
-    tmp_path: Path,
+    runtime_dir: Path,
 ) -> None:
-    root = Path(str(tmp_path))
+    root = runtime_dir
     ended = await both_nodes(root, across_nodes=False)
     failures = [e for e in ended if isinstance(e, CycleFailed)]
     assert failures, ended

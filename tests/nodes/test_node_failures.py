@@ -17,6 +17,7 @@ from tests.configs import SERVICE, TINY
 from tests.cycle.jobs import processes_of
 from tests.daemon.test_run import steps_of
 from tests.nodes.cluster import (
+    assert_nodes_left_nothing,
     free_port,
     node_configs,
     node_dir,
@@ -51,13 +52,12 @@ def assert_resumes_from(root: Path, port: int, committed: int) -> None:
         steps = steps_of(runs[node].summary)
         assert [s["step"] for s in steps] == list(range(1, STEPS + 1)), (node, steps)
         assert all(s["committed_step"] == s["step"] and s["weights_match"] for s in steps)
-    for node in range(2):
-        assert job_pids(root, node) == []
+    assert_nodes_left_nothing(root)
 
 
 @pytest.mark.slow
-def test_a_follower_killed_mid_rollout_fails_the_leader_naming_it(tmp_path: Path) -> None:
-    root, port = Path(str(tmp_path)), free_port()
+def test_a_follower_killed_mid_rollout_fails_the_leader_naming_it(runtime_dir: Path) -> None:
+    root, port = runtime_dir, free_port()
     only = {1: {"faults": [hang("rollout", 2, "rollout", 3)]}}  # it is killed there
     configs = node_configs(root, TINY, port, only=only, job=JOB, deadlines=DEADLINES)
     with running_nodes(configs) as (leader, follower):
@@ -76,8 +76,8 @@ def test_a_follower_killed_mid_rollout_fails_the_leader_naming_it(tmp_path: Path
 
 
 @pytest.mark.slow
-def test_the_leader_killed_mid_sync_ends_every_follower(tmp_path: Path) -> None:
-    root, port = Path(str(tmp_path)), free_port()
+def test_the_leader_killed_mid_sync_ends_every_follower(runtime_dir: Path) -> None:
+    root, port = runtime_dir, free_port()
     only = {0: {"faults": [hang("trainer", 0, "sync", 3)]}}  # it is killed there
     configs = node_configs(root, TINY, port, only=only, job=JOB, deadlines=DEADLINES)
     with running_nodes(configs) as (leader, follower):
@@ -97,13 +97,13 @@ def test_the_leader_killed_mid_sync_ends_every_follower(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("program", ["run", "daemon"])
 def test_a_follower_whose_leader_never_comes_exits_1_naming_it(
-    tmp_path: Path, program: str
+    runtime_dir: Path, program: str
 ) -> None:
     port = free_port()
     preset = TINY if program == "run" else SERVICE
-    config = node_configs(
-        Path(str(tmp_path)), preset, port, job={"ranks": 4}, deadlines={"ready_s": 2.0}
-    )[1]
+    config = node_configs(runtime_dir, preset, port, job={"ranks": 4}, deadlines={"ready_s": 2.0})[
+        1
+    ]
     command = ["timeshare", "run"] if program == "run" else ["timeshare.daemon", "--config"]
     started = time.monotonic()
     done = subprocess.run(
@@ -116,4 +116,23 @@ def test_a_follower_whose_leader_never_comes_exits_1_naming_it(
     assert done.returncode == 1, done
     assert f"cannot reach the job store at 127.0.0.1:{port} within 2 s" in done.stderr
     assert time.monotonic() - started < 60
-    assert processes_of(node_dir(Path(str(tmp_path)), 1)) == []
+    assert processes_of(node_dir(runtime_dir, 1)) == []
+
+
+@pytest.mark.slow
+def test_a_node_that_fails_says_why_to_the_others(runtime_dir: Path) -> None:
+    """The leader's trainer raises in TRAIN: the follower fails naming node 0 and the reason
+    (from the leader's last record), not a lost store: the leader left only after it."""
+    root, port = runtime_dir, free_port()
+    fault = {"role": "trainer", "rank": 0, "phase": "train", "kind": "raise", "step": 2}
+    configs = node_configs(
+        root, TINY, port, only={0: {"faults": [fault]}}, job=JOB, deadlines=DEADLINES
+    )
+    with running_nodes(configs) as (leader, follower):
+        leader_code, leader_out = leader.wait(timeout=120)
+        follower_code, follower_out = follower.wait(timeout=120)
+    assert leader_code == 1 and "trainer rank 0 failed in phase train" in leader_out, leader_out
+    assert follower_code == 1, follower_out
+    assert "node 0 (ranks 0-1) failed" in follower_out, follower_out
+    assert "lost the job store" not in follower_out, follower_out
+    assert_nodes_left_nothing(root)

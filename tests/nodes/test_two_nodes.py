@@ -12,17 +12,22 @@ from typing import Any
 import pytest
 
 from tests.configs import SERVICE, TINY
-from tests.cycle.jobs import processes_of
 from tests.daemon.daemons import assert_daemon_left_nothing, running_daemon
 from tests.daemon.test_run import steps_of
-from tests.nodes.cluster import free_port, node_configs, node_dir, running_nodes
+from tests.nodes.cluster import (
+    assert_nodes_left_nothing,
+    free_port,
+    node_configs,
+    node_dir,
+    running_nodes,
+)
 
 STEPS = 5
 
 
 @pytest.mark.slow
-def test_two_nodes_run_one_job_with_the_same_weights_everywhere(tmp_path: Path) -> None:
-    root = Path(str(tmp_path))
+def test_two_nodes_run_one_job_with_the_same_weights_everywhere(runtime_dir: Path) -> None:
+    root = runtime_dir
     port = free_port()
     configs = node_configs(root, TINY, port, job={"ranks": 4, "steps": STEPS})
     with running_nodes(configs) as runs:
@@ -41,16 +46,14 @@ def test_two_nodes_run_one_job_with_the_same_weights_everywhere(tmp_path: Path) 
     for first, second in zip(*summaries, strict=True):
         assert first["weights_digest"] is not None
         assert first["weights_digest"] == second["weights_digest"], first["step"]
-    for node in range(2):
-        assert processes_of(node_dir(root, node)) == []
-        run_dir = node_dir(root, node) / "run"
-        left = [p.name for p in run_dir.iterdir()] if run_dir.exists() else []
-        assert "workers.json" not in left and not any(n.endswith(".sock") for n in left), left
+    assert_nodes_left_nothing(root)
 
 
 @pytest.mark.slow
-def test_a_pause_given_on_the_follower_pauses_both_nodes_at_the_same_step(tmp_path: Path) -> None:
-    root = Path(str(tmp_path))
+def test_a_pause_given_on_the_follower_pauses_both_nodes_at_the_same_step(
+    runtime_dir: Path,
+) -> None:
+    root = runtime_dir
     port = free_port()
     delays = {"rollout": {str(rank): 0.05 for rank in range(4)}}
     configs = node_configs(
@@ -67,11 +70,13 @@ def test_a_pause_given_on_the_follower_pauses_both_nodes_at_the_same_step(tmp_pa
         assert statuses[0]["step"] == statuses[1]["step"]
         step = statuses[0]["step"]
         # Either node's status shows both: their ranks, where they stand, their daemons alive.
-        shown = follower.wait_for(
-            lambda s: [n["lifecycle"] for n in s["nodes"]] == ["paused", "paused"]
-        )
-        assert [n["ranks"] for n in shown["nodes"]] == [[0, 1], [2, 3]]
-        assert all(n["beat_age_s"] < 3.0 and n["step"] == step for n in shown["nodes"])
+        # (Each shows the records as its daemon last read them: twice a second.)
+        for daemon in (follower, leader):
+            shown = daemon.wait_for(
+                lambda s: [n["lifecycle"] for n in s["nodes"]] == ["paused", "paused"]
+            )
+            assert [n["ranks"] for n in shown["nodes"]] == [[0, 1], [2, 3]]
+            assert all(n["beat_age_s"] < 3.0 and n["step"] == step for n in shown["nodes"])
         table = leader.ctl("status")
         assert table.returncode == 0
         assert re.search(rf"node 1 +ranks 2-3  paused step {step} .* alive", table.stdout), table

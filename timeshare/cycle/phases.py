@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import structlog
 
+from timeshare.cluster import ranks_of_node
 from timeshare.cycle.workers import Workers
 from timeshare.errors import (
     CollectiveTimeout,
@@ -150,15 +151,14 @@ async def cross_nodes(
     timeout_s: float,
 ) -> list[dict[str, Any]]:
     """This node waits for every other node at the fence before `following`; what each brought.
-    A node that does not come is the run's failure, named with its ranks."""
+    A node that does not come is the run's failure, named with its ranks (the first of them, if
+    several: the message lists all)."""
     try:
         return await crossing.cross(value, timeout_s=timeout_s)
-    except CollectiveTimeout as exc:
+    except CollectiveTimeout as exc:  # (a store gone is StoreError: the caller's to name)
         node = exc.missing[0]
-        ranks = range(node * ranks_per_node, (node + 1) * ranks_per_node)
+        ranks = ranks_of_node(node, ranks_per_node)
         raise node_failed(node, ranks, following.value, exc) from exc
-    except TimeshareError as exc:  # the store itself is gone: the leader's daemon with it
-        raise node_failed(0, range(ranks_per_node), following.value, exc) from exc
 
 
 async def held_memory(

@@ -25,7 +25,7 @@ import msgspec
 import structlog
 from anyio.abc import TaskGroup
 
-from timeshare.cluster import node_ranks, ranks_per_node
+from timeshare.cluster import node_ranks
 from timeshare.config import Config, DeadlineSection
 from timeshare.cycle.commands import CommandFeed, ReadCommand
 from timeshare.cycle.hooks import BootstrapReport, CycleHooks, PhaseReport, RunSummary, Telling
@@ -106,7 +106,7 @@ async def run_cycle(
             )
         except StoreError as exc:
             raise node_failed(
-                0, range(ranks_per_node(config.cluster, config.job.ranks)), "start", exc
+                0, node_ranks(config.cluster, config.job.ranks, node=0), "start", exc
             ) from exc
     cycle = _Cycle(config, job_store, hooks or CycleHooks(), fences, across_nodes)
     async with spawn(config, job_store.blocking) as workers:
@@ -201,12 +201,15 @@ class _Cycle:
         ended: RunSummary | CycleFailed | None = None
         async with anyio.create_task_group() as beating:
             if self.nodes > 1:  # a node gone (or the store) ends the run, wherever it stands
-                self.beat = await self._node_beat()
+                try:
+                    self.beat = await self._node_beat()
+                except StoreError as exc:
+                    return await self._failed(state, self._store_lost(exc))
                 beating.start_soon(self._keep_beating, self.beat, beating.cancel_scope)
             ended = await self._run(state)
             beating.cancel_scope.cancel()
         if self.lost is not None:
-            return self._failure_of_lost()
+            ended = self._failure_of_lost()
         assert ended is not None
         if self.beat is not None:  # the others learn at once that this node stopped or failed
             await self._last_word(self.beat)
@@ -264,7 +267,10 @@ class _Cycle:
                 self.ranks,
                 timeout_s=self.deadlines.ready_s + deadline_s,
             )
-            step = min(int(node["step"]) for node in brought)
+            steps = [int(node["step"]) for node in brought]
+            if len(set(steps)) > 1:  # a checkpoint directory the nodes do not share, maybe
+                log.warning("cycle.nodes.steps_differ", steps_by_node=steps)
+            step = min(steps)
             after = min(int(node["commands"]) for node in brought)
             assert self.beat is not None
             self.beat.judging = True  # every node came: from now on, one gone quiet is lost
@@ -275,7 +281,9 @@ class _Cycle:
     # -- the nodes -------------------------------------------------------------------------------
 
     async def _node_beat(self) -> NodeBeat:
-        connection = await self.store.another_connection()
+        # Its calls wait at most node_s: a leader whose host vanished (no connection reset)
+        # is noticed within that too.
+        connection = await self.store.another_connection(timeout_s=self.deadlines.node_s)
         return NodeBeat(
             connection,
             self.node,
@@ -309,13 +317,31 @@ class _Cycle:
         return self._failure_of(self.state)
 
     async def _last_word(self, beat: NodeBeat) -> None:
-        """Write this node's final record (stopped, or failed and why); the store may be gone."""
+        """Write this node's final record (stopped, or failed and why); the store may be gone.
+
+        The leader then waits until every other node has stopped, failed or gone quiet: the
+        store leaves with the leader's process, and a follower still draining would take that
+        for the leader's death.
+        """
         beat.update(self.state)
-        with anyio.move_on_after(LAST_WORD_S):
-            try:
-                await anyio.to_thread.run_sync(beat.beat_once, abandon_on_cancel=True)
-            except NodeLost as exc:
-                log.warning("cycle.node.last_word_lost", error=str(exc))
+        try:
+            with anyio.fail_after(LAST_WORD_S):
+                await anyio.to_thread.run_sync(beat.write, abandon_on_cancel=True)
+            if self.node != 0:
+                return
+            with anyio.fail_after(self._longest_phase_s()):
+                while True:
+                    if await anyio.to_thread.run_sync(beat.others_finished):
+                        break
+                    await anyio.sleep(BEAT_S)
+        except (NodeLost, TimeoutError) as exc:
+            log.warning("cycle.node.last_word", error=str(exc) or "timed out")
+
+    def _longest_phase_s(self) -> float:
+        """The longest another node may still take to finish what it is in."""
+        deadlines = self.deadlines
+        longest = max(deadlines.for_command(phase.value) for phase in Phase)
+        return longest + deadlines.barrier_s + deadlines.node_s
 
     # -- advance, plan, perform ------------------------------------------------------------------
 
@@ -375,7 +401,10 @@ class _Cycle:
         """What happened next, as the machine's event (reports of cancelled work are dropped)."""
         while True:
             if self.pending:
-                return self.pending.popleft()
+                event = self.pending.popleft()
+                if isinstance(event, Crossed) and state.crossing is not event.following:
+                    continue  # a stop released with it ended the wait at this fence
+                return event
             report = await self.inbox.receive()
             if isinstance(report, CycleFailed):
                 return self._keep(report)

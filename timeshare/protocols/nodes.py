@@ -22,6 +22,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from timeshare.cluster import ranks_of_node
 from timeshare.errors import CollectiveTimeout, NodeLost, StoreError
 from timeshare.protocols.barrier import Barrier
 from timeshare.protocols.store import JobStore
@@ -59,13 +60,29 @@ def store_lost(
         f"node {node} lost the job store at {host}:{port} (the leader's daemon, node 0, hosts "
         f"it): {exc}",
         node=0,
-        ranks=range(ranks_per_node),
+        ranks=ranks_of_node(0, ranks_per_node),
     )
 
 
 @dataclass
+class _Seen:
+    """What this node last saw of another's record: its daemon, its beat and when it moved."""
+
+    daemon: tuple[str, int]  # (host, pid): a new one is a restarted daemon
+    beat: int
+    moved_at: float
+    live: bool = False  # its beat moved while we watched: its record is of this run
+
+
+@dataclass
 class NodeBeat:
-    """This node's record and beat, and what it last saw of every node's (one connection)."""
+    """This node's record and beat, and what it last saw of every node's (one connection).
+
+    The rules for another node: a daemon that wrote its record while we watched and says
+    failed has failed; one that says stopped has drained and left; once every node has come
+    (`judging`), a record that has not moved for `lost_s`, or that a new daemon wrote (the node
+    restarted: its part of the run is gone), is a node lost.
+    """
 
     store: JobStore
     node: int
@@ -78,7 +95,7 @@ class NodeBeat:
     step: int = 0
     phases: list[str] = field(default_factory=list)
     reason: str | None = None
-    seen: dict[int, tuple[int, float]] = field(default_factory=dict)  # node -> (beat, moved at)
+    seen: dict[int, _Seen] = field(default_factory=dict)
     records: dict[int, NodeRecord] = field(default_factory=dict)
 
     def update(self, state: JobState) -> None:
@@ -88,11 +105,33 @@ class NodeBeat:
         self.reason = state.reason
 
     def ranks_of(self, node: int) -> range:
-        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+        return ranks_of_node(node, self.ranks_per_node)
 
     def beat_once(self) -> list[NodeRecord]:
-        """Write this node's record, read every node's; raise `NodeLost` for a node gone quiet
-        for `lost_s` (or for the leader, when the store itself is gone). Blocking: a thread's."""
+        """Write this node's record, read every node's; raise `NodeLost` for a node the rules
+        say is gone (or for the leader, when the store itself is gone). Blocking: a thread's."""
+        self.write()
+        now = time.monotonic()
+        for record in self._read_all():
+            lost = self._judge(record, now)
+            if lost is not None:
+                raise lost
+        return [self.records[node] for node in sorted(self.records)]
+
+    def others_finished(self) -> bool:
+        """Whether every other node has stopped, failed or gone quiet: nobody needs the store
+        any more (the leader, which hosts it, waits for this before it leaves)."""
+        now = time.monotonic()
+        for record in self._read_all():
+            seen = self.seen[record.node]
+            quiet = now - seen.moved_at > self.lost_s
+            final = record.lifecycle in ("stopped", "failed")
+            if record.node != self.node and not (final or quiet):
+                return False
+        return True
+
+    def write(self) -> None:
+        """Write this node's record (a beat)."""
         self.beat += 1
         own = NodeRecord(
             node=self.node,
@@ -108,43 +147,56 @@ class NodeBeat:
         )
         try:
             self.store.put(record_key(self.node), msgspec.to_builtins(own))
+        except StoreError as exc:
+            raise store_lost(self.store.address, self.node, self.ranks_per_node, exc) from exc
+
+    def _read_all(self) -> list[NodeRecord]:
+        """Every node's record there is, each noted in `seen` and `records`."""
+        try:
             records = [self._read(node) for node in range(self.nodes)]
         except StoreError as exc:
             raise store_lost(self.store.address, self.node, self.ranks_per_node, exc) from exc
         now = time.monotonic()
         for record in records:
-            if record is None:
-                continue
-            self.records[record.node] = record
-            last = self.seen.get(record.node)
-            if last is None or last[0] != record.beat:
-                self.seen[record.node] = (record.beat, now)
-            if not self.judging or record.node == self.node:
-                continue
-            if record.lifecycle == "failed":
-                raise self._failed(record)
-            if record.lifecycle == "stopped":
-                continue  # it drained and left: quiet from now on, and rightly so
-            if last is not None and last[0] == record.beat and now - last[1] > self.lost_s:
-                raise self.lost(record.node, now - last[1])
-        return [self.records[node] for node in sorted(self.records)]
+            if record is not None:
+                self._note(record, now)
+        return [record for record in records if record is not None]
 
-    def _failed(self, record: NodeRecord) -> NodeLost:
+    def _note(self, record: NodeRecord, now: float) -> None:
+        self.records[record.node] = record
+        daemon = (record.host, record.pid)
+        seen = self.seen.get(record.node)
+        if seen is None or (seen.daemon != daemon and not self.judging):
+            self.seen[record.node] = _Seen(daemon, record.beat, now)  # (a restart before the
+            # run began is no loss: it simply joins)
+        elif seen.daemon == daemon and seen.beat != record.beat:
+            seen.beat, seen.moved_at, seen.live = record.beat, now, True
+
+    def _judge(self, record: NodeRecord, now: float) -> NodeLost | None:
+        if record.node == self.node:
+            return None
+        seen = self.seen[record.node]
         ranks = self.ranks_of(record.node)
-        return NodeLost(
-            f"node {record.node} (ranks {ranks.start}-{ranks.stop - 1}) failed: {record.reason}",
-            node=record.node,
-            ranks=ranks,
-        )
-
-    def lost(self, node: int, silent_s: float) -> NodeLost:
-        ranks = self.ranks_of(node)
-        return NodeLost(
-            f"node {node} (ranks {ranks.start}-{ranks.stop - 1}) is lost: its daemon's record "
-            f"in the job store has not moved for {silent_s:.1f} s",
-            node=node,
-            ranks=ranks,
-        )
+        named = f"node {record.node} (ranks {ranks.start}-{ranks.stop - 1})"
+        if self.judging and (record.host, record.pid) != seen.daemon:
+            return NodeLost(
+                f"{named} restarted (its daemon is now pid {record.pid} on {record.host}): "
+                "its part of the run is gone",
+                node=record.node,
+                ranks=ranks,
+            )
+        if record.lifecycle == "failed" and seen.live:
+            return NodeLost(f"{named} failed: {record.reason}", node=record.node, ranks=ranks)
+        if record.lifecycle == "stopped" or not self.judging:
+            return None
+        if now - seen.moved_at > self.lost_s:
+            return NodeLost(
+                f"{named} is lost: its daemon's record in the job store has not moved for "
+                f"{now - seen.moved_at:.1f} s",
+                node=record.node,
+                ranks=ranks,
+            )
+        return None
 
     def _read(self, node: int) -> NodeRecord | None:
         if not self.store.has(record_key(node)):

@@ -186,9 +186,11 @@ class AsyncJobStore:
     def address(self) -> tuple[str, int]:
         return self.blocking.address
 
-    async def another_connection(self) -> JobStore:
-        """A new connection to the same store (blocking waits on one connection queue)."""
-        return await anyio.to_thread.run_sync(JobStore.connect, *self.address)
+    async def another_connection(self, *, timeout_s: float = 30.0) -> JobStore:
+        """A new connection to the same store (blocking waits on one connection queue); its
+        calls wait at most `timeout_s`."""
+        connect = partial(JobStore.connect, *self.address, timeout_s=timeout_s)
+        return await anyio.to_thread.run_sync(connect)
 
     async def next_generation(self, name: str) -> int:
         return await anyio.to_thread.run_sync(self.blocking.next_generation, name)

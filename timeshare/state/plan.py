@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from timeshare.state.events import Event, Lifecycle, Phase, Request, Requested
+from timeshare.state.events import Event, Lifecycle, Phase
 from timeshare.state.job import JobState
 from timeshare.state.machine import Outcome
 
@@ -56,9 +56,9 @@ def applies_at_once(state: JobState, event: Event) -> bool:
     One node: always (the machine takes requests at any time and acts at the next fence).
     Several: a node reads the job store's commands a little before or after another, so a
     command could land on either side of a fence; it waits for the next crossing instead,
-    where every node applies the same ones (plan.cross). Except `stop`, which does not wait
-    for fences, and anything while PAUSED, where every node stands at the same place.
+    where every node applies the same ones (plan.cross). `stop` too: one node stopping at once
+    while another has crossed would leave that one alone in a phase whose collectives wait for
+    the first (it still takes effect within a phase). Anything while PAUSED goes at once: every
+    node stands at the same place.
     """
-    if state.nodes == 1 or state.lifecycle is Lifecycle.PAUSED:
-        return True
-    return isinstance(event, Requested) and event.request is Request.STOP
+    return state.nodes == 1 or state.lifecycle is Lifecycle.PAUSED

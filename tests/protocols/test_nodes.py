@@ -1,0 +1,118 @@
+"""How a node judges the others from their records in a real job store: silent, failed,
+stopped, restarted; and when the leader may leave (every other node finished)."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+from timeshare.errors import NodeLost
+from timeshare.protocols.nodes import NodeBeat, NodeRecord, record_key
+from timeshare.protocols.store import JobStore
+
+LOST_S = 0.3
+
+
+def beats(store: JobStore, node: int) -> NodeBeat:
+    return NodeBeat(JobStore.connect(*store.address), node, 3, 2, lost_s=LOST_S, judging=True)
+
+
+def other(store: JobStore, node: int, beat: int, lifecycle: str = "running", pid: int = 7) -> None:
+    """What node `node`'s daemon (pid `pid`) writes of itself."""
+    record = NodeRecord(
+        node=node,
+        ranks=[2 * node, 2 * node + 1],
+        host="h",
+        pid=pid,
+        beat=beat,
+        at=0.0,
+        lifecycle=lifecycle,
+        reason="boom" if lifecycle == "failed" else None,
+    )
+    store.put(record_key(node), msgspec.to_builtins(record))
+
+
+def test_nodes_that_beat_are_alive_and_every_record_is_shown() -> None:
+    store = JobStore.host()
+    leader = beats(store, 0)
+    for beat in range(1, 4):
+        other(store, 1, beat)
+        other(store, 2, beat)
+        records = leader.beat_once()
+        time.sleep(LOST_S / 2)
+    assert [(r.node, r.ranks) for r in records] == [(0, [0, 1]), (1, [2, 3]), (2, [4, 5])]
+
+
+def test_a_node_silent_past_its_deadline_is_lost_naming_its_ranks() -> None:
+    store = JobStore.host()
+    leader = beats(store, 0)
+    other(store, 1, 1)
+    other(store, 2, 1)
+    leader.beat_once()
+    time.sleep(LOST_S + 0.1)
+    other(store, 2, 2)  # node 2 beats on, node 1 does not
+    with pytest.raises(NodeLost, match=r"node 1 \(ranks 2-3\) is lost: .* has not moved") as info:
+        leader.beat_once()
+    assert (info.value.node, info.value.ranks) == (1, range(2, 4))
+
+
+def test_a_failed_node_ends_the_run_at_once_and_a_stopped_one_never() -> None:
+    store = JobStore.host()
+    leader = beats(store, 0)
+    other(store, 1, 1)
+    other(store, 2, 1)
+    leader.beat_once()
+    other(store, 1, 2, "stopped")
+    other(store, 2, 2, "failed")
+    with pytest.raises(NodeLost, match=r"node 2 \(ranks 4-5\) failed: boom"):
+        leader.beat_once()
+    time.sleep(LOST_S + 0.1)  # node 1 stopped: quiet from now on, and never lost
+    other(store, 2, 3)
+    leader.beat_once()
+
+
+def test_a_failed_record_of_an_earlier_run_is_not_this_run_failing() -> None:
+    store = JobStore.host()
+    other(store, 1, 9, "failed")  # left by a daemon of a run before
+    leader = beats(store, 0)
+    leader.nodes = 2
+    leader.beat_once()  # it has not moved since: not this run's
+    other(store, 1, 1)
+    leader.beat_once()
+
+
+def test_a_node_whose_daemon_restarted_mid_run_is_lost() -> None:
+    store = JobStore.host()
+    leader = beats(store, 0)
+    leader.nodes = 2
+    other(store, 1, 57, pid=7)
+    leader.beat_once()
+    other(store, 1, 1, pid=8)  # a new daemon within the deadline
+    with pytest.raises(NodeLost, match=r"node 1 \(ranks 2-3\) restarted .* pid 8"):
+        leader.beat_once()
+
+
+def test_the_leader_may_leave_once_every_other_node_finished() -> None:
+    store = JobStore.host()
+    leader = beats(store, 0)
+    other(store, 1, 1)
+    other(store, 2, 1)
+    leader.beat_once()
+    assert not leader.others_finished()
+    other(store, 1, 2, "stopped")
+    other(store, 2, 2, "failed")
+    assert leader.others_finished()
+
+
+def test_a_lost_store_is_the_leader_lost() -> None:
+    store = JobStore.host()
+    follower = NodeBeat(JobStore.connect(*store.address), 1, 2, 2, lost_s=LOST_S)
+    follower.beat_once()
+    del store  # the leader's process hosted it
+    with pytest.raises(NodeLost, match=r"node 1 lost the job store at .* node 0, hosts it") as info:
+        for _ in range(50):
+            follower.beat_once()
+            time.sleep(0.05)
+    assert (info.value.node, info.value.ranks) == (0, range(0, 2))
