@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import required_tool
+from tests.daemon.test_systemd import installed_units as installed_base_units
+from tests.daemon.test_systemd import verify
 from timeshare.cluster import node_ranks
 from timeshare.config import LoadedConfig, load_config
 
@@ -164,27 +166,14 @@ def test_the_job_loads_under_slurm_variables() -> None:
 
 def installed_units(directory: Path, node: int) -> Path:
     """The base units and node `node`'s drop-in as installed, their binaries this
-    environment's (as tests/daemon/test_systemd.py does: verify checks that they exist)."""
+    environment's (verify checks that they exist)."""
+    units = installed_base_units(directory)
     bin_dir = Path(sys.executable).parent
-    for unit in ("timeshared.service", "timeshared.socket"):
-        text = (UNITS / unit).read_text().replace("/usr/local/bin/", f"{bin_dir}/")
-        (directory / unit).write_text(text)
-    drop_ins = directory / "timeshared.service.d"
+    drop_ins = units / "timeshared.service.d"
     drop_ins.mkdir()
     text = drop_in(node).read_text().replace("/usr/local/bin/", f"{bin_dir}/")
     (drop_ins / "cluster.conf").write_text(text)
-    return directory
-
-
-def verify(units: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [required_tool("systemd-analyze"), "verify", "timeshared.service", "timeshared.socket"],
-        cwd=units,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return units
 
 
 @pytest.mark.parametrize("node", range(NODES))

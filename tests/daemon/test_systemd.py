@@ -49,9 +49,9 @@ def installed_units(directory: Path) -> Path:
     return directory
 
 
-def test_both_unit_files_pass_systemd_analyze_verify(tmp_path: Path) -> None:
-    units = installed_units(tmp_path)
-    result = subprocess.run(
+def verify(units: Path) -> subprocess.CompletedProcess[str]:
+    """`systemd-analyze verify` of the installed units (and drop-ins) in `units`."""
+    return subprocess.run(
         [required_tool("systemd-analyze"), "verify", "timeshared.service", "timeshared.socket"],
         cwd=units,
         capture_output=True,
@@ -59,6 +59,10 @@ def test_both_unit_files_pass_systemd_analyze_verify(tmp_path: Path) -> None:
         timeout=120,
         check=False,
     )
+
+
+def test_both_unit_files_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    result = verify(installed_units(tmp_path))
     assert result.returncode == 0 and result.stderr == "", result.stderr
 
 

@@ -55,44 +55,43 @@ def assert_resumes_from(root: Path, port: int, committed: int) -> None:
     assert_nodes_left_nothing(root)
 
 
+def kill_in(root: Path, port: int, victim: int, fault: dict[str, Any]) -> tuple[int, str, float]:
+    """Run both nodes, `fault` (a hang) on node `victim`; SIGKILL that node's daemon once its
+    record shows it in the hung phase. Its job must be gone within 5 s; the survivor's exit
+    code and output, and how long after the kill it exited."""
+    only = {victim: {"faults": [fault]}}
+    configs = node_configs(root, TINY, port, only=only, job=JOB, deadlines=DEADLINES)
+    with running_nodes(configs) as runs:
+        phase, step = fault["phase"], fault["step"]
+        wait_for_record(port, victim, lambda r: r.step == step and phase in r.phases)
+        job = job_pids(root, victim)
+        runs[victim].kill()
+        killed = time.monotonic()
+        assert wait_gone(job, 5.0) == [], f"node {victim}'s job outlived its daemon"
+        code, out = runs[1 - victim].wait(timeout=60)
+        return code, out, time.monotonic() - killed
+
+
 @pytest.mark.slow
 def test_a_follower_killed_mid_rollout_fails_the_leader_naming_it(runtime_dir: Path) -> None:
-    root, port = runtime_dir, free_port()
-    only = {1: {"faults": [hang("rollout", 2, "rollout", 3)]}}  # it is killed there
-    configs = node_configs(root, TINY, port, only=only, job=JOB, deadlines=DEADLINES)
-    with running_nodes(configs) as (leader, follower):
-        wait_for_record(port, 1, lambda r: r.step == 3 and "rollout" in r.phases)
-        job = job_pids(root, 1)
-        follower.kill()
-        killed = time.monotonic()
-        assert wait_gone(job, 5.0) == [], "the follower's job outlived it"
-        code, out = leader.wait(timeout=60)
-        seen_s = time.monotonic() - killed
+    port = free_port()
+    code, out, seen_s = kill_in(runtime_dir, port, 1, hang("rollout", 2, "rollout", 3))
     assert code == 1, out
     assert "node 1 (ranks 2-3)" in out and "lost" in out, out
     assert seen_s < NODE_S + 10, seen_s
-    assert job_pids(root, 0) == []
-    assert_resumes_from(root, port, committed=3)
+    assert job_pids(runtime_dir, 0) == []
+    assert_resumes_from(runtime_dir, port, committed=3)
 
 
 @pytest.mark.slow
 def test_the_leader_killed_mid_sync_ends_every_follower(runtime_dir: Path) -> None:
-    root, port = runtime_dir, free_port()
-    only = {0: {"faults": [hang("trainer", 0, "sync", 3)]}}  # it is killed there
-    configs = node_configs(root, TINY, port, only=only, job=JOB, deadlines=DEADLINES)
-    with running_nodes(configs) as (leader, follower):
-        wait_for_record(port, 0, lambda r: r.step == 3 and "sync" in r.phases)
-        job = job_pids(root, 0)
-        leader.kill()
-        killed = time.monotonic()
-        assert wait_gone(job, 5.0) == [], "the leader's job outlived it"
-        code, out = follower.wait(timeout=60)
-        seen_s = time.monotonic() - killed
+    port = free_port()
+    code, out, seen_s = kill_in(runtime_dir, port, 0, hang("trainer", 0, "sync", 3))
     assert code == 1, out
     assert "lost the job store" in out and f"127.0.0.1:{port}" in out, out
     assert seen_s < NODE_S + 10, seen_s
-    assert job_pids(root, 1) == []
-    assert_resumes_from(root, port, committed=3)
+    assert job_pids(runtime_dir, 1) == []
+    assert_resumes_from(runtime_dir, port, committed=3)
 
 
 @pytest.mark.parametrize("program", ["run", "daemon"])
