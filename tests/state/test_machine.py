@@ -16,6 +16,7 @@ from timeshare.state import (
     BarrierChecked,
     Blame,
     Bootstrapped,
+    Commanded,
     Crossed,
     Drained,
     Event,
@@ -106,6 +107,7 @@ def sample_events(state: JobState) -> list[Event]:
         Drained(),
         Failed("worker 1 died"),
         Crossed(Phase.RESUME),
+        Commanded(1, Requested(Request.PAUSE)),
     ]
 
 

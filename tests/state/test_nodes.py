@@ -11,6 +11,7 @@ from tests.state.test_machine import finish, run
 from timeshare.state import (
     BarrierChecked,
     Bootstrapped,
+    Commanded,
     Crossed,
     Drained,
     InvalidTransition,
@@ -69,12 +70,7 @@ def test_a_crossing_of_another_fence_or_of_none_is_refused() -> None:
 
 def test_requests_held_to_the_crossing_decide_there_the_same_on_every_node() -> None:
     """Both nodes get the pause before the crossing before TRAIN: both check, both pause."""
-    state = node()
-    while state.crossing is not Phase.TRAIN:
-        state = at_fence(state)
-        if state.crossing is not None and state.crossing is not Phase.TRAIN:
-            state = advance(state, Crossed(state.crossing)).state
-    state = advance(state, Requested(Request.PAUSE)).state
+    state = advance(crossing_before_train(), Requested(Request.PAUSE)).state
     outcome = advance(state, Crossed(Phase.TRAIN))
     assert outcome.check_release and outcome.start == ()
     held = tuple(Held(role, r, 0.0) for r in (2, 3) for role in ("trainer", "rollout"))
@@ -105,27 +101,81 @@ def test_one_node_never_waits_for_others() -> None:
 
 
 @pytest.mark.parametrize(
-    ("nodes", "lifecycle", "asked", "at_once"),
+    ("nodes", "lifecycle", "at_once"),
     [
-        (1, Lifecycle.RUNNING, Request.PAUSE, True),
-        (1, Lifecycle.STARTING, Request.DRAIN, True),
-        (2, Lifecycle.RUNNING, Request.PAUSE, False),
-        (2, Lifecycle.RUNNING, Request.DRAIN, False),
-        (2, Lifecycle.STARTING, Request.DRAIN, False),
-        (2, Lifecycle.RUNNING, Request.STOP, False),
-        (2, Lifecycle.STARTING, Request.STOP, False),
-        (2, Lifecycle.PAUSED, Request.STOP, True),
-        (2, Lifecycle.PAUSED, Request.RESUME, True),
-        (2, Lifecycle.PAUSED, Request.DRAIN, True),
+        (1, Lifecycle.STARTING, True),
+        (1, Lifecycle.RUNNING, True),
+        (2, Lifecycle.STARTING, False),
+        (2, Lifecycle.RUNNING, False),
+        (2, Lifecycle.DRAINING, False),
+        (2, Lifecycle.PAUSED, True),
     ],
 )
-def test_which_commands_reach_a_node_at_once(
-    nodes: int, lifecycle: Lifecycle, asked: Request, at_once: bool
+def test_when_commands_reach_a_node_at_once(
+    nodes: int, lifecycle: Lifecycle, at_once: bool
 ) -> None:
-    state = replace(initial_state(2, nodes=nodes), lifecycle=lifecycle)
-    assert applies_at_once(state, Requested(asked)) is at_once
+    assert applies_at_once(replace(initial_state(2, nodes=nodes), lifecycle=lifecycle)) is at_once
 
 
-def test_a_new_step_limit_waits_for_the_crossing_on_several_nodes() -> None:
-    assert not applies_at_once(node(), StepsChanged(9))
-    assert applies_at_once(run(initial_state(2), Bootstrapped(step=0)), StepsChanged(9))
+def crossing_before_train() -> JobState:
+    """Node 1 of two, every rank done with ROLLOUT of step 0: waiting to cross before TRAIN."""
+    state = node()
+    while state.crossing is not Phase.TRAIN:
+        state = at_fence(state)
+        if state.crossing is not None and state.crossing is not Phase.TRAIN:
+            state = advance(state, Crossed(state.crossing)).state
+    return state
+
+
+def test_on_several_nodes_a_command_waits_for_the_crossing_even_a_stop() -> None:
+    state = advance(node(), Commanded(1, Requested(Request.STOP))).state
+    assert state.lifecycle is Lifecycle.RUNNING and state.held == (
+        Commanded(1, Requested(Request.STOP)),
+    )
+    one = run(initial_state(2), Bootstrapped(step=0), Commanded(1, Requested(Request.STOP)))
+    assert one.lifecycle is Lifecycle.DRAINING and one.held == ()
+
+
+def test_a_crossing_applies_the_commands_up_to_the_newest_any_node_had_seen() -> None:
+    state = crossing_before_train()
+    state = run(state, Commanded(4, Requested(Request.PAUSE)), Commanded(5, StepsChanged(9)))
+    outcome = advance(state, Crossed(Phase.TRAIN, through=4))
+    assert outcome.check_release and outcome.start == ()  # the pause, at this fence
+    assert outcome.state.held == (Commanded(5, StepsChanged(9)),)  # the next crossing's
+    assert outcome.state.max_steps is None
+
+
+def test_a_stop_released_at_a_crossing_drains_there_and_nothing_starts() -> None:
+    state = run(crossing_before_train(), Commanded(2, Requested(Request.STOP)))
+    outcome = advance(state, Crossed(Phase.TRAIN, through=2))
+    assert outcome.state.lifecycle is Lifecycle.DRAINING and outcome.start == ()
+    assert outcome.state.crossing is None and outcome.state.idle
+
+
+def test_commands_held_when_the_pause_took_effect_apply_then() -> None:
+    state = run(crossing_before_train(), Commanded(1, Requested(Request.PAUSE)))
+    state = advance(state, Crossed(Phase.TRAIN, through=1)).state
+    state = advance(state, Commanded(2, Requested(Request.RESUME))).state  # read after
+    assert state.checking_release and state.held == (Commanded(2, Requested(Request.RESUME)),)
+    held = tuple(Held(role, r, 0.0) for r in (2, 3) for role in ("trainer", "rollout"))
+    outcome = advance(state, PauseChecked(held))
+    assert outcome.state.lifecycle is Lifecycle.RUNNING and outcome.state.held == ()
+    assert outcome.start == ((0, Phase.TRAIN), (1, Phase.TRAIN))
+
+
+def test_a_held_command_the_job_cannot_take_is_refused_and_dropped() -> None:
+    state = run(crossing_before_train(), Commanded(1, Requested(Request.STOP)))
+    state = run(state, Commanded(2, Requested(Request.RESUME)))
+    outcome = advance(state, Crossed(Phase.TRAIN, through=2))
+    assert outcome.state.lifecycle is Lifecycle.DRAINING and outcome.state.held == ()
+    assert len(outcome.refused) == 1 and "a draining job cannot resume" in outcome.refused[0]
+
+
+def test_while_paused_a_command_applies_at_once() -> None:
+    state = run(crossing_before_train(), Commanded(1, Requested(Request.PAUSE)))
+    state = advance(state, Crossed(Phase.TRAIN, through=1)).state
+    held = tuple(Held(role, r, 0.0) for r in (2, 3) for role in ("trainer", "rollout"))
+    paused = advance(state, PauseChecked(held)).state
+    assert paused.lifecycle is Lifecycle.PAUSED
+    outcome = advance(paused, Commanded(2, Requested(Request.RESUME)))
+    assert outcome.state.lifecycle is Lifecycle.RUNNING and outcome.start

@@ -2,7 +2,7 @@
 
 An operator's pause, resume, drain, stop or new step limit is written to the job store under a
 fresh generation (by the service, on any node), so that every node applies each one once, in
-order, at the same safe point (when a command reaches the machine is `applies_at_once`'s rule).
+order, at the same safe point (the machine holds it for a crossing of the nodes where needed).
 A `log_level` goes to every worker's control lane instead (it is answered while work runs). A
 command that names nothing known is logged and skipped.
 """
@@ -20,7 +20,7 @@ from timeshare.cycle.workers import Workers
 from timeshare.errors import TimeshareError
 from timeshare.protocols.commands import WorkerId
 from timeshare.protocols.store import AsyncJobStore, JobCommand
-from timeshare.state import Event, Request, Requested, StepsChanged
+from timeshare.state import Request, Requested, StepsChanged
 
 log = structlog.get_logger(__name__)
 
@@ -29,7 +29,7 @@ READ_S = 5.0  # a command's generation is taken before its value is written
 LOG_LEVEL_TIMEOUT_S = 5.0
 
 
-def event_of(command: JobCommand) -> Event | None:
+def event_of(command: JobCommand) -> Requested | StepsChanged | None:
     """The machine's event for a command of the job store, or None for one it cannot name."""
     if command.command == "steps":
         steps = command.params.get("steps")
@@ -45,7 +45,7 @@ class ReadCommand:
     """A command of the job store, as the machine's event; `generation` orders it."""
 
     generation: int
-    event: Event
+    command: Requested | StepsChanged
 
 
 class CommandFeed:

@@ -9,14 +9,14 @@ each phase's results until the phase ends, each rank's samples until its next TR
 
 With several nodes, each node's daemon runs this over its own ranks (global rank numbers:
 node * ranks-per-node + local), beats in the job store (protocols/nodes.py: a node gone quiet
-fails the run, naming it), meets the other nodes at every fence, and holds the operator's
-commands until a crossing, where every node applies the same ones.
+fails the run, naming it), and meets the other nodes at every fence the machine asks it to
+cross, bringing the newest command it has read: the machine applies the operator's commands
+held for that crossing up to the newest any node had read, the same on every node.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +52,7 @@ from timeshare.state import (
     OPERATOR_EVENTS,
     BarrierChecked,
     Bootstrapped,
+    Commanded,
     Crossed,
     Drained,
     Event,
@@ -66,7 +67,6 @@ from timeshare.state import (
     Request,
     Requested,
     advance,
-    applies_at_once,
     initial_state,
     plan,
 )
@@ -177,8 +177,6 @@ class _Cycle:
         self.crossing_scope = anyio.CancelScope()
         self.beat: NodeBeat | None = None
         self.commands: CommandFeed | None = None
-        self.held: list[ReadCommand] = []  # read, waiting for the next crossing of the nodes
-        self.pending: deque[Event] = deque()  # to give the machine before the next report
         self.lost: NodeLost | None = None
         self.state: JobState  # the machine's, as last moved
 
@@ -362,7 +360,8 @@ class _Cycle:
                 self.beat.update(state)
             if state.lifecycle is Lifecycle.PAUSED and before.lifecycle is not Lifecycle.PAUSED:
                 log.info("cycle.pause.verified", workers=2 * self.ranks)
-                self._release_held(None)  # every node stands paused: commands apply as read
+            for refused in outcome.refused:
+                log.warning("cycle.command.refused", error=refused)
             if isinstance(event, BarrierChecked) and event.rank not in outcome.meet:
                 await self._barrier_done(state, event.rank)  # nobody to meet: BARRIER ended
             steps = plan(before, outcome)
@@ -400,27 +399,17 @@ class _Cycle:
     async def _next_event(self, state: JobState) -> Event:
         """What happened next, as the machine's event (reports of cancelled work are dropped)."""
         while True:
-            if self.pending:
-                event = self.pending.popleft()
-                if isinstance(event, Crossed) and state.crossing is not event.following:
-                    continue  # a stop released with it ended the wait at this fence
-                return event
             report = await self.inbox.receive()
             if isinstance(report, CycleFailed):
                 return self._keep(report)
             if isinstance(report, ReadCommand):
-                if report.event == Requested(Request.STOP):
+                if report.command == Requested(Request.STOP):
                     self.telling.summary.stop_requested = True  # the daemon stops too
-                if applies_at_once(state, report.event):
-                    return report.event
-                self.held.append(report)  # until the next crossing of the nodes
-                continue
+                return Commanded(report.generation, report.command)
             if isinstance(report, _Crossed):
                 if state.crossing is not report.following:
                     continue  # a stop called the crossing off
-                self._release_held(report.commands)
-                self.pending.append(Crossed(report.following))
-                continue
+                return Crossed(report.following, report.commands)
             if isinstance(report, _Ran):
                 return await self._ran(report)
             if isinstance(report, _Met):
@@ -521,12 +510,6 @@ class _Cycle:
                 return self._store_lost(exc)
             log.warning("cycle.state.unpublished", error=str(exc))  # the run is over anyway
         return None
-
-    def _release_held(self, through: int | None) -> None:
-        """Commands held for a crossing, up to generation `through` (None: all), go next."""
-        release = [c for c in self.held if through is None or c.generation <= through]
-        self.held = [c for c in self.held if c not in release]
-        self.pending.extend(c.event for c in release)
 
     async def _check_release(self) -> Event:
         try:

@@ -14,6 +14,7 @@ from timeshare.state.events import (
     BarrierChecked,
     Blame,
     Bootstrapped,
+    Commanded,
     Crossed,
     Drained,
     Event,
@@ -28,8 +29,8 @@ from timeshare.state.events import (
     StepsChanged,
 )
 from timeshare.state.job import MEMORY_FENCES, NEXT_PHASE, JobState, RankProgress, initial_state
-from timeshare.state.machine import TABLE, Outcome, advance
-from timeshare.state.plan import Plan, applies_at_once, plan
+from timeshare.state.machine import TABLE, Outcome, advance, applies_at_once
+from timeshare.state.plan import Plan, plan
 
 __all__ = [
     "MEMORY_FENCES",
@@ -39,6 +40,7 @@ __all__ = [
     "BarrierChecked",
     "Blame",
     "Bootstrapped",
+    "Commanded",
     "Crossed",
     "Drained",
     "Event",

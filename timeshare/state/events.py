@@ -93,9 +93,11 @@ class PauseChecked:
 
 @dataclass(frozen=True)
 class Crossed:
-    """Every node of the job stands at the fence before `following` (several nodes only)."""
+    """Every node of the job stands at the fence before `following` (several nodes only);
+    `through`: the newest command generation any node had seen when it arrived."""
 
     following: Phase
+    through: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,14 @@ class StepsChanged:
     """The operator reloaded a config with a new number of steps for the job."""
 
     max_steps: int
+
+
+@dataclass(frozen=True)
+class Commanded:
+    """An operator's command, as read from the job store: `generation` orders them."""
+
+    generation: int
+    command: Requested | StepsChanged
 
 
 @dataclass(frozen=True)
@@ -133,12 +143,13 @@ Event: TypeAlias = (
     | Crossed
     | Requested
     | StepsChanged
+    | Commanded
     | Drained
     | Failed
 )
 # Events that come from an operator: one the machine refuses is the operator's mistake (logged
 # and skipped), while a refused event of the driver's own is a bug in the driver.
-OPERATOR_EVENTS = (Requested, StepsChanged)
+OPERATOR_EVENTS = (Requested, StepsChanged, Commanded)
 
 
 _FIELDS: dict[type, Callable[[Any], str]] = {
@@ -147,7 +158,8 @@ _FIELDS: dict[type, Callable[[Any], str]] = {
     Requested: lambda e: f"({e.request.value})",
     Bootstrapped: lambda e: f"(step {e.step})",
     StepsChanged: lambda e: f"(max_steps {e.max_steps})",
-    Crossed: lambda e: f"(before {e.following.value})",
+    Crossed: lambda e: f"(before {e.following.value}, commands through {e.through})",
+    Commanded: lambda e: f"({e.generation}: {type(e.command).__name__} {describe(e.command)})",
 }
 
 

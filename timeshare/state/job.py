@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from timeshare.state.events import Blame, Lifecycle, Phase, Request
+from timeshare.state.events import Blame, Commanded, Lifecycle, Phase, Request
 
 NEXT_PHASE: dict[Phase, Phase] = {
     Phase.TRAIN: Phase.OFFLOAD,
@@ -48,6 +48,7 @@ class JobState:
     nodes: int = 1  # nodes whose ranks cross every fence together (this state holds one's)
     first_rank: int = 0  # the job's rank number of `ranks[0]` (names ranks in reasons)
     crossing: Phase | None = None  # every local rank at this fence: waiting for the other nodes
+    held: tuple[Commanded, ...] = ()  # several nodes: commands waiting for the next crossing
     reason: str | None = None  # why the job is draining, stopped or failed
     blame: Blame | None = None  # the worker and phase a failure is pinned on
 

@@ -16,9 +16,13 @@ Rules (the table below is the truth; this comment explains it):
   `fences` can drop one, for the test that proves it matters.
 - With several nodes, each node's machine holds its own ranks, and the fences hold across
   nodes: when its last rank arrives at a fence, the node waits for every other node there
-  (`Outcome.cross`), and decides only once `Crossed` says all came. Every node then decides
-  from the same requests (the driver applies the operator's commands at the crossing, up to
-  the same one on every node), so every node pauses, drains or goes on at the same step.
+  (`Outcome.cross`), and decides only once `Crossed` says all came.
+- An operator's command comes as `Commanded` (read from the job store, in generation order).
+  On one node it applies at once. On several it is held (`JobState.held`) until the next
+  crossing, which applies those up to the newest generation any node had seen (`through`),
+  the same on every node: every node pauses, drains, stops or goes on at the same step. While
+  PAUSED (every node stands at the same place) commands apply at once, and those held when the
+  pause took effect apply then. `applies_at_once` is that rule.
 - BARRIER requires the rank's trainer to hold no device memory (`BarrierChecked`): anything held
   fails the job. Then, while RESUME is fenced, the rank meets every other rank at the job
   store's barrier (the fence across nodes; `Outcome.meet`) and finishes BARRIER when all came.
@@ -47,6 +51,7 @@ from timeshare.state.events import (
     BarrierChecked,
     Blame,
     Bootstrapped,
+    Commanded,
     Crossed,
     Drained,
     Event,
@@ -101,6 +106,13 @@ TABLE: dict[tuple[Lifecycle, type], frozenset[Lifecycle]] = {
     (Lifecycle.DRAINING, PauseChecked): frozenset({Lifecycle.DRAINING, Lifecycle.FAILED}),
     (Lifecycle.DRAINING, Drained): frozenset({Lifecycle.STOPPED}),
     **{(lifecycle, StepsChanged): frozenset({lifecycle}) for lifecycle in LIVE},
+    # A command held is no move; one applied moves as its Requested or StepsChanged does.
+    (Lifecycle.STARTING, Commanded): frozenset({Lifecycle.STARTING, Lifecycle.DRAINING}),
+    (Lifecycle.RUNNING, Commanded): frozenset({Lifecycle.RUNNING, Lifecycle.DRAINING}),
+    (Lifecycle.PAUSED, Commanded): frozenset(
+        {Lifecycle.PAUSED, Lifecycle.RUNNING, Lifecycle.DRAINING}
+    ),
+    (Lifecycle.DRAINING, Commanded): frozenset({Lifecycle.DRAINING}),
     **{(lifecycle, Failed): frozenset({Lifecycle.FAILED}) for lifecycle in LIVE},
 }
 
@@ -120,6 +132,7 @@ class Outcome:
     meet: tuple[int, ...] = field(default=())
     check_release: bool = False
     cross: Phase | None = None
+    refused: tuple[str, ...] = ()  # held commands the job could not take when released
 
 
 def advance(state: JobState, event: Event) -> Outcome:
@@ -227,7 +240,8 @@ def _pause_checked(state: JobState, event: PauseChecked) -> Outcome:
         return Outcome(checked)
     if Request.PAUSE in checked.requests and Request.DRAIN not in checked.requests:
         paused = replace(checked, lifecycle=Lifecycle.PAUSED)
-        return Outcome(replace(paused, requests=paused.requests - {Request.PAUSE}))
+        # paused everywhere: what waited for a crossing applies now
+        return _release_held(replace(paused, requests=paused.requests - {Request.PAUSE}), None)
     return _decide_at_fence(checked, CYCLE_START)  # a drain or a resume came during the check
 
 
@@ -235,7 +249,55 @@ def _crossed(state: JobState, event: Crossed) -> Outcome:
     if state.crossing is not event.following:
         where = "no fence" if state.crossing is None else f"the fence before {state.crossing.value}"
         raise refuse(state, event, f"this node waits at {where}")
-    return _decide_at_fence(replace(state, crossing=None), event.following)
+    released = _release_held(state, event.through)
+    if released.state.crossing is not event.following:
+        return released  # a stop among them: no phase follows
+    decided = _decide_at_fence(replace(released.state, crossing=None), event.following)
+    return _merged(released, decided)
+
+
+def applies_at_once(state: JobState) -> bool:
+    """Whether an operator's command read now goes to the machine at once.
+
+    One node: always (the machine takes requests at any time and acts at the next fence).
+    Several: a node reads the job store's commands a little before or after another, so a
+    command could land on either side of a fence; it waits for the next crossing instead.
+    `stop` too: one node stopping at once while another has crossed would leave that one alone
+    in a phase whose collectives wait for the first (it still takes effect within a phase).
+    While PAUSED, every node stands at the same place: at once.
+    """
+    return state.nodes == 1 or state.lifecycle is Lifecycle.PAUSED
+
+
+def _commanded(state: JobState, event: Commanded) -> Outcome:
+    if applies_at_once(state):
+        return advance(state, event.command)  # refused, it is refused as itself
+    return Outcome(replace(state, held=(*state.held, event)))
+
+
+def _release_held(state: JobState, through: int | None) -> Outcome:
+    """The held commands up to generation `through` (None: all), in order, as if each came
+    now; one the job cannot take now (a resume while draining) is refused and dropped."""
+    release = [c for c in state.held if through is None or c.generation <= through]
+    outcome = Outcome(replace(state, held=tuple(c for c in state.held if c not in release)))
+    for command in release:
+        try:
+            outcome = _merged(outcome, advance(outcome.state, command.command))
+        except InvalidTransition as exc:
+            outcome = replace(outcome, refused=(*outcome.refused, str(exc)))
+    return outcome
+
+
+def _merged(first: Outcome, then: Outcome) -> Outcome:
+    """Two moves made one after the other, as one: the last state, every action of both."""
+    return Outcome(
+        then.state,
+        start=first.start + then.start,
+        meet=first.meet + then.meet,
+        check_release=first.check_release or then.check_release,
+        cross=then.cross or first.cross,
+        refused=first.refused + then.refused,
+    )
 
 
 def _working_rank(state: JobState, event: Event, rank: int, phase: Phase) -> RankProgress:
@@ -318,6 +380,7 @@ _APPLY: dict[type, Callable[[JobState, Any], Outcome]] = {
     BarrierChecked: _barrier_checked,
     PauseChecked: _pause_checked,
     Crossed: _crossed,
+    Commanded: _commanded,
     RankFinished: _rank_finished,
 }
 

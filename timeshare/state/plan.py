@@ -5,14 +5,14 @@ what to perform, in this order: stop waiting at the store barrier if a drain beg
 phases; meet the others at the store barrier; wait for the other nodes at a fence; check every
 worker's release at a pause; finish a drain that has nothing in flight; publish the job's state
 to the store; end the run. The driver (timeshare/cycle) performs it and feeds what happened back
-as events. `applies_at_once` says when an operator's command may reach the machine.
+as events.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from timeshare.state.events import Event, Lifecycle, Phase
+from timeshare.state.events import Lifecycle, Phase
 from timeshare.state.job import JobState
 from timeshare.state.machine import Outcome
 
@@ -48,17 +48,3 @@ def plan(before: JobState, outcome: Outcome) -> Plan:
         publish=moved or (len(outcome.start) == len(after.ranks)),
         ended=after.lifecycle in ENDED,
     )
-
-
-def applies_at_once(state: JobState, event: Event) -> bool:
-    """Whether an operator's command goes to the machine as soon as the driver reads it.
-
-    One node: always (the machine takes requests at any time and acts at the next fence).
-    Several: a node reads the job store's commands a little before or after another, so a
-    command could land on either side of a fence; it waits for the next crossing instead,
-    where every node applies the same ones (plan.cross). `stop` too: one node stopping at once
-    while another has crossed would leave that one alone in a phase whose collectives wait for
-    the first (it still takes effect within a phase). Anything while PAUSED goes at once: every
-    node stands at the same place.
-    """
-    return state.nodes == 1 or state.lifecycle is Lifecycle.PAUSED
