@@ -37,6 +37,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	rm -rf runs/tiny-grpo
 	$(VENV)/bin/timeshare run examples/tiny-grpo.toml --summary runs/tiny-grpo/summary.json
+	$(VENV)/bin/timeshare report runs/tiny-grpo --text
 
 demo-vllm: $(STAMP)
 	rm -rf runs/vllm-grpo

@@ -1,6 +1,7 @@
 """The package's shape: imports only run downwards and never in a circle; every error in one place.
 
-Layers, top to bottom: the programs (daemon) → the cycle runner (cycle) → the config → engines →
+Layers, top to bottom: the programs (daemon) → reading a run back (report) → the cycle runner
+(cycle) → the config → engines →
 protocols → the pure tables (state) and logging → leaf utilities (errors, units, levels, durable,
 runtime), and errors.py under all. A package may import its own modules and anything below it,
 never above.
@@ -19,8 +20,9 @@ from timeshare import errors
 
 PACKAGE = Path(timeshare.__file__).parent
 LAYERS = {
-    "timeshare": 7,  # __init__ and __main__: the entry points
-    "timeshare.daemon": 6,
+    "timeshare": 8,  # __init__ and __main__: the entry points
+    "timeshare.daemon": 7,
+    "timeshare.report": 6,  # what a run did, read back from its directory
     "timeshare.cycle": 5,
     "timeshare.config": 4,
     "timeshare.engines": 3,

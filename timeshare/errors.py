@@ -16,6 +16,11 @@ class TimeshareError(Exception):
     `except TimeshareError` catches them all."""
 
 
+class RunDirError(TimeshareError):
+    """Raised by `timeshare report` for a run directory that is missing, or holds no summary
+    of a run's steps (or one that cannot be read): names the path."""
+
+
 class ConfigError(TimeshareError, ValueError):
     """Raised for configuration that cannot work: names the key and where its value came from.
 

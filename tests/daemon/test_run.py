@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,6 +95,57 @@ def test_a_run_writes_every_figure_of_every_step(five_steps: FiveSteps) -> None:
     assert {e.get("role") for e in events} >= {"trainer", "rollout"}
     assert any(e["event"] == "trainer.offload" and e["freed_mb"] > 0 for e in events)
     assert_nothing_left(root)
+
+
+def timeshare_report(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "timeshare", "report", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def nearest_rank_p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[math.ceil(0.9 * len(ordered)) - 1]
+
+
+@pytest.mark.slow
+def test_the_text_report_is_the_runs_per_phase_table(five_steps: FiveSteps) -> None:
+    done = timeshare_report(str(five_steps.root), "--text")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"{five_steps.root}: steps 1-5 (5), 2 ranks"
+    steps = json.loads(five_steps.summary.read_text())["steps"]
+    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[2:9]}
+    for phase in ("train", "offload", "sync", "barrier", "resume", "rollout", "step"):
+        seconds = [s["step_s"] if phase == "step" else s["phases"][phase] for s in steps]
+        expected = [statistics.median(seconds), nearest_rank_p90(seconds), max(seconds)]
+        assert rows[phase] == pytest.approx([v * 1e3 for v in expected], abs=0.051), phase
+    rates = [s["sync"]["gbps"] for s in steps]
+    assert lines[9] == (
+        f"sync     {statistics.median(rates):.3f} GB/s median, "
+        f"{nearest_rank_p90(rates):.3f} p90, {max(rates):.3f} max"
+    )
+    bubble = 100 * sum(s["bubble_s"] for s in steps) / sum(s["step_s"] for s in steps)
+    assert lines[10] == f"bubble   {bubble:.1f} % of the step time"
+
+
+def test_a_run_dir_that_is_missing_or_holds_no_run_is_exit_2_naming_it(tmp_path: Path) -> None:
+    missing = timeshare_report(str(tmp_path / "nope"), "--text")
+    assert missing.returncode == 2 and f"{tmp_path / 'nope'}: no such run directory" in (
+        missing.stderr
+    )
+    empty = timeshare_report(str(tmp_path), "--text")
+    assert empty.returncode == 2 and "holds no summary.json" in empty.stderr
+    (tmp_path / "summary.json").write_text('{"ranks": 2, "steps": []}')
+    none = timeshare_report(str(tmp_path), "--text")
+    assert none.returncode == 2 and "finished no step yet" in none.stderr
+    (tmp_path / "summary.json").write_text("{not json")
+    broken = timeshare_report(str(tmp_path), "--text")
+    assert broken.returncode == 2 and "not a run's summary" in broken.stderr
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@
                                     a random-initialised transformers model from a seed
     timeshare export CHECKPOINT DIR the FSDP trainer's checkpoint (a step's directory, or the
                                     job's: its newest committed step) as a transformers model
+    timeshare report RUN_DIR --text the run's per-phase table (median, p90, max), sync GB/s and
+                                    bubble, from the --summary file in RUN_DIR
 
 Exit codes: 0 done, 1 the run failed (the error names rank, role and phase), 2 bad input (an
 unusable config names the key and its source), 128 + signal number when stopped by a signal.
@@ -26,7 +28,7 @@ import msgspec
 
 from timeshare.config import Config, effective_lines, load_config
 from timeshare.engines.model_dir import ARCHITECTURES, ModelShape, init_model_dir
-from timeshare.errors import CheckpointError, ConfigError, CycleFailed, Interrupted
+from timeshare.errors import CheckpointError, ConfigError, CycleFailed, Interrupted, RunDirError
 from timeshare.state.diagram import DIAGRAMS
 
 EXIT_FAILED = 1
@@ -47,9 +49,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             _export(args.checkpoint, args.directory)
         elif args.command == "run":
             return _run(_with_overrides(load_config(args.config).config, args), args.summary)
-    except (ConfigError, CheckpointError) as exc:
+        elif args.command == "report":
+            return _report(args.run_dir, text=args.text)
+    except (ConfigError, CheckpointError, RunDirError) as exc:
         print(f"timeshare: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    return 0
+
+
+def _report(path: Path, *, text: bool) -> int:
+    # Imported here: the summary's types come with the cycle's (torch), for this command only.
+    from timeshare.report.run_dir import RunDir  # noqa: PLC0415
+    from timeshare.report.table import phase_table, render  # noqa: PLC0415
+
+    if not text:
+        print(
+            "timeshare report: only --text is built yet (the picture is issue 15's next part)",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    run = RunDir.open(path)
+    sys.stdout.write(render(phase_table(run.steps, run.ranks), str(run.path)))
     return 0
 
 
@@ -141,6 +161,9 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--max-positions", type=int, default=shape.max_positions)
     init.add_argument("--tie-embeddings", action="store_true")
     init.add_argument("--seed", type=int, default=0)
+    report = commands.add_parser("report", help="what a run did, from its directory")
+    report.add_argument("run_dir", type=Path, help="where the run wrote its --summary file")
+    report.add_argument("--text", action="store_true", help="the per-phase table, as text")
     export = commands.add_parser("export", help="an FSDP checkpoint as a transformers model")
     export.add_argument("checkpoint", type=Path, help="a step's directory or a job's checkpoints")
     export.add_argument("directory", type=Path, help="a new or empty directory")

@@ -1,0 +1,68 @@
+"""The per-phase table of a run: what `timeshare report RUN_DIR --text` prints.
+
+Each phase's time in a step is its slowest rank's (as the summary keeps it); the table gives
+its median, p90 and max over the run's steps, then the step itself, the sync rate, and the
+bubble (the part of a step no engine worked: fence waits and orchestration) as a share of the
+step. p90 is the nearest-rank percentile: a value some step really took.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from timeshare.cycle.steps import PHASES, StepFigures
+
+
+@dataclass(frozen=True)
+class Spread:
+    median: float
+    p90: float
+    max: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread:
+        ordered = sorted(values)
+        p90 = ordered[max(math.ceil(0.9 * len(ordered)) - 1, 0)]
+        return cls(statistics.median(ordered), p90, ordered[-1])
+
+
+@dataclass(frozen=True)
+class PhaseTable:
+    steps: tuple[int, int]  # first and last
+    ranks: int
+    phases: dict[str, Spread]  # seconds; the phases, then "step"
+    sync_gbps: Spread
+    bubble_share: float  # of the run's step time, 0..1
+
+
+def phase_table(steps: Sequence[StepFigures], ranks: int) -> PhaseTable:
+    phases = {p: Spread.of([s.phases[p] for s in steps]) for p in PHASES}
+    phases["step"] = Spread.of([s.step_s for s in steps])
+    total = sum(s.step_s for s in steps)
+    return PhaseTable(
+        steps=(steps[0].step, steps[-1].step),
+        ranks=ranks,
+        phases=phases,
+        sync_gbps=Spread.of([s.sync.gbps for s in steps]),
+        bubble_share=sum(s.bubble_s for s in steps) / total if total > 0 else 0.0,
+    )
+
+
+def render(table: PhaseTable, title: str) -> str:
+    first, last = table.steps
+    lines = [
+        f"{title}: steps {first}-{last} ({last - first + 1}), {table.ranks} ranks",
+        f"{'phase':<9}{'median ms':>11}{'p90 ms':>10}{'max ms':>10}",
+    ]
+    for name, spread in table.phases.items():
+        lines.append(
+            f"{name:<9}{spread.median * 1e3:>11.1f}{spread.p90 * 1e3:>10.1f}"
+            f"{spread.max * 1e3:>10.1f}"
+        )
+    rate = table.sync_gbps
+    lines.append(f"sync     {rate.median:.3f} GB/s median, {rate.p90:.3f} p90, {rate.max:.3f} max")
+    lines.append(f"bubble   {table.bubble_share * 100:.1f} % of the step time")
+    return "\n".join(lines) + "\n"
