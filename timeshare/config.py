@@ -69,6 +69,7 @@ class DeadlineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 class LogSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     level: LogLevel = "info"
     file: str = ""  # structlog JSON lines of the run and its workers; "" for none
+    tensorboard: str = ""  # a directory: TensorBoard scalars of every step; "" for none
 
 
 class DaemonSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -17,17 +17,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.configs import TINY, toml_file
 from tests.cycle.jobs import assert_nothing_left
+from timeshare.cycle.steps import StepFigures
+from timeshare.report.scalars import scalars_of
 
 
-def write_config(root: Path, steps: int, **sections: Any) -> Path:
-    """The reference engine at its smallest, logging to `root`/log.jsonl."""
-    return toml_file(
-        root, TINY, job={"steps": steps}, log={"file": f"{root}/log.jsonl"}, **sections
-    )
+def write_config(
+    root: Path, steps: int, log: dict[str, Any] | None = None, **sections: Any
+) -> Path:
+    """The reference engine at its smallest, logging to `root`/log.jsonl (and `log` besides)."""
+    log = {"file": f"{root}/log.jsonl", **(log or {})}
+    return toml_file(root, TINY, job={"steps": steps}, log=log, **sections)
 
 
 def timeshare_run(
@@ -66,7 +71,8 @@ def five_steps() -> Iterator[FiveSteps]:
     root = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))  # short: ipc paths are bounded
     try:
         summary = root / "summary.json"
-        yield FiveSteps(root, timeshare_run(write_config(root, steps=5), summary))
+        config = write_config(root, steps=5, log={"tensorboard": f"{root}/tensorboard"})
+        yield FiveSteps(root, timeshare_run(config, summary))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -131,6 +137,23 @@ def test_the_text_report_is_the_runs_per_phase_table(five_steps: FiveSteps) -> N
     )
     bubble = 100 * sum(s["bubble_s"] for s in steps) / sum(s["step_s"] for s in steps)
     assert lines[10] == f"bubble   {bubble:.1f} % of the step time"
+
+
+@pytest.mark.slow
+def test_tensorboard_holds_every_scalar_of_every_step(five_steps: FiveSteps) -> None:
+    accumulator = EventAccumulator(str(five_steps.root / "tensorboard"))
+    accumulator.Reload()  # TensorBoard's own reader
+    steps = msgspec.convert(json.loads(five_steps.summary.read_text())["steps"], list[StepFigures])
+    expected = {step.step: scalars_of(step) for step in steps}
+    tags = set(accumulator.Tags()["scalars"])
+    assert tags == set(expected[1]), tags
+    assert {"reward", "phase_s/sync", "sync/gbps", "memory/held_at_barrier_mb"} <= tags
+    for tag in tags:
+        points = {event.step: event.value for event in accumulator.Scalars(tag)}
+        assert sorted(points) == [1, 2, 3, 4, 5], tag
+        for step, value in points.items():
+            assert value == pytest.approx(expected[step][tag], rel=1e-6), (tag, step)
+    assert all(step.held_at_barrier_mb == 0.0 and step.weights_match for step in steps)
 
 
 def test_a_run_dir_that_is_missing_or_holds_no_run_is_exit_2_naming_it(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import required_tool
 from tests.daemon.daemons import (
@@ -28,7 +29,8 @@ CTL = [sys.executable, "-m", "timeshare.daemon.ctl"]
 
 
 def test_operate_the_daemon_with_timesharectl(runtime_dir: Path) -> None:
-    with running_daemon(runtime_dir, service_config(runtime_dir)) as daemon:
+    config = service_config(runtime_dir, log={"tensorboard": f"{runtime_dir}/tensorboard"})
+    with running_daemon(runtime_dir, config) as daemon:
         # The socket: 0660 in a 0750 directory.
         assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o660
         assert stat.S_IMODE(daemon.socket.parent.stat().st_mode) == 0o750
@@ -98,8 +100,13 @@ def test_operate_the_daemon_with_timesharectl(runtime_dir: Path) -> None:
         assert daemon.process.wait(timeout=60) == 0
     assert not daemon.socket.exists()
     assert_daemon_left_nothing(runtime_dir)
-    kinds = [e["kind"] for e in read_journal(runtime_dir / "state")]
-    assert {"transition", "command", "service.stop"} <= set(kinds)
+    journal = read_journal(runtime_dir / "state")
+    assert {"transition", "command", "service.stop"} <= {e["kind"] for e in journal}
+    # [log].tensorboard: a point for every step the service finished, read back by TensorBoard.
+    done = sorted(e["step"] for e in journal if e["kind"] == "step.done")
+    accumulator = EventAccumulator(str(runtime_dir / "tensorboard"))
+    accumulator.Reload()
+    assert sorted(e.step for e in accumulator.Scalars("phase_s/sync")) == done and done
 
 
 def test_watch_streams_transitions_and_metrics_scrape(runtime_dir: Path) -> None:

@@ -35,6 +35,7 @@ import msgspec
 
 from timeshare.cycle.hooks import BootstrapReport, PhaseReport
 from timeshare.protocols.commands.results import (
+    HeldResult,
     PhaseResult,
     RolloutResult,
     SyncResult,
@@ -76,6 +77,8 @@ class StepFigures(msgspec.Struct, frozen=True, kw_only=True):
     committed_step: int | None
     resumed: bool
     weights_digest: str | None = None
+    # device memory the trainers said they held at BARRIER, all ranks (the rule: none)
+    held_at_barrier_mb: float = 0.0
 
 
 class StepLog:
@@ -158,6 +161,7 @@ def step_figures(
         weights_match=all(s.digest == r.digest for s, r in zip(sent, received, strict=True)),
         ranks_agree=len({s.digest for s in sent}) == 1,
         weights_digest=sent[0].digest if len({s.digest for s in sent}) == 1 else None,
+        held_at_barrier_mb=sum(_held(by_rank[r]["barrier"].trainer) for r in ranks),
         logprob_max_abs_diff=max(logprob_diffs) if logprob_diffs else None,
         rollout_resident_mb=sum(
             _as(RolloutResult, by_rank[r]["rollout"].rollout).resident_mb for r in ranks
@@ -171,6 +175,10 @@ def _as(kind: type[R], result: PhaseResult) -> R:
     if not isinstance(result, kind):
         raise TypeError(f"expected a {kind.__name__}, got {type(result).__name__}")
     return result
+
+
+def _held(result: PhaseResult) -> float:
+    return result.held_mb if isinstance(result, HeldResult) else 0.0
 
 
 def _wall(phases: dict[str, PhaseReport]) -> float:

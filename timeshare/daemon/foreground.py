@@ -21,6 +21,7 @@ from timeshare.cycle import BootstrapReport, CycleHooks, PhaseReport, RunSummary
 from timeshare.cycle.steps import StepFigures, StepLog
 from timeshare.daemon.summary import SummaryFile
 from timeshare.errors import Interrupted
+from timeshare.report.scalars import ScalarWriter
 
 
 @dataclass
@@ -77,6 +78,9 @@ async def run_foreground(config: Config, summary_path: Path | None) -> RunSummar
     ranks = node_ranks(config.cluster, config.job.ranks)  # this node's: it reports their steps
     steps = StepLog(ranks)
     writing = anyio.Lock()  # one summary write at a time (ranks finish phases concurrently)
+    scalars = None
+    if config.log.tensorboard:
+        scalars = await anyio.to_thread.run_sync(ScalarWriter, Path(config.log.tensorboard))
 
     async def observe(report: PhaseReport | BootstrapReport) -> None:
         if isinstance(report, PhaseReport):
@@ -86,6 +90,8 @@ async def run_foreground(config: Config, summary_path: Path | None) -> RunSummar
                 if summary is not None:
                     async with writing:  # fsync: off the event loop
                         await anyio.to_thread.run_sync(summary.append, figures)
+                if scalars is not None:
+                    scalars.add(figures)  # queued: the writer's thread writes
                 progress.step(figures)
             return
         # Bootstrapped at the committed step: keep what the summary says up to it, and finish
@@ -105,6 +111,9 @@ async def run_foreground(config: Config, summary_path: Path | None) -> RunSummar
         raise _first(errors) from None  # one failure or one signal: say it plainly
     finally:
         progress.close()
+        if scalars is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(scalars.close)
     return result
 
 

@@ -47,6 +47,7 @@ from timeshare.daemon.systemd import (
 )
 from timeshare.errors import ConfigError, ControlError, SocketInUse, StoreError
 from timeshare.protocols.store import AsyncJobStore
+from timeshare.report.scalars import ScalarWriter
 from timeshare.state.service import ServiceLifecycle
 
 log = structlog.get_logger(__name__)
@@ -150,7 +151,12 @@ async def _serve(
             print(f"timeshared: daemon.metrics_port {port}: {exc}", file=sys.stderr)
             return EXIT_BAD_INPUT
     bound = None if metrics_server is None else metrics_server.port
-    parts = ServiceParts(notifier, metrics, store, metrics_port=bound, activated=activated)
+    scalars = None
+    if config.log.tensorboard:
+        scalars = await anyio.to_thread.run_sync(ScalarWriter, Path(config.log.tensorboard))
+    parts = ServiceParts(
+        notifier, metrics, store, metrics_port=bound, activated=activated, scalars=scalars
+    )
     saved = await anyio.to_thread.run_sync(load_saved_progress, paths.state_dir)
     service = Service(loaded, config, paths, parts, saved)
     log.info(
@@ -183,6 +189,8 @@ async def _serve(
             await service.records.close()
             if metrics_server is not None:
                 await anyio.to_thread.run_sync(metrics_server.close)
+            if scalars is not None:
+                await anyio.to_thread.run_sync(scalars.close)
     log.info("service.stop", exit_code=service.exit_code, reason=service.reason)
     return service.exit_code
 

@@ -23,6 +23,7 @@ from timeshare.cycle.steps import StepFigures, StepLog
 from timeshare.daemon.metrics import Metrics
 from timeshare.daemon.records import journal_entry, read_progress
 from timeshare.protocols.commands.results import SyncResult, TrainResult
+from timeshare.report.scalars import ScalarWriter
 from timeshare.state import Phase
 
 log = structlog.get_logger(__name__)
@@ -45,8 +46,15 @@ def load_saved_progress(state_dir: Path) -> SavedProgress:
 
 
 class JobProgress:
-    def __init__(self, ranks: Sequence[int], metrics: Metrics, saved: SavedProgress) -> None:
+    def __init__(
+        self,
+        ranks: Sequence[int],
+        metrics: Metrics,
+        saved: SavedProgress,
+        scalars: ScalarWriter | None = None,
+    ) -> None:
         self.ranks = ranks  # this node's
+        self.scalars = scalars
         self.metrics = metrics
         self.committed_step = saved.committed_step
         self.weight_version = saved.weight_version
@@ -82,6 +90,8 @@ class JobProgress:
         figures = self._steps.add(report)
         if figures is not None:
             self.last_step = msgspec.to_builtins(figures)
+            if self.scalars is not None:
+                self.scalars.add(figures)  # queued: the writer's thread writes
             self._log_step(figures)
             entries.append(journal_entry("step.done", step=figures.step, figures=self.last_step))
         return entries

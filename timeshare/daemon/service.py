@@ -34,6 +34,7 @@ from timeshare.errors import CycleFailed
 from timeshare.protocols.control import ServiceStatus
 from timeshare.protocols.nodes import NodeRecord
 from timeshare.protocols.store import AsyncJobStore
+from timeshare.report.scalars import ScalarWriter
 from timeshare.state import JobState
 from timeshare.state.service import (
     FINAL,
@@ -67,6 +68,7 @@ class ServiceParts:
     metrics_port: int | None = None
     activated: bool = False  # started by socket activation: idle until `resume`
     spawn: WorkerSpawner = spawn_workers  # the workers' processes (a test passes a fake)
+    scalars: ScalarWriter | None = None  # [log].tensorboard: every step's scalars
 
 
 class Service:
@@ -83,7 +85,7 @@ class Service:
         self.paths = paths
         self.parts = parts
         ranks = node_ranks(config.cluster, config.job.ranks)
-        self.progress = JobProgress(ranks, parts.metrics, saved)
+        self.progress = JobProgress(ranks, parts.metrics, saved, parts.scalars)
         self.records = RecordWriter(
             paths.state_dir, lambda: msgspec.to_builtins(self.progress.snapshot())
         )
