@@ -50,13 +50,20 @@ def workers_of(runtime_dir: Path) -> list[psutil.Process]:
 CHILDREN_GONE_S = 5.0
 
 
+# The standard library's helper that any in-process use of shared memory starts once and keeps
+# for the life of the test process (an earlier test on this pytest worker may have): not a
+# process of any job.
+RESOURCE_TRACKER = "multiprocessing.resource_tracker"
+
+
 def _children() -> list[str]:
     """This process's live children (zombies are reaped by whoever waits for them)."""
     live = []
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):
-            if child.status() != psutil.STATUS_ZOMBIE:
-                live.append(f"{child.pid} {' '.join(child.cmdline())[:200]}")
+            command = " ".join(child.cmdline())
+            if child.status() != psutil.STATUS_ZOMBIE and RESOURCE_TRACKER not in command:
+                live.append(f"{child.pid} {command[:200]}")
     return live
 
 
