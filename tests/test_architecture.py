@@ -31,6 +31,7 @@ LAYERS = {
     "timeshare.logs": 1,
     "timeshare.errors": -1,  # the root of every error: below everything
     "timeshare.units": 0,
+    "timeshare.timing": 0,  # spans: what a process did when (the trace's raw material)
     "timeshare.levels": 0,
     "timeshare.durable": 0,
     "timeshare.runtime": 0,

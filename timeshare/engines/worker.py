@@ -49,6 +49,7 @@ from timeshare.protocols.weights import (
     TransferReport,
     WeightSender,
 )
+from timeshare.timing import Span, Spans
 
 Role = Literal["trainer", "rollout"]
 
@@ -111,14 +112,20 @@ def sync_result(
 
 def train_result(metrics: Mapping[str, float]) -> TrainResult:
     """An engine's TRAIN figures as the command's result: the known ones typed, the rest extra."""
-    known = {key: metrics[key] for key in TRAIN_FIELDS if key in metrics}
+
+    def optional(key: str) -> float | None:
+        return float(metrics[key]) if key in metrics else None
+
+    committed = optional("committed")
     return TrainResult(
-        step=int(known.pop("step")),
-        samples=int(known.pop("samples")),
-        committed=None if "committed" not in known else int(known.pop("committed")),
+        step=int(metrics["step"]),
+        samples=int(metrics["samples"]),
+        committed=None if committed is None else int(committed),
+        reward_mean=optional("reward_mean"),
+        logprob_max_abs_diff=optional("logprob_max_abs_diff"),
+        loss=optional("loss"),
         train_s=float(metrics.get("train_s", 0.0)),
         extra={k: float(v) for k, v in metrics.items() if k not in (*TRAIN_FIELDS, "train_s")},
-        **{key: float(value) for key, value in known.items()},
     )
 
 
@@ -136,6 +143,7 @@ class TrainerWorker:
         self.engine.progress = server.report_progress
         self.portal = portal
         self.sender = WeightSender(spec.weight_endpoint, spec.transfer)
+        self.spans = Spans()  # within the current command (the trace shows them)
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -163,13 +171,16 @@ class TrainerWorker:
         return PhaseResult()
 
     def sync(self, params: dict[str, Any]) -> SyncResult:
-        self.engine.prepare_sync()
+        with self.spans.span("prepare"):
+            self.engine.prepare_sync()
         digest = WeightsDigest()
         weights = digested(self.engine.iter_weights(), digest)
-        with self.server.waiting_on_peer():
+        with self.server.waiting_on_peer(), self.spans.span("send"):
             report = self.portal.call(partial(self.sender.send, weights, version=self.engine.step))
-        self.engine.finish_sync()
-        self.engine.offload_params()
+        self.spans.extend(report.spans)
+        with self.spans.span("offload params"):
+            self.engine.finish_sync()
+            self.engine.offload_params()
         return sync_result(report, digest.hexdigest(), self.sender.staging_buffers)
 
     def held(self, params: dict[str, Any]) -> HeldResult:
@@ -192,6 +203,7 @@ class RolloutWorker:
         self.workload = workload
         self.inlet = engine.open_inlet(spec.weight_endpoint, spec.transfer)
         self.server = server
+        self.spans = Spans()  # within the current command (the trace shows them)
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -207,13 +219,16 @@ class RolloutWorker:
 
     def sync(self, params: dict[str, Any]) -> SyncResult:
         self.engine.begin_weight_update()
-        self.engine.wake({"weights"})
-        with self.server.waiting_on_peer():
+        with self.spans.span("wake weights"):
+            self.engine.wake({"weights"})
+        with self.server.waiting_on_peer(), self.spans.span("receive"):
             report = self.inlet.receive(self.server.report_progress)
+        self.spans.extend(report.spans)
         return sync_result(report, self.engine.digest())
 
     def resume(self, params: dict[str, Any]) -> PhaseResult:
-        self.engine.wake({"kv_cache"})
+        with self.spans.span("wake kv_cache"):
+            self.engine.wake({"kv_cache"})
         return PhaseResult()
 
     def held(self, params: dict[str, Any]) -> HeldResult:
@@ -222,12 +237,15 @@ class RolloutWorker:
     def rollout(self, params: dict[str, Any]) -> RolloutResult:
         step = int(params.get("step", 0))
         requests = self.workload.requests(self.spec.rank, step)
-        samples = self.engine.generate(requests)
-        scored = [
-            dataclasses.replace(sample, reward=self.workload.score(request, sample))
-            for request, sample in zip(requests, samples, strict=True)
-        ]
-        self.engine.sleep()
+        with self.spans.span("generate"):
+            samples = self.engine.generate(requests)
+        with self.spans.span("score"):
+            scored = [
+                dataclasses.replace(sample, reward=self.workload.score(request, sample))
+                for request, sample in zip(requests, samples, strict=True)
+            ]
+        with self.spans.span("sleep"):
+            self.engine.sleep()
         rewards = [s.reward for s in scored if s.reward is not None]
         return RolloutResult(
             samples=msgspec.Raw(msgspec.msgpack.encode(scored)),  # for the trainer, as it is
@@ -270,22 +288,25 @@ def run(spec: WorkerSpec) -> None:
             worker = RolloutWorker(spec, rollout, pair.workload(), server)
         stack.callback(worker.close)
         for name, handler in worker.handlers().items():
-            handlers[name] = _phase_handler(spec, name, handler)
+            handlers[name] = _phase_handler(spec, name, handler, worker.spans)
         # The driver's shutdown is answered once the engines stopped their own processes (vLLM's):
         # after the answer the driver kills the worker's process group.
         handlers["shutdown"] = lambda params: stack.close()
         server.serve()
 
 
-def _phase_handler(spec: WorkerSpec, phase: str, handler: Handler) -> Handler:
-    """Fire the faults injected for this phase, run it, and say how long the engine worked."""
+def _phase_handler(spec: WorkerSpec, phase: str, handler: Handler, spans: Spans) -> Handler:
+    """Fire the faults injected for this phase, run it, and say how long the engine worked and
+    where that time went: a span of the whole command (named after it), then those within."""
 
     def run_phase(params: dict[str, Any]) -> PhaseResult:
         structlog.contextvars.bind_contextvars(phase=phase, step=params.get("step"))
         fire_faults(spec, phase, params.get("step"))
-        started = time.perf_counter()
+        spans.take()  # (what a failed command left)
+        started = time.monotonic()
         result = handler(params)
-        return msgspec.structs.replace(result, engine_s=time.perf_counter() - started)
+        whole = Span(phase, started, time.monotonic() - started)
+        return msgspec.structs.replace(result, engine_s=whole.seconds, spans=(whole, *spans.take()))
 
     return run_phase
 

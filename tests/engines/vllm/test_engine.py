@@ -43,6 +43,10 @@ def test_what_arrived_is_the_trainers_weights_bit_for_bit(
         sent.bytes,
     )
     assert received.buckets > 1  # the small buckets split the model
+    # vLLM's worker (a process of its own, on this machine's clock) says where its time went.
+    loads = [f"load {i}" for i in range(received.buckets)]
+    assert [span.name for span in received.spans] == [*loads, "finalize"]
+    assert sent.spans[0].start <= received.spans[0].start
     assert engine.rollout.digest() == weights_digest(weights)
     assert engine.rollout.weight_version == sent.version
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import AsyncIterator
 from functools import partial
@@ -15,7 +16,12 @@ from tests.conftest import socket_files
 from tests.protocols.weights.peer import digest, make_weights
 from tests.protocols.weights.peers import Peer, endpoint
 from timeshare.errors import PeerClosed, SessionClosed, TransferError
-from timeshare.protocols.weights import TransferConfig, WeightReceiver, WeightSender
+from timeshare.protocols.weights import (
+    TransferConfig,
+    TransferReport,
+    WeightReceiver,
+    WeightSender,
+)
 
 SMALL: dict[str, Any] = {"bucket_mb": 0.25, "ack_timeout_s": 20.0, "handshake_timeout_s": 30.0}
 
@@ -260,3 +266,62 @@ async def test_every_way_a_transfer_can_end(runtime_dir: Path, weights: dict[str
     assert reports[-1].bytes == sent.bytes
     for name, tensor in weights.items():
         assert torch.equal(got[name], tensor)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("last", ["partial", "full"])
+async def test_each_side_says_where_its_time_went_one_span_after_another(
+    runtime_dir: Path, depth: int, last: str
+) -> None:
+    import time
+
+    import anyio
+
+    cfg = TransferConfig(**{**SMALL, "pipeline_depth": depth})
+    # Three buckets of 0.25 MiB: the last one partial (it carries the totals), or full (the
+    # totals follow in a release of their own).
+    floats = 3 * 65536 - (1000 if last == "partial" else 0)
+    weights = {"w": torch.ones(floats)}
+    reports: dict[str, TransferReport] = {}
+
+    async def send(version: int) -> None:
+        reports["sender"] = await sender.send(weights, version=version)
+
+    with WeightReceiver(endpoint(runtime_dir), cfg) as receiver:
+        with WeightSender(endpoint(runtime_dir), cfg) as sender:
+            for version in (0, 1):  # the first transfer also shakes hands
+                before = time.monotonic()
+                async with anyio.create_task_group() as group:
+                    group.start_soon(send, version)
+                    reports["receiver"] = await receiver.receive_async(lambda items: None)
+                after = time.monotonic()
+                buckets = range(reports["sender"].buckets)
+                assert len(buckets) == 3
+                expected = {
+                    "sender": [
+                        *(["handshake"] if version == 0 else []),
+                        *_pipelined(len(buckets), depth),
+                        *(["release"] if last == "full" else []),
+                        "finalize",
+                    ],
+                    "receiver": [*(f"load {i}" for i in buckets), "finalize"],
+                }
+                for side, report in reports.items():
+                    assert [span.name for span in report.spans] == expected[side], side
+                    spans = report.spans
+                    for span, following in itertools.pairwise(spans):
+                        assert span.start + span.seconds <= following.start  # one after another
+                    assert before <= spans[0].start
+                    assert spans[-1].start + spans[-1].seconds <= after
+
+
+def _pipelined(buckets: int, depth: int) -> list[str]:
+    """The sender's order: with one buffer, pack then wait; with two, pack the next bucket
+    while the previous one is loaded, then wait for its ACK."""
+    if depth == 1:
+        return [name for i in range(buckets) for name in (f"pack {i}", f"ACK {i}")]
+    names = ["pack 0"]
+    for i in range(1, buckets):
+        names += [f"pack {i}", f"ACK {i - 1}"]
+    return [*names, f"ACK {buckets - 1}"]

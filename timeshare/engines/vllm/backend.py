@@ -188,6 +188,7 @@ def _as_dict(
     """The report as plain values (it travels back over vLLM's msgpack RPC)."""
     return {
         **dataclasses.asdict(report),
+        "spans": [list(span) for span in report.spans],
         "digest": "" if digest is None else digest.hexdigest(),
         "call_s": seconds,
     }

@@ -58,6 +58,7 @@ from timeshare.runtime import (
     record_foreign_segments,
     release_foreign_segments,
 )
+from timeshare.timing import Span
 from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
@@ -349,6 +350,8 @@ class VllmInlet:
             buckets=int(report["buckets"]),
             seconds=float(report["seconds"]),
             checksummed=int(report["checksummed"]),
+            # vLLM's worker is a process of this machine: its monotonic clock is this one's
+            spans=tuple(Span(str(n), float(s), float(d)) for n, s, d in report.get("spans", ())),
         )
 
     def close(self) -> None:

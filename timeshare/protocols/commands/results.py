@@ -12,14 +12,18 @@ from typing import Literal
 
 import msgspec
 
+from timeshare.timing import Span
+
 Role = Literal["trainer", "rollout"]
 ROLES: tuple[Role, Role] = ("trainer", "rollout")
 
 
 class PhaseResult(msgspec.Struct, frozen=True, kw_only=True):
-    """A command with nothing to report beyond the time its engine worked."""
+    """A command with nothing to report beyond the time its engine worked, and the spans it
+    recorded (the whole command first, named after it; then what happened inside)."""
 
     engine_s: float = 0.0
+    spans: tuple[Span, ...] = ()
 
 
 class TrainResult(PhaseResult, frozen=True, kw_only=True):

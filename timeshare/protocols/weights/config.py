@@ -11,6 +11,7 @@ import msgspec
 
 from timeshare.errors import ConfigError
 from timeshare.protocols.weights.frames import ALIGNMENT
+from timeshare.timing import Span
 from timeshare.units import MAX_DEADLINE_S, MIB, gbps
 
 # Which staging a session uses; transport.py maps each to its implementation.
@@ -122,6 +123,8 @@ class TransferReport:
 
     `checksummed`: buckets that carried a crc32 (the sender) or whose crc32 was checked (the
     receiver). `ack_seconds` (the sender): for each bucket, from sending its header to its ACK.
+    `spans`: where the transfer's time went, one after another (timing.py): the sender's
+    `pack N`, `ACK N`, `release`, `finalize`; the receiver's `load N`, `finalize`.
     """
 
     version: int
@@ -131,6 +134,7 @@ class TransferReport:
     seconds: float
     checksummed: int = 0
     ack_seconds: tuple[float, ...] = ()
+    spans: tuple[Span, ...] = ()
 
     @property
     def gbps(self) -> float:

@@ -30,6 +30,7 @@ from timeshare.protocols.weights.receiver_socket import ReceiverSocket
 from timeshare.protocols.weights.staging import Staging, views_alive
 from timeshare.protocols.weights.transport import attach_staging
 from timeshare.runtime import Endpoint
+from timeshare.timing import Spans
 from timeshare.units import MAX_DEADLINE_S
 
 OnBucket: TypeAlias = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -61,6 +62,7 @@ class WeightReceiver:
         self._staging: Staging | None = None
         self._closed_because: str | None = None
         self._cancel = threading.Event()
+        self._spans = Spans()  # the current transfer's: loading each bucket, finalizing
         self._socket = ReceiverSocket(self.endpoint, linger_s=self.config.linger_s)
 
     def receive(
@@ -188,6 +190,7 @@ class WeightReceiver:
             self._socket.fail(frame, ProtocolError(f"{type(frame).__name__} before the handshake"))
         version = getattr(frame, "version", 0)
         assembler = Assembler(expected)
+        self._spans.take()
         buckets = checksummed = 0
         released = False
         while isinstance(frame, frames.Bucket) and not released:
@@ -211,7 +214,15 @@ class WeightReceiver:
         self._socket.reply_to(frame, lambda: self._finalize(finalize), step="finalized")
         seconds = time.perf_counter() - started
         delivered = len(assembler.delivered)
-        return TransferReport(version, assembler.bytes, delivered, buckets, seconds, checksummed)
+        return TransferReport(
+            version,
+            assembler.bytes,
+            delivered,
+            buckets,
+            seconds,
+            checksummed,
+            spans=self._spans.take(),
+        )
 
     def _release(self, frame: frames.Request, version: int, assembler: Assembler) -> frames.Request:
         """The Release request of a transfer whose last bucket did not carry the totals."""
@@ -230,6 +241,10 @@ class WeightReceiver:
         self._staging = attach_staging(offer.staging)
 
     def _load(self, bucket: frames.Bucket, assembler: Assembler, on_bucket: OnBucket) -> None:
+        with self._spans.span(f"load {bucket.index}"):
+            self._load_into(bucket, assembler, on_bucket)
+
+    def _load_into(self, bucket: frames.Bucket, assembler: Assembler, on_bucket: OnBucket) -> None:
         assert self._staging is not None
         base, storage = self._staging.view(bucket.buffer)
         tensors: list[tuple[str, torch.Tensor]] = []
@@ -253,9 +268,10 @@ class WeightReceiver:
 
     def _finalize(self, finalize: Finalize | None) -> None:
         started = time.perf_counter()
-        if finalize is not None:
-            finalize()
-        fence([self.device])
+        with self._spans.span("finalize"):
+            if finalize is not None:
+                finalize()
+            fence([self.device])
         elapsed = time.perf_counter() - started
         if elapsed > self.config.finalize_timeout_s:
             raise TransferError(

@@ -52,6 +52,7 @@ from timeshare.protocols.weights.sender_socket import SenderSocket
 from timeshare.protocols.weights.staging import Staging
 from timeshare.protocols.weights.transport import create_staging
 from timeshare.runtime import Endpoint
+from timeshare.timing import Spans
 
 log = structlog.get_logger(__name__)
 
@@ -99,6 +100,7 @@ class WeightSender:
         self._staging: Staging | None = None
         self._checksummed = 0  # buckets of the current transfer that carry a crc32
         self._ack_seconds: list[float] = []  # the current transfer's, bucket by bucket
+        self._spans = Spans()  # the current transfer's: packing, waiting for ACKs, finalizing
         self._busy = False
         self._closed_because: str | None = None
         self._socket = SenderSocket(
@@ -170,7 +172,12 @@ class WeightSender:
     # -- one transfer -----------------------------------------------------------------------
 
     async def _transfer(self, weights: NamedTensors, version: int) -> TransferReport:
-        staging = self._staging or await self._handshake()
+        self._spans.take()  # (what an earlier, failed transfer left)
+        if self._staging is None:
+            with self._spans.span("handshake"):
+                await self._handshake()
+        staging = self._staging
+        assert staging is not None
         started = time.perf_counter()
         planner = BucketPlanner(staging.buffer_bytes)
         free = deque(range(len(staging.buffers)))
@@ -195,9 +202,10 @@ class WeightSender:
         if last:
             assert in_flight is not None
             limit_s = self.config.ack_timeout_s
-            await self._socket.await_ack(
-                in_flight.seq, version, "released", limit_s, bucket=index - 1
-            )
+            with self._spans.span(f"ACK {index - 1}"):
+                await self._socket.await_ack(
+                    in_flight.seq, version, "released", limit_s, bucket=index - 1
+                )
             self._ack_seconds.append(time.perf_counter() - in_flight.sent)
         else:
             if in_flight is not None:
@@ -206,10 +214,12 @@ class WeightSender:
             release = frames.Release(
                 PROTOCOL_VERSION, self._session, version, seq, totals.tensors, totals.nbytes
             )
-            await self._socket.request(release, "released", self.config.ack_timeout_s)
+            with self._spans.span("release"):
+                await self._socket.request(release, "released", self.config.ack_timeout_s)
         seq = self._socket.next_seq()
         finalize = frames.Finalize(PROTOCOL_VERSION, self._session, version, seq)
-        await self._socket.request(finalize, "finalized", self.config.finalize_timeout_s)
+        with self._spans.span("finalize"):
+            await self._socket.request(finalize, "finalized", self.config.finalize_timeout_s)
         seconds = time.perf_counter() - started
         report = TransferReport(
             version,
@@ -219,6 +229,7 @@ class WeightSender:
             seconds,
             self._checksummed,
             tuple(self._ack_seconds),
+            self._spans.take(),
         )
         log.debug(
             "sync.transfer.finalized",
@@ -247,7 +258,8 @@ class WeightSender:
             free.append(await self._await_bucket_ack(in_flight, version))
             in_flight = None
         buffer = free.popleft()
-        checksum = await self._pack(bucket, self._staging.buffers[buffer])
+        with self._spans.span(f"pack {index}"):
+            checksum = await self._pack(bucket, self._staging.buffers[buffer])
         self._checksummed += checksum is not None
         pieces = [p.piece for p in bucket.pieces]
         # Packed: the sources may go now (a trainer gathering its weights one at a time frees
@@ -307,9 +319,10 @@ class WeightSender:
     async def _await_bucket_ack(self, in_flight: InFlight, version: int) -> int:
         """Wait for a bucket's ACK; return its buffer, free again."""
         limit_s = self.config.ack_timeout_s
-        await self._socket.await_ack(
-            in_flight.seq, version, "bucket", limit_s, bucket=in_flight.bucket
-        )
+        with self._spans.span(f"ACK {in_flight.bucket}"):
+            await self._socket.await_ack(
+                in_flight.seq, version, "bucket", limit_s, bucket=in_flight.bucket
+            )
         self._ack_seconds.append(time.perf_counter() - in_flight.sent)
         return in_flight.buffer
 

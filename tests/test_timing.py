@@ -1,0 +1,41 @@
+"""Spans and the clock that places them: what the trace is made of."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from timeshare.timing import Clock, Span, Spans
+
+
+def test_spans_time_their_blocks_and_are_taken_once() -> None:
+    spans = Spans()
+    before = time.monotonic()
+    with spans.span("outer"):
+        with spans.span("inner"):
+            time.sleep(0.01)
+    with pytest.raises(ValueError), spans.span("failed"):
+        raise ValueError("still timed")
+    taken = spans.take()
+    assert [span.name for span in taken] == ["inner", "outer", "failed"]  # in the order they ended
+    inner, outer, _ = taken
+    assert before <= outer.start <= inner.start
+    assert inner.start + inner.seconds <= outer.start + outer.seconds  # nested
+    assert inner.seconds >= 0.01
+    assert spans.take() == ()
+
+
+def test_spans_past_the_limit_are_not_kept() -> None:
+    spans = Spans(limit=3)
+    spans.extend(Span(f"pack {i}", float(i), 0.5) for i in range(10))
+    assert [span.name for span in spans.take()] == ["pack 0", "pack 1", "pack 2"]
+
+
+def test_the_clock_converts_monotonic_times_to_wall_nanoseconds_exactly() -> None:
+    clock = Clock(monotonic=1000.0, wall_ns=1_764_547_200_000_000_000)
+    assert clock.wall_ns_of(1000.0) == clock.wall_ns
+    assert clock.wall_ns_of(1001.5) - clock.wall_ns == 1_500_000_000
+    assert clock.wall_ns_of(999.999999999) - clock.wall_ns == -1
+    now = Clock.now()
+    assert abs(now.wall_ns_of(time.monotonic()) - time.time_ns()) < 50_000_000
