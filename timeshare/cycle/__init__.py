@@ -7,6 +7,8 @@ workers.py   the seam to the workers (`Workers`) and their real processes (`spaw
 zygote.py    the worker factory: loads the workers' code once, forks each worker (factory.py:
              the driver's end)
 hooks.py     how a front end watches and steers a run, and what it is told
+telling.py   telling it: the hooks, the run's summary, the timeline's records (also logged)
+records.py   the timeline's records: each phase of a rank, each mark of the driver's
 steps.py     one step's figures, from the phase reports: the run summary's and the service's
 """
 

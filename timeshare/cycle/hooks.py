@@ -11,6 +11,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from timeshare.config import DeadlineSection
+from timeshare.cycle.records import Record
 from timeshare.protocols.commands.results import BootstrapResult, PhaseResult
 from timeshare.protocols.nodes import NodeRecord
 from timeshare.state import JobState, Phase
@@ -27,6 +28,7 @@ class PhaseReport:
     seconds: float  # to its end; BARRIER's includes the wait for every rank
     trainer: PhaseResult
     rollout: PhaseResult
+    answered: float | None = None  # time.monotonic() as both had answered (None: at the end)
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,8 @@ PhaseObserver = Callable[[PhaseReport | BootstrapReport], Awaitable[None]]
 # Called with the job's state after every transition; synchronous, so it must return at once.
 StateObserver = Callable[[JobState], None]
 NodesObserver = Callable[[list[NodeRecord]], None]
+# Every record of the run's timeline (records.py); synchronous, so it must return at once.
+RecordObserver = Callable[[Record], None]
 # The deadlines in force now: a service reloads them while the cycle runs.
 DeadlineSource = Callable[[], DeadlineSection]
 
@@ -58,6 +62,7 @@ class CycleHooks:
     # Commands of the job store after this generation apply to the run (None: from its start).
     commands_from: int | None = None
     on_nodes: NodesObserver | None = None  # several nodes: every node's record, every beat
+    on_record: RecordObserver | None = None  # the timeline: every phase of a rank, every mark
 
 
 @dataclass
@@ -72,40 +77,3 @@ class RunSummary:
     stop_requested: bool = False  # a `stop` of the job store ended it (given on any node)
     phase_seconds: dict[str, list[float]] = field(default_factory=dict)
     reports: list[PhaseReport] = field(default_factory=list)  # in the order phases ended
-
-
-class Telling:
-    """Tells a front end what its hooks ask for, and keeps the run's summary."""
-
-    def __init__(self, hooks: CycleHooks) -> None:
-        self.hooks = hooks
-        self.summary = RunSummary(lifecycle="starting", step=0, reason=None)
-
-    def state(self, state: JobState) -> None:
-        if self.hooks.on_state is not None:
-            self.hooks.on_state(state)
-
-    def nodes(self, records: list[NodeRecord]) -> None:
-        if self.hooks.on_nodes is not None:
-            self.hooks.on_nodes(records)
-
-    async def bootstrapped(self, report: BootstrapReport) -> None:
-        if self.hooks.observer is not None:
-            await self.hooks.observer(report)
-
-    async def phase_ended(self, report: PhaseReport) -> None:
-        if self.hooks.keep_reports:
-            self.summary.phase_seconds.setdefault(report.phase.value, []).append(report.seconds)
-            self.summary.reports.append(report)
-        if self.hooks.observer is not None:
-            await self.hooks.observer(report)
-
-    def stopped(self, state: JobState, cycle_seconds: float) -> RunSummary:
-        summary = self.summary
-        summary.lifecycle, summary.step, summary.reason = (
-            state.lifecycle.value,
-            state.step,
-            state.reason,
-        )
-        summary.cycle_seconds = cycle_seconds
-        return summary

@@ -28,7 +28,7 @@ from anyio.abc import TaskGroup
 from timeshare.cluster import node_ranks
 from timeshare.config import Config, DeadlineSection
 from timeshare.cycle.commands import CommandFeed, ReadCommand
-from timeshare.cycle.hooks import BootstrapReport, CycleHooks, PhaseReport, RunSummary, Telling
+from timeshare.cycle.hooks import BootstrapReport, CycleHooks, PhaseReport, RunSummary
 from timeshare.cycle.phases import (
     blame_of,
     bootstrap,
@@ -40,6 +40,7 @@ from timeshare.cycle.phases import (
     rule_broken,
     run_phase,
 )
+from timeshare.cycle.telling import Telling
 from timeshare.cycle.workers import Workers, WorkerSpawner, spawn_workers, worker_ids
 from timeshare.errors import CycleFailed, NodeLost, StoreError, WorkerFailure
 from timeshare.protocols.barrier import Barrier
@@ -126,6 +127,7 @@ class _Ran:
     phase: Phase
     step: int
     started: float
+    answered: float
     results: dict[str, PhaseResult]
 
 
@@ -165,7 +167,7 @@ class _Cycle:
         self.hooks = hooks
         self.fences = fences
         self.send, self.inbox = anyio.create_memory_object_stream[_Report](INBOX)
-        self.telling = Telling(hooks)
+        self.telling = Telling(hooks, self.node)
         self.failure: CycleFailed | None = None
         self.barriers: list[Barrier] = []
         self.cycle_id = 0  # this node's count of its cycles on this store
@@ -358,6 +360,8 @@ class _Cycle:
             self.telling.state(state)
             if self.beat is not None:
                 self.beat.update(state)
+            if state.lifecycle is not before.lifecycle:
+                self.telling.mark(state.lifecycle.value, time.monotonic(), step=state.step)
             if state.lifecycle is Lifecycle.PAUSED and before.lifecycle is not Lifecycle.PAUSED:
                 log.info("cycle.pause.verified", workers=2 * self.ranks)
             for refused in outcome.refused:
@@ -378,6 +382,10 @@ class _Cycle:
             self.meetings.clear()
             self.at_barrier.clear()
             self.crossing_scope.cancel()
+        for phase in sorted(
+            {phase for _, phase in steps.start} & self.fences, key=list(Phase).index
+        ):
+            self.telling.mark(f"fence before {phase.name}", time.monotonic(), step=state.step)
         for rank, phase in steps.start:
             group.start_soon(self._run_phase, rank, phase, state.step)
         for rank in steps.meet:
@@ -403,12 +411,22 @@ class _Cycle:
             if isinstance(report, CycleFailed):
                 return self._keep(report)
             if isinstance(report, ReadCommand):
+                self.telling.mark(
+                    f"command {_command_name(report)}",
+                    time.monotonic(),
+                    generation=report.generation,
+                )
                 if report.command == Requested(Request.STOP):
                     self.telling.summary.stop_requested = True  # the daemon stops too
                 return Commanded(report.generation, report.command)
             if isinstance(report, _Crossed):
                 if state.crossing is not report.following:
                     continue  # a stop called the crossing off
+                self.telling.mark(
+                    f"nodes met before {report.following.name}",
+                    time.monotonic(),
+                    commands=report.commands,
+                )
                 return Crossed(report.following, report.commands)
             if isinstance(report, _Ran):
                 return await self._ran(report)
@@ -451,7 +469,7 @@ class _Cycle:
         except CycleFailed as failed:
             await self.send.send(failed)
             return
-        await self.send.send(_Ran(rank, phase, step, started, results))
+        await self.send.send(_Ran(rank, phase, step, started, time.monotonic(), results))
 
     async def _meet(self, rank: int, scope: anyio.CancelScope) -> None:
         with scope:
@@ -524,7 +542,9 @@ class _Cycle:
         trainer, rollout = ran.results["trainer"], ran.results["rollout"]
         seconds = time.monotonic() - ran.started
         rank = self.node_ranks[ran.rank]
-        report = PhaseReport(ran.step, rank, ran.phase, ran.started, seconds, trainer, rollout)
+        report = PhaseReport(
+            ran.step, rank, ran.phase, ran.started, seconds, trainer, rollout, ran.answered
+        )
         await self.telling.phase_ended(report)
 
     async def _failed(self, state: JobState, failed: CycleFailed) -> CycleFailed:
@@ -551,3 +571,8 @@ class _Cycle:
             error=str(failure.cause),
         )
         return failure
+
+
+def _command_name(command: ReadCommand) -> str:
+    event = command.command
+    return event.request.value if isinstance(event, Requested) else f"steps {event.max_steps}"
