@@ -1,5 +1,8 @@
 # make demo: create .venv if needed, then the main job (GRPO on a small LM, examples/tiny-grpo.toml)
-#            from scratch, with its per-step summary in runs/tiny-grpo/summary.json.
+#            from scratch, with its per-step summary in runs/tiny-grpo/summary.json, its trace
+#            (Perfetto) in runs/tiny-grpo/trace.json, its table, and its picture
+#            (runs/tiny-grpo/report.png).
+# make docs-picture: the demo, then its picture into docs/tiny-grpo-report.png.
 # make test: create .venv if needed, then ruff, mypy --strict and pytest; pytest first installs
 #            the tools tests run (test-tools: apt-get, as root), since a test never skips for one.
 # make demo-vllm: the same job with vLLM as the rollout engine (examples/vllm-grpo.toml), its
@@ -23,7 +26,7 @@ STAMP := $(VENV)/.installed
 apt_install = apt-get install -y -q $(1) || (apt-get update -q && apt-get install -y -q $(1))
 
 .PHONY: demo demo-vllm demo-fsdp demo-fsdp-vllm test lint typecheck pytest test-tools bench \
-	bench-vllm bench-fsdp bench-nodes clean
+	bench-vllm bench-fsdp bench-nodes docs-picture clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +41,11 @@ demo: $(STAMP)
 	rm -rf runs/tiny-grpo
 	$(VENV)/bin/timeshare run examples/tiny-grpo.toml --summary runs/tiny-grpo/summary.json
 	$(VENV)/bin/timeshare report runs/tiny-grpo --text
+	$(VENV)/bin/timeshare report runs/tiny-grpo
+
+# The demo's picture in the docs (README: "Seeing a run"), from a fresh demo run.
+docs-picture: demo
+	$(VENV)/bin/timeshare report runs/tiny-grpo --out docs/tiny-grpo-report.png
 
 demo-vllm: $(STAMP)
 	rm -rf runs/vllm-grpo

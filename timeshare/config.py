@@ -70,6 +70,7 @@ class LogSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     level: LogLevel = "info"
     file: str = ""  # structlog JSON lines of the run and its workers; "" for none
     tensorboard: str = ""  # a directory: TensorBoard scalars of every step; "" for none
+    trace: str = ""  # a file: the run's timeline as a Chrome trace (Perfetto); "" for none
 
 
 class DaemonSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -17,14 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.configs import TINY, toml_file
 from tests.cycle.jobs import assert_nothing_left
-from timeshare.cycle.steps import StepFigures
-from timeshare.report.scalars import scalars_of
 
 
 def write_config(
@@ -71,7 +65,7 @@ def five_steps() -> Iterator[FiveSteps]:
     root = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))  # short: ipc paths are bounded
     try:
         summary = root / "summary.json"
-        config = write_config(root, steps=5, log={"tensorboard": f"{root}/tensorboard"})
+        config = write_config(root, steps=5)
         yield FiveSteps(root, timeshare_run(config, summary))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -101,74 +95,6 @@ def test_a_run_writes_every_figure_of_every_step(five_steps: FiveSteps) -> None:
     assert {e.get("role") for e in events} >= {"trainer", "rollout"}
     assert any(e["event"] == "trainer.offload" and e["freed_mb"] > 0 for e in events)
     assert_nothing_left(root)
-
-
-def timeshare_report(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "timeshare", "report", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-
-
-def nearest_rank_p90(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[math.ceil(0.9 * len(ordered)) - 1]
-
-
-@pytest.mark.slow
-def test_the_text_report_is_the_runs_per_phase_table(five_steps: FiveSteps) -> None:
-    done = timeshare_report(str(five_steps.root), "--text")
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.splitlines()
-    assert lines[0] == f"{five_steps.root}: steps 1-5 (5), 2 ranks"
-    steps = json.loads(five_steps.summary.read_text())["steps"]
-    rows = {line.split()[0]: [float(v) for v in line.split()[1:]] for line in lines[2:9]}
-    for phase in ("train", "offload", "sync", "barrier", "resume", "rollout", "step"):
-        seconds = [s["step_s"] if phase == "step" else s["phases"][phase] for s in steps]
-        expected = [statistics.median(seconds), nearest_rank_p90(seconds), max(seconds)]
-        assert rows[phase] == pytest.approx([v * 1e3 for v in expected], abs=0.051), phase
-    rates = [s["sync"]["gbps"] for s in steps]
-    assert lines[9] == (
-        f"sync     {statistics.median(rates):.3f} GB/s median, "
-        f"{nearest_rank_p90(rates):.3f} p90, {max(rates):.3f} max"
-    )
-    bubble = 100 * sum(s["bubble_s"] for s in steps) / sum(s["step_s"] for s in steps)
-    assert lines[10] == f"bubble   {bubble:.1f} % of the step time"
-
-
-@pytest.mark.slow
-def test_tensorboard_holds_every_scalar_of_every_step(five_steps: FiveSteps) -> None:
-    accumulator = EventAccumulator(str(five_steps.root / "tensorboard"))
-    accumulator.Reload()  # TensorBoard's own reader
-    steps = msgspec.convert(json.loads(five_steps.summary.read_text())["steps"], list[StepFigures])
-    expected = {step.step: scalars_of(step) for step in steps}
-    tags = set(accumulator.Tags()["scalars"])
-    assert tags == set(expected[1]), tags
-    assert {"reward", "phase_s/sync", "sync/gbps", "memory/held_at_barrier_mb"} <= tags
-    for tag in tags:
-        points = {event.step: event.value for event in accumulator.Scalars(tag)}
-        assert sorted(points) == [1, 2, 3, 4, 5], tag
-        for step, value in points.items():
-            assert value == pytest.approx(expected[step][tag], rel=1e-6), (tag, step)
-    assert all(step.held_at_barrier_mb == 0.0 and step.weights_match for step in steps)
-
-
-def test_a_run_dir_that_is_missing_or_holds_no_run_is_exit_2_naming_it(tmp_path: Path) -> None:
-    missing = timeshare_report(str(tmp_path / "nope"), "--text")
-    assert missing.returncode == 2 and f"{tmp_path / 'nope'}: no such run directory" in (
-        missing.stderr
-    )
-    empty = timeshare_report(str(tmp_path), "--text")
-    assert empty.returncode == 2 and "holds no summary.json" in empty.stderr
-    (tmp_path / "summary.json").write_text('{"ranks": 2, "steps": []}')
-    none = timeshare_report(str(tmp_path), "--text")
-    assert none.returncode == 2 and "finished no step yet" in none.stderr
-    (tmp_path / "summary.json").write_text("{not json")
-    broken = timeshare_report(str(tmp_path), "--text")
-    assert broken.returncode == 2 and "not a run's summary" in broken.stderr
 
 
 @pytest.mark.slow

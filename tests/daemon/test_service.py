@@ -22,6 +22,7 @@ from tests.daemon.daemons import (
     running_daemon,
     service_config,
 )
+from tests.report.trace_format import check_events, check_timeline, load_trace
 from timeshare.daemon.records import read_journal, read_progress
 
 pytestmark = pytest.mark.slow
@@ -29,7 +30,8 @@ CTL = [sys.executable, "-m", "timeshare.daemon.ctl"]
 
 
 def test_operate_the_daemon_with_timesharectl(runtime_dir: Path) -> None:
-    config = service_config(runtime_dir, log={"tensorboard": f"{runtime_dir}/tensorboard"})
+    log = {"tensorboard": f"{runtime_dir}/tensorboard", "trace": f"{runtime_dir}/trace.json"}
+    config = service_config(runtime_dir, log=log)
     with running_daemon(runtime_dir, config) as daemon:
         # The socket: 0660 in a 0750 directory.
         assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o660
@@ -107,6 +109,18 @@ def test_operate_the_daemon_with_timesharectl(runtime_dir: Path) -> None:
     accumulator = EventAccumulator(str(runtime_dir / "tensorboard"))
     accumulator.Reload()
     assert sorted(e.step for e in accumulator.Scalars("phase_s/sync")) == done and done
+    # [log].trace: the cycle's timeline, closed whole as the daemon stopped, the operator's
+    # commands and what they did on the driver's track.
+    events = load_trace(runtime_dir / "trace.json")
+    check_events(events)
+    check_timeline(events)
+    marks = [e["name"] for e in events if e["ph"] == "i"]
+    at_pause = marks.index("paused")
+    assert marks.index("command pause") < at_pause < marks.index("command resume", at_pause)
+    at_drain = marks.index("draining")
+    assert marks.index("command drain") < at_drain < marks.index("stopped", at_drain)
+    steps = {e["args"]["step"] for e in events if e["ph"] == "X" and e["cat"] == "phase"}
+    assert set(done) <= steps
 
 
 def test_watch_streams_transitions_and_metrics_scrape(runtime_dir: Path) -> None:

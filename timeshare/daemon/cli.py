@@ -10,8 +10,15 @@
                                     a random-initialised transformers model from a seed
     timeshare export CHECKPOINT DIR the FSDP trainer's checkpoint (a step's directory, or the
                                     job's: its newest committed step) as a transformers model
+    timeshare report RUN_DIR [--out PNG] [--steps N]
+                                    the picture of a run: its last N steps rank by rank, each
+                                    step's time by phase, reward and sync rate (RUN_DIR: where
+                                    the run wrote its --summary file and keeps log.jsonl)
     timeshare report RUN_DIR --text the run's per-phase table (median, p90, max), sync GB/s and
                                     bubble, from the --summary file in RUN_DIR
+    timeshare trace RUN_DIR... [--out PATH]
+                                    the run's timeline as a Chrome trace (Perfetto), from the
+                                    log in RUN_DIR (several: the nodes of one job, in one file)
 
 Exit codes: 0 done, 1 the run failed (the error names rank, role and phase), 2 bad input (an
 unusable config names the key and its source), 128 + signal number when stopped by a signal.
@@ -48,28 +55,54 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "export":
             _export(args.checkpoint, args.directory)
         elif args.command == "run":
-            return _run(_with_overrides(load_config(args.config).config, args), args.summary)
+            config = _with_overrides(load_config(args.config).config, args)
+            return _run(config, args.summary, args.config.stem)
         elif args.command == "report":
-            return _report(args.run_dir, text=args.text)
+            return _report(args.run_dir, text=args.text, out=args.out, steps=args.steps)
+        elif args.command == "trace":
+            return _trace(args.run_dirs, args.out)
     except (ConfigError, CheckpointError, RunDirError) as exc:
         print(f"timeshare: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
 
 
-def _report(path: Path, *, text: bool) -> int:
+def _report(path: Path, *, text: bool, out: Path | None, steps: int) -> int:
     # Imported here: the summary's types come with the cycle's (torch), for this command only.
+    from timeshare.report import picture  # noqa: PLC0415
     from timeshare.report.run_dir import RunDir  # noqa: PLC0415
     from timeshare.report.table import phase_table, render  # noqa: PLC0415
 
-    if not text:
-        print(
-            "timeshare report: only --text is built yet (the picture is issue 15's next part)",
-            file=sys.stderr,
-        )
+    run = RunDir.at(path)
+    summary = run.summary()
+    if text:
+        sys.stdout.write(render(phase_table(summary.steps, summary.ranks), str(run.path)))
+        return 0
+    if steps < 1:
+        print(f"timeshare report: --steps must be at least 1, got {steps}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    run = RunDir.open(path)
-    sys.stdout.write(render(phase_table(run.steps, run.ranks), str(run.path)))
+    target = out or run.path / "report.png"
+    drawn = picture.figure(summary, run.records(), gantt_steps=steps)
+    try:
+        picture.save(drawn, target)
+    except OSError as exc:
+        raise RunDirError(f"--out {target}: cannot write it: {exc}") from exc
+    print(f"timeshare report: {target}")
+    return 0
+
+
+def _trace(paths: list[Path], out: Path | None) -> int:
+    from timeshare.report.run_dir import RunDir  # noqa: PLC0415
+    from timeshare.report.trace import write_trace  # noqa: PLC0415
+
+    runs = [RunDir.at(path) for path in paths]
+    records = [record for run in runs for record in run.records()]
+    target = out or runs[0].path / "trace.json"
+    try:
+        count = write_trace(records, target)
+    except OSError as exc:
+        raise RunDirError(f"--out {target}: cannot write it: {exc}") from exc
+    print(f"timeshare trace: {target} ({count} events; open it in ui.perfetto.dev)")
     return 0
 
 
@@ -109,7 +142,7 @@ def _with_overrides(config: Config, args: argparse.Namespace) -> Config:
     return msgspec.structs.replace(config, job=job)
 
 
-def _run(config: Config, summary: Path | None) -> int:
+def _run(config: Config, summary: Path | None, name: str) -> int:
     # Imported here, not at the top: only `timeshare run` needs the driver (torch and zmq, over
     # a second to load), anyio and structlog; `config show` and `state diagram` must stay fast.
     import anyio  # noqa: PLC0415
@@ -119,7 +152,7 @@ def _run(config: Config, summary: Path | None) -> int:
 
     logs.configure(config.log.level, config.log.file)
     try:
-        result = anyio.run(run_foreground, config, summary)
+        result = anyio.run(run_foreground, config, summary, name)
     except CycleFailed as failed:
         print(f"timeshare run: {failed}", file=sys.stderr)
         return EXIT_FAILED
@@ -130,6 +163,7 @@ def _run(config: Config, summary: Path | None) -> int:
         f"timeshare run: {result.lifecycle} at step {result.step} "
         f"({result.step - result.first_step} steps this run)"
         + (f"; summary in {summary}" if summary else "")
+        + (f"; trace in {config.log.trace}" if config.log.trace else "")
     )
     return 0
 
@@ -164,6 +198,11 @@ def _parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="what a run did, from its directory")
     report.add_argument("run_dir", type=Path, help="where the run wrote its --summary file")
     report.add_argument("--text", action="store_true", help="the per-phase table, as text")
+    report.add_argument("--out", type=Path, help="the PNG to write (default RUN_DIR/report.png)")
+    report.add_argument("--steps", type=int, default=3, help="the last steps of the timeline")
+    trace = commands.add_parser("trace", help="a run's timeline as a Chrome trace (Perfetto)")
+    trace.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    trace.add_argument("--out", type=Path, help="the file to write (default RUN_DIR/trace.json)")
     export = commands.add_parser("export", help="an FSDP checkpoint as a transformers model")
     export.add_argument("checkpoint", type=Path, help="a step's directory or a job's checkpoints")
     export.add_argument("directory", type=Path, help="a new or empty directory")

@@ -22,6 +22,7 @@ from timeshare.cycle.steps import StepFigures, StepLog
 from timeshare.daemon.summary import SummaryFile
 from timeshare.errors import Interrupted
 from timeshare.report.scalars import ScalarWriter
+from timeshare.report.trace import TraceFile, open_trace
 
 
 @dataclass
@@ -72,15 +73,17 @@ class Progress:
         self.drawn = True
 
 
-async def run_foreground(config: Config, summary_path: Path | None) -> RunSummary:
+async def run_foreground(config: Config, summary_path: Path | None, name: str = "") -> RunSummary:
+    """Run `config` (called `name`, its file's stem) to its end, `summary_path` if given."""
     progress = Progress(config.job.steps, sys.stdout, sys.stdout.isatty())
-    summary = SummaryFile(summary_path, config.job.ranks) if summary_path else None
+    summary = SummaryFile(summary_path, config.job.ranks, name) if summary_path else None
     ranks = node_ranks(config.cluster, config.job.ranks)  # this node's: it reports their steps
     steps = StepLog(ranks)
     writing = anyio.Lock()  # one summary write at a time (ranks finish phases concurrently)
     scalars = None
     if config.log.tensorboard:
         scalars = await anyio.to_thread.run_sync(ScalarWriter, Path(config.log.tensorboard))
+    trace: TraceFile | None = await open_trace(config.log.trace)
 
     async def observe(report: PhaseReport | BootstrapReport) -> None:
         if isinstance(report, PhaseReport):
@@ -105,15 +108,18 @@ async def run_foreground(config: Config, summary_path: Path | None) -> RunSummar
     try:
         async with anyio.create_task_group() as group:
             group.start_soon(_stop_on_signal)
-            result = await run_cycle(config, hooks=CycleHooks(observer=observe))
+            hooks = CycleHooks(observer=observe, on_record=trace.add if trace else None)
+            result = await run_cycle(config, hooks=hooks)
             group.cancel_scope.cancel()
     except BaseExceptionGroup as errors:
         raise _first(errors) from None  # one failure or one signal: say it plainly
     finally:
         progress.close()
-        if scalars is not None:
-            with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True):
+            if scalars is not None:
                 await anyio.to_thread.run_sync(scalars.close)
+            if trace is not None:
+                await anyio.to_thread.run_sync(trace.close)
     return result
 
 

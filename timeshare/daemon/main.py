@@ -48,6 +48,7 @@ from timeshare.daemon.systemd import (
 from timeshare.errors import ConfigError, ControlError, SocketInUse, StoreError
 from timeshare.protocols.store import AsyncJobStore
 from timeshare.report.scalars import ScalarWriter
+from timeshare.report.trace import open_trace
 from timeshare.state.service import ServiceLifecycle
 
 log = structlog.get_logger(__name__)
@@ -140,22 +141,27 @@ async def _serve(
         print(f"timeshared: {exc}", file=sys.stderr)
         return EXIT_FAILED
     metrics = Metrics(node=config.cluster.node_rank)
-    metrics_server: MetricsServer | None = None
-    if config.daemon.metrics:
-        try:
-            metrics_server = await anyio.to_thread.run_sync(
-                serve_metrics, metrics, config.daemon.metrics_port
-            )
-        except OSError as exc:
-            port = config.daemon.metrics_port
-            print(f"timeshared: daemon.metrics_port {port}: {exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+    trace = None
+    try:
+        trace = await open_trace(config.log.trace)
+        metrics_server = await _start_metrics(config, metrics)
+    except ConfigError as exc:
+        print(f"timeshared: {exc}", file=sys.stderr)
+        if trace is not None:
+            await anyio.to_thread.run_sync(trace.close)
+        return EXIT_BAD_INPUT
     bound = None if metrics_server is None else metrics_server.port
     scalars = None
     if config.log.tensorboard:
         scalars = await anyio.to_thread.run_sync(ScalarWriter, Path(config.log.tensorboard))
     parts = ServiceParts(
-        notifier, metrics, store, metrics_port=bound, activated=activated, scalars=scalars
+        notifier,
+        metrics,
+        store,
+        metrics_port=bound,
+        activated=activated,
+        scalars=scalars,
+        trace=trace,
     )
     saved = await anyio.to_thread.run_sync(load_saved_progress, paths.state_dir)
     service = Service(loaded, config, paths, parts, saved)
@@ -191,8 +197,21 @@ async def _serve(
                 await anyio.to_thread.run_sync(metrics_server.close)
             if scalars is not None:
                 await anyio.to_thread.run_sync(scalars.close)
+            if trace is not None:
+                await anyio.to_thread.run_sync(trace.close)
     log.info("service.stop", exit_code=service.exit_code, reason=service.reason)
     return service.exit_code
+
+
+async def _start_metrics(config: Config, metrics: Metrics) -> MetricsServer | None:
+    """The metrics endpoint ([daemon].metrics); a port it cannot bind is a ConfigError."""
+    if not config.daemon.metrics:
+        return None
+    port = config.daemon.metrics_port
+    try:
+        return await anyio.to_thread.run_sync(serve_metrics, metrics, port)
+    except OSError as exc:
+        raise ConfigError(f"daemon.metrics_port {port}: {exc}") from exc
 
 
 async def _signals(requests: OperatorRequests) -> None:

@@ -35,6 +35,7 @@ from timeshare.protocols.control import ServiceStatus
 from timeshare.protocols.nodes import NodeRecord
 from timeshare.protocols.store import AsyncJobStore
 from timeshare.report.scalars import ScalarWriter
+from timeshare.report.trace import TraceFile
 from timeshare.state import JobState
 from timeshare.state.service import (
     FINAL,
@@ -69,6 +70,7 @@ class ServiceParts:
     activated: bool = False  # started by socket activation: idle until `resume`
     spawn: WorkerSpawner = spawn_workers  # the workers' processes (a test passes a fake)
     scalars: ScalarWriter | None = None  # [log].tensorboard: every step's scalars
+    trace: TraceFile | None = None  # [log].trace: the timeline of every cycle
 
 
 class Service:
@@ -185,6 +187,7 @@ class Service:
             keep_reports=False,
             commands_from=self._commands_from,
             on_nodes=self._on_nodes,
+            on_record=None if self.parts.trace is None else self.parts.trace.add,
         )
         failed = False
         try:

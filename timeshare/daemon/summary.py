@@ -20,9 +20,10 @@ from timeshare.durable import write_atomically
 class SummaryFile:
     """The file, and the steps it holds."""
 
-    def __init__(self, path: Path, ranks: int) -> None:
+    def __init__(self, path: Path, ranks: int, config: str = "") -> None:
         self.path = path
         self.ranks = ranks
+        self.config = config  # the config's name (its file's stem): the report's title
         self.steps: list[dict[str, Any]] = []
 
     def resume_from(self, committed: int) -> None:
@@ -40,5 +41,6 @@ class SummaryFile:
 
     def write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps({"ranks": self.ranks, "steps": self.steps}, indent=1)
+        fields = {"config": self.config, "ranks": self.ranks, "steps": self.steps}
+        text = json.dumps(fields, indent=1)
         write_atomically(self.path, text.encode())

@@ -1,5 +1,7 @@
-"""A run's directory: where `timeshare run --summary DIR/summary.json` wrote its step figures
-(and where `make demo` keeps them: runs/tiny-grpo/). Missing or empty is `RunDirError`."""
+"""A run's directory: where `timeshare run --summary DIR/summary.json` wrote its step figures and
+where the run keeps its log (`[log].file = "DIR/log.jsonl"`, as `make demo` does in
+runs/tiny-grpo/). Each part is read when asked for; one missing or empty is `RunDirError`.
+"""
 
 from __future__ import annotations
 
@@ -9,35 +11,90 @@ from pathlib import Path
 
 import msgspec
 
+from timeshare.cycle.records import PhaseRecord, Record, record_of_line
 from timeshare.cycle.steps import StepFigures
 from timeshare.errors import RunDirError
 
 SUMMARY = "summary.json"
+LOG = "log.jsonl"
+
+
+@dataclass(frozen=True)
+class Summary:
+    config: str  # the config's name (the directory's, for a summary that does not say)
+    ranks: int
+    steps: list[StepFigures]
 
 
 @dataclass(frozen=True)
 class RunDir:
     path: Path
-    ranks: int
-    steps: list[StepFigures]
 
     @classmethod
-    def open(cls, path: Path) -> RunDir:
-        """Read the run in `path` (a directory, or its summary file itself)."""
-        summary = path if path.is_file() else path / SUMMARY
+    def at(cls, path: Path) -> RunDir:
+        """The run in `path` (a directory, or its summary file itself)."""
         if not path.exists():
             raise RunDirError(f"{path}: no such run directory")
+        return cls(path.parent if path.is_file() else path)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def summary(self) -> Summary:
+        """Every step the summary holds (at least one)."""
+        summary = self.path / SUMMARY
         if not summary.is_file():
             raise RunDirError(
-                f"{path}: holds no {SUMMARY} (a run writes it with `timeshare run CONFIG "
-                f"--summary {path / SUMMARY}`)"
+                f"{self.path}: holds no {SUMMARY} (a run writes it with `timeshare run CONFIG "
+                f"--summary {summary}`)"
             )
         try:
             data = json.loads(summary.read_text())
             steps = msgspec.convert(data["steps"], list[StepFigures])
             ranks = int(data["ranks"])
+            config = str(data.get("config") or self.name)
         except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError) as exc:
             raise RunDirError(f"{summary}: not a run's summary: {exc}") from exc
         if not steps:
             raise RunDirError(f"{summary}: the run finished no step yet")
-        return cls(summary.parent, ranks, steps)
+        return Summary(config, ranks, steps)
+
+    def records(self) -> list[Record]:
+        """The timeline's records in the log, in the order they were logged (at least one
+        phase). A line cut short by a crash, or not JSON, is skipped."""
+        log = self.path / LOG
+        if not log.is_file():
+            raise RunDirError(
+                f"{self.path}: holds no {LOG} (a run keeps its log there with "
+                f'`[log] file = "{log}"`)'
+            )
+        records: list[Record] = []
+        try:
+            with log.open(encoding="utf-8", errors="replace") as lines:
+                for number, line in enumerate(lines, 1):
+                    record = _record(line, log, number)
+                    if record is not None:
+                        records.append(record)
+        except OSError as exc:
+            raise RunDirError(f"{log}: {exc}") from exc
+        if not any(isinstance(record, PhaseRecord) for record in records):
+            raise RunDirError(
+                f"{log}: no phase of the run is in it (the cycle logs each at level info: "
+                "was [log].level warning or above, or did no phase end?)"
+            )
+        return records
+
+
+def _record(line: str, log: Path, number: int) -> Record | None:
+    try:
+        fields = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(fields, dict):
+        return None
+    try:
+        return record_of_line(fields)
+    except msgspec.ValidationError as exc:
+        message = f"{log}:{number}: a record of the timeline that does not read: {exc}"
+        raise RunDirError(message) from exc

@@ -1,0 +1,249 @@
+"""The run's timeline as a Chrome trace (JSON array of trace events): Perfetto and
+chrome://tracing open it.
+
+One process per node, one thread (track) per rank and role, and the driver's own track:
+
+    node 0 / driver          instant events: fences opening, commands, the lifecycle
+    node 0 / rank 0 trainer  TRAIN OFFLOAD SYNC BARRIER RESUME ROLLOUT, one slice each, with
+    node 0 / rank 0 rollout  step, version and the results' figures as args; inside each slice
+                             the worker's own spans (the whole command, then what it did:
+                             pack N / ACK N / finalize, load N, wake, generate, sleep, ...), and
+                             at BARRIER the wait for every rank
+
+`TraceBuilder` turns records (cycle/records.py) into events; `TraceFile` writes them as the run
+goes (`[log].trace`), in a thread of its own; `timeshare trace RUN_DIR` feeds the records of the
+run's log through the same builder. Times are microseconds from `origin_ns` (the wall clock, in
+ns): the driver's anchor for a live trace, the earliest anchor of the log's records otherwise, so
+that both give the same file for one run. A file cut off by a crash lacks only its closing `]`,
+which both viewers accept.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+
+from timeshare.cycle.records import MarkRecord, PhaseRecord, Record
+from timeshare.errors import ConfigError, RunDirError
+from timeshare.protocols.commands.results import ROLES
+from timeshare.state import Phase
+from timeshare.timing import Clock, Span, process_clock
+
+log = structlog.get_logger(__name__)
+
+DRIVER_TID = 0
+BARRIER_WAIT = "wait for every rank"
+CLOSE_S = 10.0  # for the writer's thread to write what is queued
+
+TraceEvent = dict[str, Any]
+
+
+def track_of(rank: int, role: str) -> int:
+    """The thread id of a rank's role: the driver is 0, then trainer and rollout by rank."""
+    return 1 + 2 * rank + ROLES.index(role)
+
+
+class TraceBuilder:
+    """Events of each record in turn (a track's name the first time it is used)."""
+
+    def __init__(self, origin_ns: int) -> None:
+        self.origin_ns = origin_ns
+        self._named: set[tuple[int, int]] = set()
+
+    def events(self, record: Record) -> list[TraceEvent]:
+        if isinstance(record, MarkRecord):
+            return self._mark(record)
+        return self._phase(record)
+
+    def _phase(self, record: PhaseRecord) -> list[TraceEvent]:
+        events: list[TraceEvent] = []
+        args = {"step": record.step, "version": record.version, **record.figures}
+        end = record.start + record.seconds
+        for role in ROLES:
+            tid = track_of(record.rank, role)
+            events += self._name(record.node, tid, f"rank {record.rank} {role}")
+            phase = self._slice(
+                record,
+                tid,
+                record.phase.upper(),
+                category="phase",
+                start=record.start,
+                end=end,
+                args=args,
+            )
+            events.append(phase)
+            spans: tuple[Span, ...] = getattr(record, role)
+            for span in sorted(spans, key=lambda s: (s.start, -s.seconds)):
+                end_of_span = span.start + span.seconds
+                events.append(
+                    self._slice(
+                        record, tid, span.name, category="worker", start=span.start, end=end_of_span
+                    )
+                )
+            if record.phase == Phase.BARRIER.value and end > record.answered:
+                wait = self._slice(
+                    record, tid, BARRIER_WAIT, category="fence", start=record.answered, end=end
+                )
+                events.append(wait)
+        return events
+
+    def _mark(self, record: MarkRecord) -> list[TraceEvent]:
+        return [
+            *self._name(record.node, DRIVER_TID, "driver"),
+            {
+                "name": record.name,
+                "cat": "driver",
+                "ph": "i",
+                "s": "t",
+                "ts": self._us(record.clock, record.at),
+                "pid": record.node,
+                "tid": DRIVER_TID,
+                "args": dict(record.args),
+            },
+        ]
+
+    def _slice(
+        self,
+        record: PhaseRecord,
+        tid: int,
+        name: str,
+        *,
+        category: str,
+        start: float,
+        end: float,
+        args: dict[str, Any] | None = None,
+    ) -> TraceEvent:
+        begin_ns = record.clock.wall_ns_of(start)
+        event: TraceEvent = {
+            "name": name,
+            "cat": category,
+            "ph": "X",
+            "ts": (begin_ns - self.origin_ns) / 1000,
+            "dur": (record.clock.wall_ns_of(end) - begin_ns) / 1000,
+            "pid": record.node,
+            "tid": tid,
+        }
+        if args is not None:
+            event["args"] = args
+        return event
+
+    def _name(self, node: int, tid: int, name: str) -> list[TraceEvent]:
+        """The metadata naming a track (and its node), once each."""
+        events: list[TraceEvent] = []
+        if (node, -1) not in self._named:
+            self._named.add((node, -1))
+            events += [
+                _metadata("process_name", node, 0, name=f"node {node}"),
+                _metadata("process_sort_index", node, 0, sort_index=node),
+            ]
+        if (node, tid) not in self._named:
+            self._named.add((node, tid))
+            events += [
+                _metadata("thread_name", node, tid, name=name),
+                _metadata("thread_sort_index", node, tid, sort_index=tid),
+            ]
+        return events
+
+    def _us(self, clock: Clock, monotonic: float) -> float:
+        return (clock.wall_ns_of(monotonic) - self.origin_ns) / 1000
+
+
+def _metadata(kind: str, pid: int, tid: int, **args: Any) -> TraceEvent:
+    return {"name": kind, "ph": "M", "pid": pid, "tid": tid, "args": args}
+
+
+def origin_of(records: Iterable[Record]) -> int:
+    """The origin of a trace of `records`: the earliest anchor among them."""
+    return min(record.clock.wall_ns for record in records)
+
+
+def write_trace(records: list[Record], path: Path) -> int:
+    """The whole trace of `records` into `path` (as `TraceFile` would have); how many events."""
+    if not records:
+        raise RunDirError("no phase of the run is in its log: nothing to trace")
+    builder = TraceBuilder(origin_of(records))
+    count = 0
+    with _TraceText(path) as text:
+        for record in records:
+            events = builder.events(record)
+            text.write(events)
+            count += len(events)
+    return count
+
+
+class _TraceText:
+    """The JSON array, an event per line: `[`, the events, `]` (omitted by a crash)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._file.write("[")
+        self._first = True
+
+    def write(self, events: list[TraceEvent]) -> None:
+        for event in events:
+            self._file.write(("\n" if self._first else ",\n") + json.dumps(event))
+            self._first = False
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.write("\n]\n")
+        self._file.close()
+
+    def __enter__(self) -> _TraceText:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class TraceFile:
+    """`[log].trace`: the records of this process's runs as they come, written by a thread so
+    that `add` never waits for the disk (the cycle calls it from its event loop)."""
+
+    def __init__(self, path: Path, origin_ns: int) -> None:
+        self.path = path
+        self._builder = TraceBuilder(origin_ns)
+        self._text = _TraceText(path)  # OSError: the caller's to report
+        self._queue: queue.SimpleQueue[Record | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name="trace-file", daemon=True)
+        self._thread.start()
+
+    def add(self, record: Record) -> None:
+        if self._thread.is_alive():  # (gone after a write failed: logged, the run goes on)
+            self._queue.put(record)
+
+    def close(self) -> None:
+        """Everything queued written and the file closed (blocks: call it off the event loop)."""
+        self._queue.put(None)
+        self._thread.join(CLOSE_S)
+
+    def _write(self) -> None:
+        try:
+            while (record := self._queue.get()) is not None:
+                self._text.write(self._builder.events(record))
+        except OSError as exc:  # a full disk must not end the run: its log keeps the records
+            log.warning("trace.write_failed", path=str(self.path), error=str(exc))
+        finally:
+            try:
+                self._text.close()
+            except OSError as exc:
+                log.warning("trace.write_failed", path=str(self.path), error=str(exc))
+
+
+async def open_trace(path: str) -> TraceFile | None:
+    """`[log].trace` opened for this process's runs (None: not asked for); a path that cannot
+    be written is a ConfigError naming the key."""
+    if not path:
+        return None
+    try:
+        return await anyio.to_thread.run_sync(TraceFile, Path(path), process_clock().wall_ns)
+    except OSError as exc:
+        raise ConfigError(f"log.trace: cannot write {path}: {exc}") from exc
