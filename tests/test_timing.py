@@ -26,10 +26,14 @@ def test_spans_time_their_blocks_and_are_taken_once() -> None:
     assert spans.take() == ()
 
 
-def test_spans_past_the_limit_are_not_kept() -> None:
-    spans = Spans(limit=3)
+def test_past_the_limit_the_first_spans_and_the_last_are_kept() -> None:
+    spans = Spans(limit=5, tail=2)
     spans.extend(Span(f"pack {i}", float(i), 0.5) for i in range(10))
-    assert [span.name for span in spans.take()] == ["pack 0", "pack 1", "pack 2"]
+    spans.add(Span("finalize", 10.0, 0.1))
+    names = [span.name for span in spans.take()]
+    assert names == ["pack 0", "pack 1", "pack 2", "pack 9", "finalize"]
+    spans.add(Span("next", 11.0, 0.1))
+    assert [span.name for span in spans.take()] == ["next"]
 
 
 def test_the_clock_converts_monotonic_times_to_wall_nanoseconds_exactly() -> None:

@@ -16,9 +16,10 @@ class TimeshareError(Exception):
     `except TimeshareError` catches them all."""
 
 
-class RunDirError(TimeshareError):
-    """Raised by `timeshare report` for a run directory that is missing, or holds no summary
-    of a run's steps (or one that cannot be read): names the path."""
+class ReportError(TimeshareError):
+    """Raised by `timeshare report` and `timeshare trace` for a run directory that is missing,
+    or holds no summary or log of a run (or one that cannot be read), for an output that cannot
+    be written, or without the `report` extra: names the path, or what to install."""
 
 
 class ConfigError(TimeshareError, ValueError):

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
 import msgspec
 
-# Spans one command keeps (a weight transfer of thousands of buckets records two per bucket):
-# later ones are not kept, so that a result, a log line and a trace stay small.
-MAX_SPANS = 1024
+# Spans one command keeps (a weight transfer of thousands of buckets records two per bucket),
+# so that a result, a log line (under the journal's 48 KiB) and a trace stay small: the first
+# ones, and the last `TAIL_SPANS` (how the command ended: finalize, offload).
+MAX_SPANS = 256
+TAIL_SPANS = 16
 
 
 class Span(NamedTuple):
@@ -57,11 +60,14 @@ def process_clock() -> Clock:
 
 
 class Spans:
-    """The spans of one command, in the order they ended (the first `limit` of them)."""
+    """The spans of one command, in the order they ended: all of them, or past `limit` the
+    first `limit - tail` and the last `tail`."""
 
-    def __init__(self, limit: int = MAX_SPANS) -> None:
-        self.limit = limit
-        self._spans: list[Span] = []
+    def __init__(self, limit: int = MAX_SPANS, tail: int = TAIL_SPANS) -> None:
+        assert 0 <= tail < limit, (limit, tail)
+        self._head: list[Span] = []
+        self._head_limit = limit - tail
+        self._tail: deque[Span] = deque(maxlen=tail)
 
     @contextmanager
     def span(self, name: str) -> Iterator[None]:
@@ -73,8 +79,10 @@ class Spans:
             self.add(Span(name, start, time.monotonic() - start))
 
     def add(self, span: Span) -> None:
-        if len(self._spans) < self.limit:
-            self._spans.append(span)
+        if len(self._head) < self._head_limit:
+            self._head.append(span)
+        elif self._tail.maxlen:
+            self._tail.append(span)
 
     def extend(self, spans: Iterable[Span]) -> None:
         for span in spans:
@@ -82,5 +90,7 @@ class Spans:
 
     def take(self) -> tuple[Span, ...]:
         """The spans recorded so far, forgotten here (the next command starts afresh)."""
-        taken, self._spans = tuple(self._spans), []
+        taken = (*self._head, *self._tail)
+        self._head.clear()
+        self._tail.clear()
         return taken

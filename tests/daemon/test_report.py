@@ -178,6 +178,10 @@ def test_the_trace_rebuilt_from_the_log_is_the_same_file(run: TracedRun, tmp_pat
     assert done.returncode == 0, done.stderr
     assert f"{rebuilt} (" in done.stdout and "ui.perfetto.dev" in done.stdout
     assert rebuilt.read_bytes() == run.trace.read_bytes()
+    # By default beside the live trace, never over it (a run may still be writing that one).
+    beside = timeshare("trace", str(run.root))
+    assert beside.returncode == 0, beside.stderr
+    assert (run.root / "trace-from-log.json").read_bytes() == run.trace.read_bytes()
 
 
 @pytest.mark.slow
@@ -214,6 +218,22 @@ def test_the_picture_has_its_four_panels_readable_at_a_glance(
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"timeshare report: {tmp_path / 'report.png'}"
     assert (tmp_path / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_a_picture_needs_the_log_and_a_png_to_write(run: TracedRun, tmp_path: Path) -> None:
+    shutil.copy(run.root / "summary.json", tmp_path)
+    no_log = timeshare("report", str(tmp_path))
+    assert no_log.returncode == 2 and "holds no log.jsonl" in no_log.stderr
+    assert timeshare("report", str(tmp_path), "--text").returncode == 0  # the table needs none
+    pdf = timeshare("report", str(run.root), "--out", str(tmp_path / "report.pdf"))
+    assert pdf.returncode == 2 and "name it *.png" in pdf.stderr
+    unwritable = timeshare("report", str(run.root), "--out", "/proc/report.png")
+    assert unwritable.returncode == 2 and "--out /proc/report.png: cannot write it" in (
+        unwritable.stderr
+    )
+    steps = timeshare("report", str(run.root), "--steps", "0")
+    assert steps.returncode == 2 and "--steps must be at least 1" in steps.stderr
 
 
 def nearest_rank_p90(values: list[float]) -> float:

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from tests.report.trace_format import check_events, check_timeline, load_trace, ns
+from timeshare.cycle.hooks import PhaseReport
 from timeshare.cycle.records import MarkRecord, PhaseRecord, Record, record_of_line
-from timeshare.errors import RunDirError
+from timeshare.cycle.telling import phase_record
+from timeshare.errors import ReportError
+from timeshare.protocols.commands.results import PhaseResult, TrainResult
 from timeshare.report.trace import (
     BARRIER_WAIT,
     DRIVER_TID,
     TraceBuilder,
     TraceFile,
+    previous_of,
     track_of,
     write_trace,
 )
+from timeshare.state import Phase
 from timeshare.timing import Clock, Span
 
 CLOCK = Clock(monotonic=100.0, wall_ns=1_700_000_000_000_000_000)
@@ -162,8 +168,6 @@ def test_a_trace_cut_off_by_a_crash_lacks_only_its_closing_bracket(tmp_path: Pat
 
 def test_records_read_back_from_log_lines_as_they_were() -> None:
     record = sync(0, 101.0)
-    import msgspec
-
     line = {
         "event": "cycle.phase.ended",
         "record": json.loads(json.dumps(msgspec.to_builtins(record))),
@@ -175,7 +179,7 @@ def test_records_read_back_from_log_lines_as_they_were() -> None:
 
 
 def test_no_records_is_no_trace(tmp_path: Path) -> None:
-    with pytest.raises(RunDirError, match="nothing to trace"):
+    with pytest.raises(ReportError, match="nothing to trace"):
         write_trace([], tmp_path / "trace.json")
     assert not (tmp_path / "trace.json").exists()
 
@@ -197,3 +201,38 @@ def test_the_format_check_refuses_what_the_format_does_not_define() -> None:
         check_timeline(overlapping)
     with pytest.raises(AssertionError, match="go back"):
         check_timeline([good, {**good, "ts": 0.5, "dur": 0.1}])
+
+
+def test_a_loss_gone_to_nan_stays_visible_and_the_trace_stays_json() -> None:
+    trainer = TrainResult(step=3, samples=4, loss=math.nan, reward_mean=math.inf)
+    report = PhaseReport(3, 0, Phase.TRAIN, 100.0, 0.5, trainer, PhaseResult(), answered=100.4)
+    record = phase_record(report, node=0, clock=CLOCK)
+    assert (record.figures["trainer.loss"], record.figures["trainer.reward_mean"]) == ("nan", "inf")
+    assert record.figures["trainer.samples"] == 4 and record.answered == 100.4
+    events = TraceBuilder(CLOCK.wall_ns).events(record)
+    check_events(events)  # (plain JSON: no NaN)
+
+
+def test_a_live_trace_keeps_the_one_an_earlier_process_left(tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    path.write_text("[\n{cut short by a crash")
+    live = TraceFile(path, CLOCK.wall_ns)
+    live.add(sync(0, 101.0))
+    live.close()
+    assert previous_of(path).read_text() == "[\n{cut short by a crash"
+    check_events(load_trace(path))
+
+
+def test_a_record_the_writer_cannot_write_ends_the_live_trace_not_the_run(
+    tmp_path: Path,
+) -> None:
+    live = TraceFile(tmp_path / "trace.json", CLOCK.wall_ns)
+    live.add(sync(0, 101.0))
+    live.add(MarkRecord(node=0, name="bad", at=100.0, clock=CLOCK, args={"x": math.nan}))
+    live._thread.join(10)  # the writer stopped, having closed the file whole
+    assert not live._thread.is_alive()
+    live.add(sync(0, 102.0))  # refused quietly: nothing queues up for days
+    assert live._queue.empty()
+    live.close()
+    names = {e["name"] for e in load_trace(tmp_path / "trace.json")}
+    assert "SYNC" in names and "bad" not in names

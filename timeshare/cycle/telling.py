@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from timeshare.cycle.hooks import BootstrapReport, CycleHooks, PhaseReport, RunSummary
@@ -96,10 +98,13 @@ def _version(report: PhaseReport) -> int:
 
 
 def _figures(role: str, result: PhaseResult) -> dict[str, Figure]:
-    """The plain figures of a result (not its spans, samples or per-bucket lists)."""
+    """The plain figures of a result (not its spans, samples or per-bucket lists). A loss gone
+    to NaN stays visible, as the string "nan": JSON has no NaN and trace viewers refuse one."""
     fields = msgspec.structs.asdict(result)
     return {
-        f"{role}.{name}": value
+        f"{role}.{name}": str(value)
+        if isinstance(value, float) and not math.isfinite(value)
+        else value
         for name, value in fields.items()
         if isinstance(value, float | int | str | bool) or value is None
     }

@@ -35,7 +35,7 @@ import msgspec
 
 from timeshare.config import Config, effective_lines, load_config
 from timeshare.engines.model_dir import ARCHITECTURES, ModelShape, init_model_dir
-from timeshare.errors import CheckpointError, ConfigError, CycleFailed, Interrupted, RunDirError
+from timeshare.errors import CheckpointError, ConfigError, CycleFailed, Interrupted, ReportError
 from timeshare.state.diagram import DIAGRAMS
 
 EXIT_FAILED = 1
@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _report(args.run_dir, text=args.text, out=args.out, steps=args.steps)
         elif args.command == "trace":
             return _trace(args.run_dirs, args.out)
-    except (ConfigError, CheckpointError, RunDirError) as exc:
+    except (ConfigError, CheckpointError, ReportError) as exc:
         print(f"timeshare: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
@@ -82,13 +82,19 @@ def _report(path: Path, *, text: bool, out: Path | None, steps: int) -> int:
         print(f"timeshare report: --steps must be at least 1, got {steps}", file=sys.stderr)
         return EXIT_BAD_INPUT
     target = out or run.path / "report.png"
+    if target.suffix != ".png":
+        raise ReportError(f"--out {target}: the picture is a PNG, name it *.png")
     drawn = picture.figure(summary, run.records(), gantt_steps=steps)
     try:
         picture.save(drawn, target)
     except OSError as exc:
-        raise RunDirError(f"--out {target}: cannot write it: {exc}") from exc
+        raise ReportError(f"--out {target}: cannot write it: {exc}") from exc
     print(f"timeshare report: {target}")
     return 0
+
+
+# Not trace.json: a run's live trace may be there, still being written.
+REBUILT_TRACE = "trace-from-log.json"
 
 
 def _trace(paths: list[Path], out: Path | None) -> int:
@@ -97,11 +103,11 @@ def _trace(paths: list[Path], out: Path | None) -> int:
 
     runs = [RunDir.at(path) for path in paths]
     records = [record for run in runs for record in run.records()]
-    target = out or runs[0].path / "trace.json"
+    target = out or runs[0].path / REBUILT_TRACE
     try:
         count = write_trace(records, target)
     except OSError as exc:
-        raise RunDirError(f"--out {target}: cannot write it: {exc}") from exc
+        raise ReportError(f"--out {target}: cannot write it: {exc}") from exc
     print(f"timeshare trace: {target} ({count} events; open it in ui.perfetto.dev)")
     return 0
 
@@ -202,7 +208,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--steps", type=int, default=3, help="the last steps of the timeline")
     trace = commands.add_parser("trace", help="a run's timeline as a Chrome trace (Perfetto)")
     trace.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
-    trace.add_argument("--out", type=Path, help="the file to write (default RUN_DIR/trace.json)")
+    trace.add_argument(
+        "--out", type=Path, help=f"the file to write (default RUN_DIR/{REBUILT_TRACE})"
+    )
     export = commands.add_parser("export", help="an FSDP checkpoint as a transformers model")
     export.add_argument("checkpoint", type=Path, help="a step's directory or a job's checkpoints")
     export.add_argument("directory", type=Path, help="a new or empty directory")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -17,12 +18,18 @@ import anyio
 
 from timeshare.cluster import node_ranks
 from timeshare.config import Config
-from timeshare.cycle import BootstrapReport, CycleHooks, PhaseReport, RunSummary, run_cycle
+from timeshare.cycle import (
+    BootstrapReport,
+    CycleHooks,
+    PhaseObserver,
+    PhaseReport,
+    RunSummary,
+    run_cycle,
+)
 from timeshare.cycle.steps import StepFigures, StepLog
 from timeshare.daemon.summary import SummaryFile
 from timeshare.errors import Interrupted
-from timeshare.report.scalars import ScalarWriter
-from timeshare.report.trace import TraceFile, open_trace
+from timeshare.report.writers import RunWriters, open_writers
 
 
 @dataclass
@@ -75,15 +82,32 @@ class Progress:
 
 async def run_foreground(config: Config, summary_path: Path | None, name: str = "") -> RunSummary:
     """Run `config` (called `name`, its file's stem) to its end, `summary_path` if given."""
-    progress = Progress(config.job.steps, sys.stdout, sys.stdout.isatty())
-    summary = SummaryFile(summary_path, config.job.ranks, name) if summary_path else None
+    async with AsyncExitStack() as opened:  # the writers closed on every way out
+        writers = await open_writers(config.log, opened)
+        progress = Progress(config.job.steps, sys.stdout, sys.stdout.isatty())
+        summary = SummaryFile(summary_path, config.job.ranks, name) if summary_path else None
+        observe = _observer(config, summary, writers, progress)
+        trace = writers.trace
+        hooks = CycleHooks(observer=observe, on_record=None if trace is None else trace.add)
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(_stop_on_signal)
+                result = await run_cycle(config, hooks=hooks)
+                group.cancel_scope.cancel()
+        except BaseExceptionGroup as errors:
+            raise _first(errors) from None  # one failure or one signal: say it plainly
+        finally:
+            progress.close()
+    return result
+
+
+def _observer(
+    config: Config, summary: SummaryFile | None, writers: RunWriters, progress: Progress
+) -> PhaseObserver:
+    """What `timeshare run` does with each report: progress, the summary, the scalars."""
     ranks = node_ranks(config.cluster, config.job.ranks)  # this node's: it reports their steps
     steps = StepLog(ranks)
     writing = anyio.Lock()  # one summary write at a time (ranks finish phases concurrently)
-    scalars = None
-    if config.log.tensorboard:
-        scalars = await anyio.to_thread.run_sync(ScalarWriter, Path(config.log.tensorboard))
-    trace: TraceFile | None = await open_trace(config.log.trace)
 
     async def observe(report: PhaseReport | BootstrapReport) -> None:
         if isinstance(report, PhaseReport):
@@ -93,8 +117,8 @@ async def run_foreground(config: Config, summary_path: Path | None, name: str = 
                 if summary is not None:
                     async with writing:  # fsync: off the event loop
                         await anyio.to_thread.run_sync(summary.append, figures)
-                if scalars is not None:
-                    scalars.add(figures)  # queued: the writer's thread writes
+                if writers.scalars is not None:
+                    writers.scalars.add(figures)  # queued: the writer's thread writes
                 progress.step(figures)
             return
         # Bootstrapped at the committed step: keep what the summary says up to it, and finish
@@ -105,22 +129,7 @@ async def run_foreground(config: Config, summary_path: Path | None, name: str = 
         if summary is None or not summary.has(report.step):
             steps.resume(report)
 
-    try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(_stop_on_signal)
-            hooks = CycleHooks(observer=observe, on_record=trace.add if trace else None)
-            result = await run_cycle(config, hooks=hooks)
-            group.cancel_scope.cancel()
-    except BaseExceptionGroup as errors:
-        raise _first(errors) from None  # one failure or one signal: say it plainly
-    finally:
-        progress.close()
-        with anyio.CancelScope(shield=True):
-            if scalars is not None:
-                await anyio.to_thread.run_sync(scalars.close)
-            if trace is not None:
-                await anyio.to_thread.run_sync(trace.close)
-    return result
+    return observe
 
 
 def _first(errors: BaseExceptionGroup[BaseException]) -> BaseException:

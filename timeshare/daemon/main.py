@@ -6,7 +6,8 @@ Paths come from the config, else from systemd's environment, else defaults:
     runtime    [job].runtime_dir as set, else $RUNTIME_DIRECTORY, else the job's default;
                the workers' sockets go in <runtime>/job, the control socket is
                <runtime>/control.sock unless [daemon].socket says otherwise
-    checkpoints and log file, when relative, are under the state directory
+    checkpoints, the log file, tensorboard and trace, when relative, are under the state
+               directory
 
 Started by socket activation (timeshared.socket), the daemon comes up idle: a status query never
 starts training; `timesharectl resume` does.
@@ -24,7 +25,7 @@ import signal
 import socket
 import sys
 from collections.abc import Mapping, Sequence
-from contextlib import suppress
+from contextlib import AsyncExitStack, suppress
 from functools import partial
 from pathlib import Path
 
@@ -47,8 +48,7 @@ from timeshare.daemon.systemd import (
 )
 from timeshare.errors import ConfigError, ControlError, SocketInUse, StoreError
 from timeshare.protocols.store import AsyncJobStore
-from timeshare.report.scalars import ScalarWriter
-from timeshare.report.trace import open_trace
+from timeshare.report.writers import close_off_loop, open_writers
 from timeshare.state.service import ServiceLifecycle
 
 log = structlog.get_logger(__name__)
@@ -78,10 +78,18 @@ def resolve(
         runtime_dir=str(runtime / "job"),
         checkpoint_dir=str(_under(state_dir, config.job.checkpoint_dir)),
     )
-    log_file = str(_under(state_dir, config.log.file)) if config.log.file else ""
-    config = msgspec.structs.replace(
-        config, job=job, log=msgspec.structs.replace(config.log, file=log_file)
+    log_section = msgspec.structs.replace(
+        config.log,
+        **{
+            key: str(_under(state_dir, path)) if path else ""
+            for key, path in (
+                ("file", config.log.file),
+                ("tensorboard", config.log.tensorboard),
+                ("trace", config.log.trace),
+            )
+        },
     )
+    config = msgspec.structs.replace(config, job=job, log=log_section)
     return config, ServicePaths(config_file, state_dir, socket_path)
 
 
@@ -141,41 +149,46 @@ async def _serve(
         print(f"timeshared: {exc}", file=sys.stderr)
         return EXIT_FAILED
     metrics = Metrics(node=config.cluster.node_rank)
-    trace = None
-    try:
-        trace = await open_trace(config.log.trace)
-        metrics_server = await _start_metrics(config, metrics)
-    except ConfigError as exc:
-        print(f"timeshared: {exc}", file=sys.stderr)
-        if trace is not None:
-            await anyio.to_thread.run_sync(trace.close)
-        return EXIT_BAD_INPUT
-    bound = None if metrics_server is None else metrics_server.port
-    scalars = None
-    if config.log.tensorboard:
-        scalars = await anyio.to_thread.run_sync(ScalarWriter, Path(config.log.tensorboard))
-    parts = ServiceParts(
-        notifier,
-        metrics,
-        store,
-        metrics_port=bound,
-        activated=activated,
-        scalars=scalars,
-        trace=trace,
-    )
-    saved = await anyio.to_thread.run_sync(load_saved_progress, paths.state_dir)
-    service = Service(loaded, config, paths, parts, saved)
+    async with AsyncExitStack() as opened:  # each closed on every way out, the last first
+        try:
+            writers = await open_writers(config.log, opened)
+            metrics_server = await _start_metrics(config, metrics)
+            if metrics_server is not None:
+                opened.push_async_callback(close_off_loop, metrics_server.close)
+        except ConfigError as exc:
+            print(f"timeshared: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        parts = ServiceParts(
+            notifier,
+            metrics,
+            store,
+            metrics_port=None if metrics_server is None else metrics_server.port,
+            activated=activated,
+            scalars=writers.scalars,
+            trace=writers.trace,
+        )
+        saved = await anyio.to_thread.run_sync(load_saved_progress, paths.state_dir)
+        service = Service(loaded, config, paths, parts, saved)
+        await _run_service(service, control, watchdog_s, activated)
+    log.info("service.stop", exit_code=service.exit_code, reason=service.reason)
+    return service.exit_code
+
+
+async def _run_service(
+    service: Service, control: socket.socket, watchdog_s: float | None, activated: bool
+) -> None:
+    """The service answering its socket and running cycles, until it stops."""
     log.info(
         "service.start",
-        config=str(paths.config_file),
-        state_dir=str(paths.state_dir),
-        socket=str(paths.socket),
+        config=str(service.paths.config_file),
+        state_dir=str(service.paths.state_dir),
+        socket=str(service.paths.socket),
         socket_activated=activated,
         committed_step=service.progress.committed_step,
     )
     await service.open()  # before the first request can be answered
     requests = OperatorRequests(service)
-    server = ControlServer(service, requests, config.daemon)
+    server = ControlServer(service, requests, service.config.daemon)
     try:
         async with anyio.create_task_group() as group:
             group.start_soon(service.records.run)
@@ -185,22 +198,14 @@ async def _serve(
             if watchdog_s is not None:
                 group.start_soon(_watchdog, service, watchdog_s)
             group.start_soon(_drain_deadline, service)
-            group.start_soon(service.loop_lag.measure, metrics.loop_lag.set)
+            group.start_soon(service.loop_lag.measure, service.parts.metrics.loop_lag.set)
             await service.run_cycles()
             await server.wait_answered(timeout_s=ANSWER_GRACE_S)
             group.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
-            notifier.stopping(f"stopped: {service.reason or 'requested'}")
+            service.parts.notifier.stopping(f"stopped: {service.reason or 'requested'}")
             await service.records.close()
-            if metrics_server is not None:
-                await anyio.to_thread.run_sync(metrics_server.close)
-            if scalars is not None:
-                await anyio.to_thread.run_sync(scalars.close)
-            if trace is not None:
-                await anyio.to_thread.run_sync(trace.close)
-    log.info("service.stop", exit_code=service.exit_code, reason=service.reason)
-    return service.exit_code
 
 
 async def _start_metrics(config: Config, metrics: Metrics) -> MetricsServer | None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from timeshare.cycle.records import PhaseRecord, Record
 from timeshare.cycle.steps import PHASES
+from timeshare.errors import ReportError
 from timeshare.protocols.commands.results import ROLES
 from timeshare.report.run_dir import Summary
 
@@ -42,7 +43,12 @@ def figure(
     summary: Summary, records: Sequence[Record], *, gantt_steps: int = GANTT_STEPS
 ) -> Figure:
     """The four panels of a run, with its title; not yet saved."""
-    from matplotlib.figure import Figure  # noqa: PLC0415 - the `report` extra, for this only
+    try:
+        from matplotlib.figure import Figure  # noqa: PLC0415 - the `report` extra, for this only
+    except ImportError as exc:
+        raise ReportError(
+            f"the picture needs matplotlib: pip install 'timeshare[report]' ({exc})"
+        ) from exc
 
     picture = Figure(figsize=(14, 10), layout="constrained")
     grid = picture.add_gridspec(3, 2, height_ratios=(1.3, 1, 1))
@@ -67,23 +73,24 @@ def figure(
 
 def save(picture: Figure, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    picture.savefig(path, dpi=100)
+    picture.savefig(path, dpi=100, format="png")
 
 
 def _timeline(axes: Axes, records: Sequence[PhaseRecord], steps: int) -> None:
-    last = max(record.step for record in records)
-    shown = [record for record in records if record.step > last - steps]
-    origin = min(record.start for record in shown)
+    shown = _last_steps(records, steps)
+    last = max(record.step for record in shown)
+    origin = min(_wall_s(record, record.start) for record in shown)
     rows = sorted({(record.rank, role) for record in shown for role in ROLES})
     for row, (rank, role) in enumerate(rows):
         for record in (r for r in shown if r.rank == rank):
             colour = PHASE_COLOURS[record.phase]
-            start = record.start - origin
+            start = _wall_s(record, record.start) - origin
             axes.broken_barh([(start, record.seconds)], (row - 0.4, 0.8), color=colour, alpha=0.25)
             work = _command_span(record, role)
             if work is not None:
+                work_start = _wall_s(record, work[0]) - origin
                 axes.broken_barh(
-                    [(work[0] - origin, work[1])], (row - 0.3, 0.6), color=colour, alpha=0.95
+                    [(work_start, work[1])], (row - 0.3, 0.6), color=colour, alpha=0.95
                 )
     axes.set_yticks(range(len(rows)), [f"rank {rank} {role}" for rank, role in rows])
     axes.invert_yaxis()
@@ -95,6 +102,20 @@ def _timeline(axes: Axes, records: Sequence[PhaseRecord], steps: int) -> None:
         fontsize=10,
     )
     _phase_legend(axes)
+
+
+def _last_steps(records: Sequence[PhaseRecord], steps: int) -> list[PhaseRecord]:
+    """The records of the last `steps` steps, each (rank, phase, step) once: a run resumed in
+    the same log ran its first step again, and the latest is what the summary has."""
+    latest = {(r.rank, r.phase, r.step): r for r in records}
+    last = max(step for _, _, step in latest)
+    return [record for record in latest.values() if record.step > last - steps]
+
+
+def _wall_s(record: PhaseRecord, monotonic: float) -> float:
+    """A time of the record's process on the wall clock, in seconds: processes of one log may
+    have run apart, or on a machine since rebooted, and their monotonic clocks do not compare."""
+    return record.clock.wall_ns_of(monotonic) / 1e9
 
 
 def _command_span(record: PhaseRecord, role: str) -> tuple[float, float] | None:

@@ -1,6 +1,6 @@
 """A run's directory: where `timeshare run --summary DIR/summary.json` wrote its step figures and
 where the run keeps its log (`[log].file = "DIR/log.jsonl"`, as `make demo` does in
-runs/tiny-grpo/). Each part is read when asked for; one missing or empty is `RunDirError`.
+runs/tiny-grpo/). Each part is read when asked for; one missing or empty is `ReportError`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import msgspec
 
 from timeshare.cycle.records import PhaseRecord, Record, record_of_line
 from timeshare.cycle.steps import StepFigures
-from timeshare.errors import RunDirError
+from timeshare.errors import ReportError
 
 SUMMARY = "summary.json"
 LOG = "log.jsonl"
@@ -34,7 +34,7 @@ class RunDir:
     def at(cls, path: Path) -> RunDir:
         """The run in `path` (a directory, or its summary file itself)."""
         if not path.exists():
-            raise RunDirError(f"{path}: no such run directory")
+            raise ReportError(f"{path}: no such run directory")
         return cls(path.parent if path.is_file() else path)
 
     @property
@@ -45,7 +45,7 @@ class RunDir:
         """Every step the summary holds (at least one)."""
         summary = self.path / SUMMARY
         if not summary.is_file():
-            raise RunDirError(
+            raise ReportError(
                 f"{self.path}: holds no {SUMMARY} (a run writes it with `timeshare run CONFIG "
                 f"--summary {summary}`)"
             )
@@ -55,9 +55,9 @@ class RunDir:
             ranks = int(data["ranks"])
             config = str(data.get("config") or self.name)
         except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError) as exc:
-            raise RunDirError(f"{summary}: not a run's summary: {exc}") from exc
+            raise ReportError(f"{summary}: not a run's summary: {exc}") from exc
         if not steps:
-            raise RunDirError(f"{summary}: the run finished no step yet")
+            raise ReportError(f"{summary}: the run finished no step yet")
         return Summary(config, ranks, steps)
 
     def records(self) -> list[Record]:
@@ -65,7 +65,7 @@ class RunDir:
         phase). A line cut short by a crash, or not JSON, is skipped."""
         log = self.path / LOG
         if not log.is_file():
-            raise RunDirError(
+            raise ReportError(
                 f"{self.path}: holds no {LOG} (a run keeps its log there with "
                 f'`[log] file = "{log}"`)'
             )
@@ -77,9 +77,9 @@ class RunDir:
                     if record is not None:
                         records.append(record)
         except OSError as exc:
-            raise RunDirError(f"{log}: {exc}") from exc
+            raise ReportError(f"{log}: {exc}") from exc
         if not any(isinstance(record, PhaseRecord) for record in records):
-            raise RunDirError(
+            raise ReportError(
                 f"{log}: no phase of the run is in it (the cycle logs each at level info: "
                 "was [log].level warning or above, or did no phase end?)"
             )
@@ -97,4 +97,4 @@ def _record(line: str, log: Path, number: int) -> Record | None:
         return record_of_line(fields)
     except msgspec.ValidationError as exc:
         message = f"{log}:{number}: a record of the timeline that does not read: {exc}"
-        raise RunDirError(message) from exc
+        raise ReportError(message) from exc

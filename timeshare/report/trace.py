@@ -15,7 +15,7 @@ goes (`[log].trace`), in a thread of its own; `timeshare trace RUN_DIR` feeds th
 run's log through the same builder. Times are microseconds from `origin_ns` (the wall clock, in
 ns): the driver's anchor for a live trace, the earliest anchor of the log's records otherwise, so
 that both give the same file for one run. A file cut off by a crash lacks only its closing `]`,
-which both viewers accept.
+which both viewers accept; the process resuming the run keeps it as trace.prev.json.
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import anyio
 import structlog
 
 from timeshare.cycle.records import MarkRecord, PhaseRecord, Record
-from timeshare.errors import ConfigError, RunDirError
+from timeshare.errors import ReportError
 from timeshare.protocols.commands.results import ROLES
 from timeshare.state import Phase
-from timeshare.timing import Clock, Span, process_clock
+from timeshare.timing import Clock, Span
 
 log = structlog.get_logger(__name__)
 
@@ -167,7 +166,7 @@ def origin_of(records: Iterable[Record]) -> int:
 def write_trace(records: list[Record], path: Path) -> int:
     """The whole trace of `records` into `path` (as `TraceFile` would have); how many events."""
     if not records:
-        raise RunDirError("no phase of the run is in its log: nothing to trace")
+        raise ReportError("no phase of the run is in its log: nothing to trace")
     builder = TraceBuilder(origin_of(records))
     count = 0
     with _TraceText(path) as text:
@@ -181,15 +180,17 @@ def write_trace(records: list[Record], path: Path) -> int:
 class _TraceText:
     """The JSON array, an event per line: `[`, the events, `]` (omitted by a crash)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, keep_previous: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if keep_previous and path.exists():
+            path.replace(previous_of(path))
         self._file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
         self._file.write("[")
         self._first = True
 
     def write(self, events: list[TraceEvent]) -> None:
         for event in events:
-            self._file.write(("\n" if self._first else ",\n") + json.dumps(event))
+            self._file.write(("\n" if self._first else ",\n") + json.dumps(event, allow_nan=False))
             self._first = False
         self._file.flush()
 
@@ -204,14 +205,20 @@ class _TraceText:
         self.close()
 
 
+def previous_of(path: Path) -> Path:
+    """Where a live trace keeps the one an earlier process left at its path: trace.prev.json."""
+    return path.with_name(f"{path.stem}.prev{path.suffix}")
+
+
 class TraceFile:
     """`[log].trace`: the records of this process's runs as they come, written by a thread so
-    that `add` never waits for the disk (the cycle calls it from its event loop)."""
+    that `add` never waits for the disk (the cycle calls it from its event loop). A trace an
+    earlier process left at the path (a run killed, then resumed) is kept as `previous_of`."""
 
     def __init__(self, path: Path, origin_ns: int) -> None:
         self.path = path
         self._builder = TraceBuilder(origin_ns)
-        self._text = _TraceText(path)  # OSError: the caller's to report
+        self._text = _TraceText(path, keep_previous=True)  # OSError: the caller's to report
         self._queue: queue.SimpleQueue[Record | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._write, name="trace-file", daemon=True)
         self._thread.start()
@@ -229,21 +236,10 @@ class TraceFile:
         try:
             while (record := self._queue.get()) is not None:
                 self._text.write(self._builder.events(record))
-        except OSError as exc:  # a full disk must not end the run: its log keeps the records
-            log.warning("trace.write_failed", path=str(self.path), error=str(exc))
+        except Exception as exc:  # a full disk must not end the run: its log keeps the records
+            log.warning("trace.write_failed", path=str(self.path), error=repr(exc))
         finally:
             try:
                 self._text.close()
             except OSError as exc:
                 log.warning("trace.write_failed", path=str(self.path), error=str(exc))
-
-
-async def open_trace(path: str) -> TraceFile | None:
-    """`[log].trace` opened for this process's runs (None: not asked for); a path that cannot
-    be written is a ConfigError naming the key."""
-    if not path:
-        return None
-    try:
-        return await anyio.to_thread.run_sync(TraceFile, Path(path), process_clock().wall_ns)
-    except OSError as exc:
-        raise ConfigError(f"log.trace: cannot write {path}: {exc}") from exc
