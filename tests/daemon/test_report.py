@@ -3,28 +3,24 @@
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy
 import pytest
 from matplotlib.colors import to_hex
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.daemon.test_run import timeshare_run, write_config
+from tests.daemon.test_run import FinishedRun, finished_run
 from tests.report.trace_format import Event, check_events, check_timeline, load_trace, ns
-from timeshare.cycle.steps import PHASES, StepFigures
+from timeshare.cycle.steps import PHASES
 from timeshare.protocols.commands.results import ROLES
 from timeshare.report import picture
 from timeshare.report.run_dir import RunDir
@@ -34,33 +30,12 @@ from timeshare.report.trace import BARRIER_WAIT, DRIVER_TID, track_of
 STEPS = 4
 
 
-@dataclass(frozen=True)
-class TracedRun:
-    """One run of four steps with its trace and its scalars, shared by the tests that read it."""
-
-    root: Path
-    done: subprocess.CompletedProcess[str]
-
-    @property
-    def trace(self) -> Path:
-        return self.root / "trace.json"
-
-    def steps(self) -> list[StepFigures]:
-        data = json.loads((self.root / "summary.json").read_text())
-        return msgspec.convert(data["steps"], list[StepFigures])
-
-
 @pytest.fixture(scope="module")
-def run() -> Iterator[TracedRun]:
-    root = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))  # short: ipc paths are bounded
-    try:
-        log = {"tensorboard": f"{root}/tensorboard", "trace": f"{root}/trace.json"}
-        config = write_config(root, steps=STEPS, log=log)
-        done = timeshare_run(config, root / "summary.json")
-        assert done.returncode == 0, done.stderr
-        yield TracedRun(root, done)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+def run() -> Iterator[FinishedRun]:
+    inside = {"tensorboard": "tensorboard", "trace": "trace.json"}
+    with finished_run(STEPS, inside) as finished:
+        assert finished.done.returncode == 0, finished.done.stderr
+        yield finished
 
 
 def timeshare(*args: str) -> subprocess.CompletedProcess[str]:
@@ -92,7 +67,7 @@ def phase_slices(events: list[Event]) -> dict[tuple[int, str, str, int], Event]:
 
 @pytest.mark.slow
 def test_the_trace_has_every_phase_of_every_rank_and_step_as_long_as_the_summary_says(
-    run: TracedRun,
+    run: FinishedRun,
 ) -> None:
     assert f"trace in {run.trace}" in run.done.stdout
     events = load_trace(run.trace)  # whole: the run closed it
@@ -114,7 +89,7 @@ def test_the_trace_has_every_phase_of_every_rank_and_step_as_long_as_the_summary
 
 
 @pytest.mark.slow
-def test_each_phase_holds_what_its_workers_did(run: TracedRun) -> None:
+def test_each_phase_holds_what_its_workers_did(run: FinishedRun) -> None:
     events = load_trace(run.trace)
     step = 2
     for rank in (0, 1):
@@ -154,7 +129,7 @@ def phases_args(events: list[Event], rank: int, name: str, step: int) -> dict[st
 
 
 @pytest.mark.slow
-def test_the_drivers_track_shows_the_fences_and_the_lifecycle(run: TracedRun) -> None:
+def test_the_drivers_track_shows_the_fences_and_the_lifecycle(run: FinishedRun) -> None:
     events = load_trace(run.trace)
     marks = [e for e in events if e["ph"] == "i"]
     assert all(e["tid"] == DRIVER_TID for e in marks)
@@ -172,7 +147,7 @@ def test_the_drivers_track_shows_the_fences_and_the_lifecycle(run: TracedRun) ->
 
 
 @pytest.mark.slow
-def test_the_trace_rebuilt_from_the_log_is_the_same_file(run: TracedRun, tmp_path: Path) -> None:
+def test_the_trace_rebuilt_from_the_log_is_the_same_file(run: FinishedRun, tmp_path: Path) -> None:
     rebuilt = tmp_path / "rebuilt.json"
     done = timeshare("trace", str(run.root), "--out", str(rebuilt))
     assert done.returncode == 0, done.stderr
@@ -186,7 +161,7 @@ def test_the_trace_rebuilt_from_the_log_is_the_same_file(run: TracedRun, tmp_pat
 
 @pytest.mark.slow
 def test_the_picture_has_its_four_panels_readable_at_a_glance(
-    run: TracedRun, tmp_path: Path
+    run: FinishedRun, tmp_path: Path
 ) -> None:
     run_dir = RunDir.at(run.root)
     drawn = picture.figure(run_dir.summary(), run_dir.records(), gantt_steps=2)
@@ -221,7 +196,7 @@ def test_the_picture_has_its_four_panels_readable_at_a_glance(
 
 
 @pytest.mark.slow
-def test_a_picture_needs_the_log_and_a_png_to_write(run: TracedRun, tmp_path: Path) -> None:
+def test_a_picture_needs_the_log_and_a_png_to_write(run: FinishedRun, tmp_path: Path) -> None:
     shutil.copy(run.root / "summary.json", tmp_path)
     no_log = timeshare("report", str(tmp_path))
     assert no_log.returncode == 2 and "holds no log.jsonl" in no_log.stderr
@@ -242,7 +217,7 @@ def nearest_rank_p90(values: list[float]) -> float:
 
 
 @pytest.mark.slow
-def test_the_text_report_is_the_runs_per_phase_table(run: TracedRun) -> None:
+def test_the_text_report_is_the_runs_per_phase_table(run: FinishedRun) -> None:
     done = timeshare("report", str(run.root), "--text")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -263,7 +238,7 @@ def test_the_text_report_is_the_runs_per_phase_table(run: TracedRun) -> None:
 
 
 @pytest.mark.slow
-def test_tensorboard_holds_every_scalar_of_every_step(run: TracedRun) -> None:
+def test_tensorboard_holds_every_scalar_of_every_step(run: FinishedRun) -> None:
     accumulator = EventAccumulator(str(run.root / "tensorboard"))
     accumulator.Reload()  # TensorBoard's own reader
     steps = run.steps()

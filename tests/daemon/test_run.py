@@ -11,14 +11,17 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from tests.configs import TINY, toml_file
 from tests.cycle.jobs import assert_nothing_left
+from timeshare.cycle.steps import StepFigures
 
 
 def write_config(
@@ -49,8 +52,9 @@ def steps_of(summary: Path) -> list[dict[str, Any]]:
 
 
 @dataclass(frozen=True)
-class FiveSteps:
-    """One uninterrupted run of five steps, shared by the tests that read it."""
+class FinishedRun:
+    """A run that went to its end in `root`, where it wrote its summary, its log and whatever
+    else its config asked for: shared by the tests that read it."""
 
     root: Path
     done: subprocess.CompletedProcess[str]
@@ -59,20 +63,35 @@ class FiveSteps:
     def summary(self) -> Path:
         return self.root / "summary.json"
 
+    @property
+    def trace(self) -> Path:
+        return self.root / "trace.json"
 
-@pytest.fixture(scope="module")
-def five_steps() -> Iterator[FiveSteps]:
+    def steps(self) -> list[StepFigures]:
+        return msgspec.convert(steps_of(self.summary), list[StepFigures])
+
+
+@contextmanager
+def finished_run(steps: int, inside: dict[str, str] | None = None) -> Iterator[FinishedRun]:
+    """Run `steps` steps in a directory of their own; `inside`: more [log] keys, each naming a
+    path inside that directory."""
     root = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))  # short: ipc paths are bounded
     try:
-        summary = root / "summary.json"
-        config = write_config(root, steps=5)
-        yield FiveSteps(root, timeshare_run(config, summary))
+        log = {key: f"{root}/{name}" for key, name in (inside or {}).items()}
+        config = write_config(root, steps=steps, log=log)
+        yield FinishedRun(root, timeshare_run(config, root / "summary.json"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def five_steps() -> Iterator[FinishedRun]:
+    with finished_run(5) as run:
+        yield run
+
+
 @pytest.mark.slow
-def test_a_run_writes_every_figure_of_every_step(five_steps: FiveSteps) -> None:
+def test_a_run_writes_every_figure_of_every_step(five_steps: FinishedRun) -> None:
     done, root = five_steps.done, five_steps.root
     assert done.returncode == 0, done.stderr
     assert "stopped at step 5" in done.stdout
@@ -114,7 +133,7 @@ def test_a_rollout_killed_mid_phase_stops_the_run_naming_it(runtime_dir: Path, p
 
 @pytest.mark.slow
 def test_a_killed_run_resumes_from_its_committed_step(
-    runtime_dir: Path, five_steps: FiveSteps
+    runtime_dir: Path, five_steps: FinishedRun
 ) -> None:
     # The same job uninterrupted, for the reward curve the resumed run must continue.
     assert five_steps.done.returncode == 0, five_steps.done.stderr
