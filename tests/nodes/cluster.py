@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,13 +23,6 @@ from timeshare.protocols.nodes import NodeRecord, record_key
 from timeshare.protocols.store import JobStore
 
 NODES = 2
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def node_dir(root: Path, node: int) -> Path:

@@ -17,7 +17,7 @@ import pytest
 from tests.configs import config
 from tests.cycle.jobs import assert_nothing_left
 from tests.cycle.test_fences import SLOW
-from tests.nodes.cluster import free_port
+from tests.ports import free_port
 from timeshare.config import Config
 from timeshare.cycle import RunSummary, run_cycle
 from timeshare.errors import CycleFailed, WorkerError

@@ -18,12 +18,13 @@ from tests.cycle.jobs import processes_of
 from tests.daemon.test_run import steps_of
 from tests.nodes.cluster import (
     assert_nodes_left_nothing,
-    free_port,
     node_configs,
     node_dir,
     running_nodes,
     wait_for_record,
 )
+from tests.ports import free_port
+from timeshare.errors import StoreError
 from timeshare.runtime import wait_gone
 
 STEPS = 5
@@ -63,7 +64,11 @@ def kill_in(root: Path, port: int, victim: int, fault: dict[str, Any]) -> tuple[
     configs = node_configs(root, TINY, port, only=only, job=JOB, deadlines=DEADLINES)
     with running_nodes(configs) as runs:
         phase, step = fault["phase"], fault["step"]
-        wait_for_record(port, victim, lambda r: r.step == step and phase in r.phases)
+        try:
+            wait_for_record(port, victim, lambda r: r.step == step and phase in r.phases)
+        except StoreError as exc:  # the leader left early: say why, from both nodes' output
+            said = [run.wait(timeout=60) for run in runs]
+            raise AssertionError(f"the job ended before {phase} of step {step}: {said}") from exc
         job = job_pids(root, victim)
         runs[victim].kill()
         killed = time.monotonic()

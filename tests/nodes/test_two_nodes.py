@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +19,14 @@ from tests.daemon.daemons import assert_daemon_left_nothing, running_daemon
 from tests.daemon.test_run import steps_of
 from tests.nodes.cluster import (
     assert_nodes_left_nothing,
-    free_port,
     node_configs,
     node_dir,
     running_nodes,
 )
+from tests.ports import free_port
+from tests.report.trace_format import check_events, check_timeline, load_trace, ns
+from timeshare.protocols.commands.results import ROLES
+from timeshare.report.trace import track_of
 
 STEPS = 5
 
@@ -47,8 +53,61 @@ def test_two_nodes_run_one_job_with_the_same_weights_everywhere(runtime_dir: Pat
         assert first["weights_digest"] is not None
         assert first["weights_digest"] == second["weights_digest"], first["step"]
     assert_nodes_left_nothing(root)
+    check_one_trace_of_both_nodes(root)
 
 
+def check_one_trace_of_both_nodes(root: Path) -> None:
+    """Both nodes' logs make one trace: a process per node, each rank on its node, lined up by
+    the wall clock, in which the fence holds across nodes too."""
+    merged = root / "trace.json"
+    logs = [str(node_dir(root, node)) for node in (0, 1)]
+    done = subprocess.run(
+        [sys.executable, "-m", "timeshare", "trace", *logs, "--out", str(merged)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    events = load_trace(merged)
+    check_events(events)
+    check_timeline(events)
+    slices = [e for e in events if e["ph"] == "X"]
+    phases = [e for e in slices if e["cat"] == "phase"]
+    tracks = {(e["pid"], e["tid"]) for e in phases}
+    assert tracks == {(rank // 2, track_of(rank, role)) for rank in range(4) for role in ROLES}
+    for step in range(1, STEPS + 1):
+        of_step = [e for e in phases if e["args"]["step"] == step]
+        assert len(of_step) == 4 * 2 * 6, step  # every rank, role and phase
+        # Every trainer, on either node, said it held nothing before any rollout woke.
+        released = max(
+            end(command)
+            for barrier in of_step
+            if barrier["name"] == "BARRIER" and barrier["tid"] % 2 == 1  # a trainer's track
+            for command in slices
+            if command["name"] == "barrier" and within(command, barrier)
+        )
+        woke = min(ns(e["ts"]) for e in of_step if e["name"] == "RESUME")
+        assert released < woke, step
+    # The nodes met at each crossing together: their wall clocks agree on when.
+    met = defaultdict(list)
+    for event in events:
+        if event["ph"] == "i" and event["name"] == "nodes met before RESUME":
+            met[event["pid"]].append(ns(event["ts"]))
+    assert len(met[0]) == len(met[1]) == STEPS + 1  # the bootstrap's, then every step's
+    assert all(abs(a - b) < 2_000_000_000 for a, b in zip(met[0], met[1], strict=True))
+
+
+def end(event: dict[str, Any]) -> int:
+    return ns(event["ts"]) + ns(event["dur"])
+
+
+def within(inner: dict[str, Any], outer: dict[str, Any]) -> bool:
+    same_track = (inner["pid"], inner["tid"]) == (outer["pid"], outer["tid"])
+    return same_track and ns(outer["ts"]) <= ns(inner["ts"]) and end(inner) <= end(outer)
+
+
+@pytest.mark.slow
 @pytest.mark.slow
 def test_a_pause_given_on_the_follower_pauses_both_nodes_at_the_same_step(
     runtime_dir: Path,

@@ -202,12 +202,22 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--tie-embeddings", action="store_true")
     init.add_argument("--seed", type=int, default=0)
     report = commands.add_parser("report", help="what a run did, from its directory")
-    report.add_argument("run_dir", type=Path, help="where the run wrote its --summary file")
+    report.add_argument(
+        "run_dir", type=Path, help="where the run wrote its --summary file (and keeps log.jsonl)"
+    )
     report.add_argument("--text", action="store_true", help="the per-phase table, as text")
     report.add_argument("--out", type=Path, help="the PNG to write (default RUN_DIR/report.png)")
-    report.add_argument("--steps", type=int, default=3, help="the last steps of the timeline")
+    report.add_argument(
+        "--steps", type=int, default=3, help="how many of the last steps the timeline shows (3)"
+    )
     trace = commands.add_parser("trace", help="a run's timeline as a Chrome trace (Perfetto)")
-    trace.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR")
+    trace.add_argument(
+        "run_dirs",
+        type=Path,
+        nargs="+",
+        metavar="RUN_DIR",
+        help="where a run keeps its log.jsonl (several: the nodes of one job)",
+    )
     trace.add_argument(
         "--out", type=Path, help=f"the file to write (default RUN_DIR/{REBUILT_TRACE})"
     )

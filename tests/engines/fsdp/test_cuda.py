@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from tests.engines.fsdp.rank import RL, rank_batch, snapshot
-from tests.engines.fsdp.test_trainer import SHAPE, free_port
+from tests.engines.fsdp.test_trainer import SHAPE
+from tests.ports import free_port
 from timeshare.engines.fsdp.spec import FsdpSpec
 from timeshare.engines.fsdp.trainer import FsdpTrainer
 from timeshare.engines.model_dir import init_model_dir

@@ -5,7 +5,6 @@ round trip bit for bit; the memory a gather of the weights takes."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,6 +17,7 @@ import transformers
 from safetensors.torch import load_file
 
 from tests.engines.fsdp.rank import GROUP, RL, SPEC_KEYS, global_batch
+from tests.ports import free_port
 from timeshare.engines.grpo import batch_tensors, clipped_loss, group_advantages, token_logprobs
 from timeshare.engines.model_dir import ModelShape, init_model_dir
 
@@ -25,13 +25,6 @@ WORLD = 2
 RANK_TIMEOUT_S = 240.0
 ROOT = Path(__file__).resolve().parents[3]
 SHAPE = ModelShape(layers=2, hidden=32, intermediate=64, heads=4, kv_heads=2, vocab=16)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def run_ranks(scenario: str, model_dir: Path, out: Path) -> list[dict[str, Any]]:
