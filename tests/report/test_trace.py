@@ -175,7 +175,7 @@ def test_records_read_back_from_log_lines_as_they_were() -> None:
     assert record_of_line(line) == record
     assert record_of_line({"event": "cycle.step.done"}) is None
     with pytest.raises(msgspec.ValidationError):
-        record_of_line({"event": "cycle.mark", "record": {"node": "zero"}})
+        record_of_line({"event": "cycle.moment.marked", "record": {"node": "zero"}})
 
 
 def test_no_records_is_no_trace(tmp_path: Path) -> None:

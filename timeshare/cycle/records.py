@@ -4,8 +4,8 @@ A `PhaseRecord` is a phase report with everything a timeline shows: when the pha
 driver's clock, when both workers had answered (at BARRIER the rest is the wait for every rank),
 the figures its results carry, and the spans each worker recorded (timing.py). A `MarkRecord` is
 a moment of the driver's: a fence opening, an operator's command arriving, the run's lifecycle
-changing. The cycle logs every record (`cycle.phase.ended`, `cycle.mark`, at info: telling.py)
-and hands it to the front end's `on_record` hook: a trace written as the run goes
+changing. The cycle logs every record (`cycle.phase.ended`, `cycle.moment.marked`, at info:
+telling.py) and hands it to the front end's `on_record` hook: a trace written as the run goes
 (`[log].trace`) and one rebuilt from the log afterwards (`timeshare trace RUN_DIR`) read the
 same records.
 
@@ -25,7 +25,7 @@ from timeshare.timing import Clock, Span
 log = structlog.get_logger(__name__)
 
 PHASE_EVENT = "cycle.phase.ended"
-MARK_EVENT = "cycle.mark"
+MARK_EVENT = "cycle.moment.marked"
 
 Figure = float | int | str | bool | None
 

@@ -237,9 +237,9 @@ class TraceFile:
             while (record := self._queue.get()) is not None:
                 self._text.write(self._builder.events(record))
         except Exception as exc:  # a full disk must not end the run: its log keeps the records
-            log.warning("trace.write_failed", path=str(self.path), error=repr(exc))
+            log.warning("trace.write.failed", path=str(self.path), error=repr(exc))
         finally:
             try:
                 self._text.close()
             except OSError as exc:
-                log.warning("trace.write_failed", path=str(self.path), error=str(exc))
+                log.warning("trace.write.failed", path=str(self.path), error=str(exc))
