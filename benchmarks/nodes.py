@@ -53,7 +53,13 @@ def run_layout(root: Path, nodes: int, steps: int) -> tuple[list[list[dict[str, 
         summary = root / f"node{node}.json"
         command = [sys.executable, "-m", "timeshare", "run", str(JOB), "--summary", str(summary)]
         processes.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL))
-    codes = [process.wait(timeout=1800) for process in processes]
+    try:
+        codes = [process.wait(timeout=1800) for process in processes]
+    finally:  # one timed out, or an interrupt: no node's run is left behind
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     seconds = time.monotonic() - started
     if any(codes):
         raise SystemExit(f"{nodes} node(s): timeshare run exited {codes}")

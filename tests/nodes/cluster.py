@@ -15,11 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from tests.configs import job, toml
 from tests.cycle.jobs import processes_of
-from timeshare.protocols.nodes import NodeRecord, record_key
+from timeshare.protocols.nodes import NodeRecord, read_record
 from timeshare.protocols.store import JobStore
 
 NODES = 2
@@ -113,13 +111,6 @@ def running_nodes(configs: list[Path]) -> Iterator[list[NodeRun]]:
                 run.process.communicate(timeout=30)
 
 
-def node_record(store: JobStore, node: int) -> NodeRecord | None:
-    """What node `node`'s daemon last wrote of itself into the job store (None: nothing yet)."""
-    if not store.has(record_key(node)):
-        return None
-    return msgspec.convert(store.read(record_key(node)), NodeRecord)
-
-
 def wait_for_record(
     port: int, node: int, condition: Callable[[NodeRecord], bool], timeout: float = 120.0
 ) -> NodeRecord:
@@ -127,7 +118,7 @@ def wait_for_record(
     store = JobStore.connect("127.0.0.1", port, timeout_s=timeout)
     deadline = time.monotonic() + timeout
     while True:
-        record = node_record(store, node)
+        record = read_record(store, node)
         if record is not None and condition(record):
             return record
         assert time.monotonic() < deadline, f"node {node} never got there: {record}"

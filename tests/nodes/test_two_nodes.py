@@ -108,7 +108,6 @@ def within(inner: dict[str, Any], outer: dict[str, Any]) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_a_pause_given_on_the_follower_pauses_both_nodes_at_the_same_step(
     runtime_dir: Path,
 ) -> None:

@@ -9,7 +9,6 @@ command that names nothing known is logged and skipped.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -20,7 +19,7 @@ from timeshare.cycle.workers import Workers
 from timeshare.errors import TimeshareError
 from timeshare.protocols.commands import WorkerId
 from timeshare.protocols.store import AsyncJobStore, JobCommand
-from timeshare.state import Request, Requested, StepsChanged
+from timeshare.state import Commanded, Request, Requested, StepsChanged
 
 log = structlog.get_logger(__name__)
 
@@ -38,14 +37,6 @@ def event_of(command: JobCommand) -> Requested | StepsChanged | None:
         return Requested(Request(command.command))
     except ValueError:
         return None
-
-
-@dataclass(frozen=True)
-class ReadCommand:
-    """A command of the job store, as the machine's event; `generation` orders it."""
-
-    generation: int
-    command: Requested | StepsChanged
 
 
 class CommandFeed:
@@ -98,7 +89,7 @@ class CommandFeed:
             log.warning("cycle.command.unknown", generation=generation, command=command)
             return
         log.info("cycle.command.received", generation=generation, command=command.command)
-        await self.reports.send(ReadCommand(generation, event))
+        await self.reports.send(Commanded(generation, event))
 
 
 async def _set_log_level(workers: Workers, worker_ids: list[WorkerId], command: JobCommand) -> None:

@@ -28,7 +28,7 @@ class PhaseReport:
     seconds: float  # to its end; BARRIER's includes the wait for every rank
     trainer: PhaseResult
     rollout: PhaseResult
-    answered: float | None = None  # time.monotonic() as both had answered (None: at the end)
+    answered: float  # time.monotonic() as both had answered (BARRIER: before the wait)
 
 
 @dataclass(frozen=True)

@@ -128,8 +128,9 @@ async def run_phase(
     return results
 
 
-async def meet_at_barrier(barrier: Barrier, cycle: str, timeout_s: float) -> None:
-    """This rank waits for every rank at the store barrier (the RESUME fence across nodes).
+async def meet_at_barrier(barrier: Barrier, cycle: str, timeout_s: float, *, blame: int) -> None:
+    """This rank waits for every rank of its node at the store barrier; a failure is rank
+    `blame`'s (its global number).
 
     The barrier is named per cycle: a later cycle on the same store starts its generations
     afresh and must not find the keys an earlier cycle left.
@@ -138,9 +139,7 @@ async def meet_at_barrier(barrier: Barrier, cycle: str, timeout_s: float) -> Non
     try:
         await barrier.wait(f"{BARRIER_NAME}/{cycle}", timeout_s=timeout_s)
     except TimeshareError as exc:
-        raise cycle_failed(
-            barrier.rank, "trainer", Phase.BARRIER.value, exc, started=started
-        ) from exc
+        raise cycle_failed(blame, "trainer", Phase.BARRIER.value, exc, started=started) from exc
 
 
 async def cross_nodes(

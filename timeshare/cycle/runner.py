@@ -27,7 +27,7 @@ from anyio.abc import TaskGroup
 
 from timeshare.cluster import node_ranks
 from timeshare.config import Config, DeadlineSection
-from timeshare.cycle.commands import CommandFeed, ReadCommand
+from timeshare.cycle.commands import CommandFeed
 from timeshare.cycle.hooks import BootstrapReport, CycleHooks, PhaseReport, RunSummary
 from timeshare.cycle.phases import (
     blame_of,
@@ -138,15 +138,7 @@ class _Met:
     rank: int
 
 
-@dataclass(frozen=True)
-class _Crossed:
-    """Every node stands at the fence before `following`; commands up to `commands` apply."""
-
-    following: Phase
-    commands: int
-
-
-_Report = _Ran | _Met | _Crossed | ReadCommand | CycleFailed | Event
+_Report = _Ran | _Met | CycleFailed | Event
 
 
 class _Cycle:
@@ -170,8 +162,7 @@ class _Cycle:
         self.telling = Telling(hooks, self.node)
         self.failure: CycleFailed | None = None
         self.barriers: list[Barrier] = []
-        self.cycle_id = 0  # this node's count of its cycles on this store
-        self.meeting = ""  # names this cycle's store barrier at BARRIER
+        self.meeting = ""  # names this cycle's store barrier at BARRIER (the node's ranks)
         self.meetings: dict[int, anyio.CancelScope] = {}
         self.at_barrier: dict[int, _Ran] = {}  # BARRIER answered; reported once the rank met
         self.batches: dict[int, msgspec.Raw] = {}  # rank -> its last ROLLOUT's samples
@@ -248,17 +239,14 @@ class _Cycle:
         deadline_s = self.deadlines.for_command("bootstrap")
         loaded = await bootstrap(self.workers, self.node_ranks, deadline_s)
         step = min(result.step for result in loaded)
+        # BARRIER's meeting is the node's: with several nodes, the nodes cross before RESUME.
         connections = [await self.store.another_connection() for _ in range(self.ranks)]
-        world = self.config.job.ranks if self.nodes > 1 else self.ranks
-        first = self.node_ranks.start if self.nodes > 1 else 0
-        self.barriers = [Barrier(c, first + i, world) for i, c in enumerate(connections)]
-        self.cycle_id = await self.store.next_generation(f"cycle/node/{self.node}")
-        self.meeting = str(self.cycle_id)  # the same on every node: each counts its cycles
-        if self.nodes == 1 and self.config.cluster.nodes > 1:  # the fences kept within the node
-            self.meeting = f"{self.cycle_id}/node/{self.node}"
+        self.barriers = [Barrier(c, i, self.ranks) for i, c in enumerate(connections)]
+        cycle_id = await self.store.next_generation(f"cycle/node/{self.node}")
+        self.meeting = f"{cycle_id}/node/{self.node}"
         if self.nodes > 1:  # every node loaded; they agree on the step and on the commands
             self.crossing = NodeCrossing.of(
-                await self.store.another_connection(), self.node, self.nodes, self.cycle_id
+                await self.store.another_connection(), self.node, self.nodes, cycle_id
             )
             brought = await cross_nodes(
                 self.crossing,
@@ -410,7 +398,7 @@ class _Cycle:
             report = await self.inbox.receive()
             if isinstance(report, CycleFailed):
                 return self._keep(report)
-            if isinstance(report, ReadCommand):
+            if isinstance(report, Commanded):
                 self.telling.mark(
                     f"command {_command_name(report)}",
                     time.monotonic(),
@@ -418,16 +406,16 @@ class _Cycle:
                 )
                 if report.command == Requested(Request.STOP):
                     self.telling.summary.stop_requested = True  # the daemon stops too
-                return Commanded(report.generation, report.command)
-            if isinstance(report, _Crossed):
+                return report
+            if isinstance(report, Crossed):
                 if state.crossing is not report.following:
                     continue  # a stop called the crossing off
                 self.telling.mark(
                     f"nodes met before {report.following.name}",
                     time.monotonic(),
-                    commands=report.commands,
+                    commands=report.through,
                 )
-                return Crossed(report.following, report.commands)
+                return report
             if isinstance(report, _Ran):
                 return await self._ran(report)
             if isinstance(report, _Met):
@@ -474,7 +462,12 @@ class _Cycle:
     async def _meet(self, rank: int, scope: anyio.CancelScope) -> None:
         with scope:
             try:
-                await meet_at_barrier(self.barriers[rank], self.meeting, self.deadlines.barrier_s)
+                await meet_at_barrier(
+                    self.barriers[rank],
+                    self.meeting,
+                    self.deadlines.barrier_s,
+                    blame=self.node_ranks[rank],
+                )
             except CycleFailed as failed:
                 cause = failed.cause  # a store gone is not the rank's failure but the leader's
                 lost = self._store_lost(cause) if isinstance(cause, StoreError) else None
@@ -502,7 +495,7 @@ class _Cycle:
             except StoreError as exc:
                 await self.send.send(self._store_lost(exc))
                 return
-            await self.send.send(_Crossed(following, commands))
+            await self.send.send(Crossed(following, commands))
 
     async def _watch_commands(self, commands: CommandFeed) -> None:
         try:
@@ -573,6 +566,6 @@ class _Cycle:
         return failure
 
 
-def _command_name(command: ReadCommand) -> str:
+def _command_name(command: Commanded) -> str:
     event = command.command
     return event.request.value if isinstance(event, Requested) else f"steps {event.max_steps}"

@@ -111,8 +111,9 @@ class StepLog:
                 train.train_s,
                 resumed,
                 idle,
+                answered=now,
             ),
-            PhaseReport(report.step, report.rank, Phase.OFFLOAD, now, 0.0, idle, idle),
+            PhaseReport(report.step, report.rank, Phase.OFFLOAD, now, 0.0, idle, idle, now),
         ]
         self._resumed.add(report.step)
 

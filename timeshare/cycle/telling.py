@@ -78,7 +78,7 @@ def phase_record(report: PhaseReport, node: int, clock: Clock) -> PhaseRecord:
         version=_version(report),
         start=report.started,
         seconds=report.seconds,
-        answered=report.started + report.seconds if report.answered is None else report.answered,
+        answered=report.answered,
         clock=clock,
         figures=_figures("trainer", report.trainer) | _figures("rollout", report.rollout),
         trainer=report.trainer.spans,

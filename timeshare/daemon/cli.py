@@ -79,8 +79,7 @@ def _report(path: Path, *, text: bool, out: Path | None, steps: int) -> int:
         sys.stdout.write(render(phase_table(summary.steps, summary.ranks), str(run.path)))
         return 0
     if steps < 1:
-        print(f"timeshare report: --steps must be at least 1, got {steps}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        raise ReportError(f"--steps must be at least 1, got {steps}")
     target = out or run.path / "report.png"
     if target.suffix != ".png":
         raise ReportError(f"--out {target}: the picture is a PNG, name it *.png")

@@ -91,18 +91,12 @@ class NodeBeat:
     lost_s: float
     beat: int = 0
     judging: bool = False  # set once every node came: before, one may not have started yet
-    lifecycle: str = "starting"
-    step: int = 0
-    phases: list[str] = field(default_factory=list)
-    reason: str | None = None
+    # What this node's next record says: the loop sets it whole, the beat's thread reads it.
+    state: JobState | None = None
     seen: dict[int, _Seen] = field(default_factory=dict)
-    records: dict[int, NodeRecord] = field(default_factory=dict)
 
     def update(self, state: JobState) -> None:
-        """What this node's next record says (the loop writes, the beat's thread reads)."""
-        self.lifecycle, self.step = state.lifecycle.value, state.step
-        self.phases = [phase.value for phase in state.phases]
-        self.reason = state.reason
+        self.state = state
 
     def ranks_of(self, node: int) -> range:
         return ranks_of_node(node, self.ranks_per_node)
@@ -111,12 +105,13 @@ class NodeBeat:
         """Write this node's record, read every node's; raise `NodeLost` for a node the rules
         say is gone (or for the leader, when the store itself is gone). Blocking: a thread's."""
         self.write()
+        records = self._read_all()
         now = time.monotonic()
-        for record in self._read_all():
+        for record in records:
             lost = self._judge(record, now)
             if lost is not None:
                 raise lost
-        return [self.records[node] for node in sorted(self.records)]
+        return records
 
     def others_finished(self) -> bool:
         """Whether every other node has stopped, failed or gone quiet: nobody needs the store
@@ -133,6 +128,7 @@ class NodeBeat:
     def write(self) -> None:
         """Write this node's record (a beat)."""
         self.beat += 1
+        state = self.state  # (one read: the loop may set the next meanwhile)
         own = NodeRecord(
             node=self.node,
             ranks=list(self.ranks_of(self.node)),
@@ -140,10 +136,10 @@ class NodeBeat:
             pid=os.getpid(),
             beat=self.beat,
             at=time.time(),
-            lifecycle=self.lifecycle,
-            step=self.step,
-            phases=self.phases,
-            reason=self.reason,
+            lifecycle="starting" if state is None else state.lifecycle.value,
+            step=0 if state is None else state.step,
+            phases=[] if state is None else [phase.value for phase in state.phases],
+            reason=None if state is None else state.reason,
         )
         try:
             self.store.put(record_key(self.node), msgspec.to_builtins(own))
@@ -151,9 +147,9 @@ class NodeBeat:
             raise store_lost(self.store.address, self.node, self.ranks_per_node, exc) from exc
 
     def _read_all(self) -> list[NodeRecord]:
-        """Every node's record there is, each noted in `seen` and `records`."""
+        """Every node's record there is, in node order, each noted in `seen`."""
         try:
-            records = [self._read(node) for node in range(self.nodes)]
+            records = [read_record(self.store, node) for node in range(self.nodes)]
         except StoreError as exc:
             raise store_lost(self.store.address, self.node, self.ranks_per_node, exc) from exc
         now = time.monotonic()
@@ -163,7 +159,6 @@ class NodeBeat:
         return [record for record in records if record is not None]
 
     def _note(self, record: NodeRecord, now: float) -> None:
-        self.records[record.node] = record
         daemon = (record.host, record.pid)
         seen = self.seen.get(record.node)
         if seen is None or (seen.daemon != daemon and not self.judging):
@@ -198,10 +193,12 @@ class NodeBeat:
             )
         return None
 
-    def _read(self, node: int) -> NodeRecord | None:
-        if not self.store.has(record_key(node)):
-            return None
-        return msgspec.convert(self.store.read(record_key(node)), NodeRecord)
+
+def read_record(store: JobStore, node: int) -> NodeRecord | None:
+    """What node `node`'s daemon last wrote of itself (None: nothing yet). Blocking."""
+    if not store.has(record_key(node)):
+        return None
+    return msgspec.convert(store.read(record_key(node)), NodeRecord)
 
 
 @dataclass

@@ -29,7 +29,9 @@ async def open_writers(log: LogSection, stack: AsyncExitStack) -> RunWriters:
     trace = scalars = None
     if log.trace:
         try:
-            trace = await anyio.to_thread.run_sync(TraceFile, Path(log.trace), _origin())
+            # Its times count from this process's clock anchor, as `timeshare trace` would.
+            origin = process_clock().wall_ns
+            trace = await anyio.to_thread.run_sync(TraceFile, Path(log.trace), origin)
         except OSError as exc:
             raise ConfigError(f"log.trace: cannot write {log.trace}: {exc}") from exc
         stack.push_async_callback(close_off_loop, trace.close)
@@ -46,9 +48,3 @@ async def close_off_loop(close: Callable[[], None]) -> None:
     """A close that blocks (it joins a thread), off the event loop, even while cancelled."""
     with anyio.CancelScope(shield=True):
         await anyio.to_thread.run_sync(close)
-
-
-def _origin() -> int:
-    """A live trace's times count from this process's clock anchor (what `timeshare trace`
-    rebuilds from its records too)."""
-    return process_clock().wall_ns

@@ -24,8 +24,9 @@ Rules (the table below is the truth; this comment explains it):
   PAUSED (every node stands at the same place) commands apply at once, and those held when the
   pause took effect apply then. `applies_at_once` is that rule.
 - BARRIER requires the rank's trainer to hold no device memory (`BarrierChecked`): anything held
-  fails the job. Then, while RESUME is fenced, the rank meets every other rank at the job
-  store's barrier (the fence across nodes; `Outcome.meet`) and finishes BARRIER when all came.
+  fails the job. Then, while RESUME is fenced, the rank meets every other rank of its node at
+  the job store's barrier (`Outcome.meet`) and finishes BARRIER when all came; with several
+  nodes, the nodes then cross before RESUME, as at every fence.
 - Requests set flags; they take effect at safe points, which are the fenced boundaries, where
   the whole job stands at one place: drain there → DRAINING; at the cycle boundary (before
   TRAIN) a job that has done `max_steps` drains, and a pause first has every worker's release
