@@ -48,7 +48,8 @@ handshake_timeout_s = 60.0
 begin_timeout_s = 60.0
 
 [engine]
-kind = "simulated"
+trainer = "simulated"
+rollout = "simulated"
 
 [engine.simulated]
 account_memory = false

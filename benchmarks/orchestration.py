@@ -57,7 +57,7 @@ def row(ranks: int, summary: RunSummary) -> dict[str, Any]:
     cycles = summary.step - summary.first_step
     seconds = {phase.value: summary.phase_seconds[phase.value] for phase in Phase}
     seconds["sync-xfer"] = [
-        r.seconds - r.trainer.seconds
+        r.seconds - r.trainer.transfer.seconds
         for r in summary.reports
         if r.phase is Phase.SYNC and isinstance(r.trainer, SyncResult)
     ]

@@ -41,9 +41,10 @@ import torch
 from safetensors.torch import save_file
 from weight_sync import spawn
 
+from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.torch_ref.model import init_model
-from timeshare.engines.torch_ref.spec import ModelConfig
 from timeshare.engines.vllm.engine import VllmInlet, VllmRollout, write_model_dir
+from timeshare.engines.vllm.report import BackendReport
 from timeshare.engines.vllm.spec import VllmSpec
 from timeshare.protocols.weights import TransferConfig, WeightSender
 
@@ -148,13 +149,13 @@ def benchmark(args: argparse.Namespace, runtime_dir: Path, shm_dir: Path) -> dic
             rounds.append(row)
             print(f"round {index + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
         into.sync(weights, digest=True)
-        inside = rollout.llm.collective_rpc("timeshare_report")[0]
+        inside = BackendReport.decode(rollout.llm.collective_rpc("timeshare_report")[0])
+        spent = inside.spent
         print(
             "inside vLLM's worker, one version (s): "
-            + ", ".join(
-                f"{key} {inside[key]:.3f}"
-                for key in ("digest_s", "copy_s", "load_s", "finalize_s", "call_s")
-            )
+            f"digest_s {spent.digest_s:.3f}, copy_s {spent.copy_s:.3f}, "
+            f"load_s {spent.load_s:.3f}, finalize_s {spent.finalize_s:.3f}, "
+            f"call_s {inside.call_s:.3f}"
         )
     finally:
         into.close()

@@ -32,7 +32,7 @@ SERVICE: dict[str, Any] = {
     "job": {"ranks": 2, "steps": 100_000},
     "deadlines": {"phase_s": 30.0, "stall_s": 5.0, "barrier_s": 10.0, "ready_s": 60.0},
     "transfer": {"bucket_mb": 0.25},
-    "engine": {"kind": "simulated", "simulated": {"delays": {"rollout": {"0": 0.02, "1": 0.02}}}},
+    "engine": {"simulated": {"delays": {"rollout": {"0": 0.02, "1": 0.02}}}},
     "daemon": {"metrics_port": 0, "max_request_bytes": 4096, "max_clients": 8, "drain_s": 60.0},
 }
 TINY: dict[str, Any] = {
@@ -40,11 +40,10 @@ TINY: dict[str, Any] = {
     "deadlines": {"phase_s": 30.0, "stall_s": 10.0, "ready_s": 90.0},
     "transfer": {"bucket_mb": 0.0625, "checksum": True},
     "engine": {
-        "kind": "torch_ref",
+        "trainer": "torch_ref",
+        "rollout": "torch_ref",
+        "task": {"prompts_per_rank": 2, "group_size": 4, "completion_tokens": 4},
         "torch_ref": {
-            "prompts_per_rank": 2,
-            "group_size": 4,
-            "completion_tokens": 4,
             "kv_cache_len": 16,
             "model": {"hidden_size": 32, "intermediate_size": 64, "max_position_embeddings": 16},
         },

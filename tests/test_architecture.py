@@ -100,6 +100,43 @@ def test_no_module_imports_itself_in_a_circle() -> None:
     assert cycles == [], f"import cycles: {cycles}"
 
 
+def engine_package(module: str) -> str | None:
+    """The engine package `module` belongs to (timeshare.engines.<name>.*), if any."""
+    parts = module.split(".")
+    if len(parts) >= 3 and parts[:2] == ["timeshare", "engines"]:
+        package = ".".join(parts[:3])
+        if (PACKAGE / "engines" / parts[2] / "__init__.py").exists():
+            return package
+    return None
+
+
+def test_no_engine_package_imports_another() -> None:
+    # An engine is a plug-in: what engines share (the task, GRPO, the model's keys, the
+    # contract) lives in timeshare/engines/ itself, never in another engine's package.
+    crossing = []
+    for module, imported in graph().items():
+        own = engine_package(module)
+        if own is None:
+            continue
+        for target in imported:
+            other = engine_package(target)
+            if other is not None and other != own:
+                crossing.append(f"{module} -> {target}")
+    assert crossing == [], "engine packages importing each other:\n" + "\n".join(crossing)
+
+
+def test_the_shared_engine_modules_name_no_engine() -> None:
+    # timeshare/engines/*.py serve every engine: only the registry names them (as strings).
+    named = [
+        f"{module} -> {target}"
+        for module, imported in graph().items()
+        if module.startswith("timeshare.engines.") and engine_package(module) is None
+        for target in imported
+        if engine_package(target) is not None
+    ]
+    assert named == [], "shared engine modules importing an engine:\n" + "\n".join(named)
+
+
 def test_every_error_lives_in_errors_py_under_the_root_and_says_when() -> None:
     defined_elsewhere = []
     for info in pkgutil.walk_packages([str(PACKAGE)], prefix="timeshare."):

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from timeshare.config import Config, effective_lines, load_config
+from timeshare.engines.simulated.spec import SimulatedSpec
 from timeshare.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_the_example_loads_with_its_sources() -> None:
     loaded = load_config(EXAMPLE, environ={})
     assert loaded.config.job.steps == 30
-    assert loaded.config.engine.simulated.account_memory is False
+    assert loaded.config.engine.settings("simulated", SimulatedSpec).account_memory is False
     assert loaded.source_of("job.steps") == f"file {EXAMPLE}"
     assert loaded.source_of("transfer.linger_s") == "default"
 
@@ -43,7 +44,7 @@ def test_environment_overrides_win_and_are_named(tmp_path: Path) -> None:
     loaded = load_config(path, environ=env)
     assert loaded.config.job.ranks == 5
     assert loaded.config.job.runtime_dir == "/tmp/ts-env"  # a bare word is a string
-    assert loaded.config.engine.simulated.engine_span == 5
+    assert loaded.config.engine.settings("simulated", SimulatedSpec).engine_span == 5
     lines = effective_lines(loaded)
     assert "job.ranks = 5  # env TIMESHARE_JOB__RANKS" in lines
     assert 'job.runtime_dir = "/tmp/ts-env"  # env TIMESHARE_JOB__RUNTIME_DIR' in lines
@@ -164,3 +165,64 @@ def test_config_show_imports_neither_torch_nor_zmq() -> None:
         f"    assert main(['config', 'show', {str(TINY_GRPO)!r}]) == 0"
     )
     assert heavy_modules_imported_by(show) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '[engine]\ntrainer = "megatron"\n',
+            r"engine.trainer = 'megatron': no such engine; trainer engines are "
+            r"simulated, torch_ref, fsdp",
+        ),
+        (
+            '[engine]\nrollout = "fsdp"\n',
+            r"engine.rollout = 'fsdp': fsdp is not a rollout engine; rollout engines are "
+            r"simulated, torch_ref, vllm",
+        ),
+        (
+            '[engine]\ntrainer = "torch_ref"\n',  # the rollout stays simulated
+            r"engine.trainer = 'torch_ref' and engine.rollout = 'simulated' do not pair",
+        ),
+        (
+            '[engine]\ntrainer = "torch_ref"\nrollout = "torch_ref"\n[engine.vllm]\nseed = 3\n',
+            r"engine.vllm is set, but this job runs no vllm engine",
+        ),
+        ("[engine.sglang]\nseed = 3\n", r"engine.sglang: Object contains unknown field"),
+    ],
+)
+def test_engines_come_from_the_registry_and_a_bad_choice_is_named(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, text), environ={})
+
+
+def test_an_unknown_engine_exits_2_and_help_lists_the_registered_ones(tmp_path: Path) -> None:
+    timeshare = [sys.executable, "-m", "timeshare"]
+    bad = subprocess.run(
+        [*timeshare, "config", "show", str(write(tmp_path, '[engine]\nrollout = "nope"\n'))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert "rollout engines are simulated, torch_ref, vllm" in bad.stderr
+    helped = subprocess.run(
+        [*timeshare, "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    shown = subprocess.run(
+        [*timeshare, "config", "show", str(EXAMPLE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    for output in (helped.stdout, shown.stdout):
+        lines = [line.lstrip("# ") for line in output.splitlines()]
+        assert [line.split()[0] for line in lines if "trainer+rollout" in line] == [
+            "simulated",
+            "torch_ref",
+        ]
+    assert "vllm       rollout" in helped.stdout and "fsdp       trainer" in shown.stdout

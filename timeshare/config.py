@@ -3,8 +3,9 @@
     [job]        ranks, steps, runtime_dir, checkpoint_dir
     [deadlines]  phase_s, stall_s, barrier_s, ready_s; [deadlines.commands] per command
     [transfer]   the weight channel (TransferConfig)
-    [engine]     kind, rollout, trainer, and each engine's own section ([engine.simulated],
-                 [engine.torch_ref], [engine.vllm], [engine.fsdp])
+    [engine]     trainer, rollout (the registered engines, engines/registry.py), the task and
+                 GRPO ([engine.task], [engine.grpo]) and each engine's own section
+                 ([engine.<name>], typed by that engine's spec)
     [[faults]]   injected faults, for drills
     [log]        level, and a file for JSON lines
     [daemon]     the service `timeshared`: control socket, state directory, metrics, drain
@@ -32,10 +33,7 @@ import msgspec
 
 from timeshare.cluster import ClusterSection, check_cluster, launcher_values
 from timeshare.engines.faults import Fault
-from timeshare.engines.fsdp.check import check_model_dir
-from timeshare.engines.spec import EngineSpec, rollout_vllm_spec, served_model
-from timeshare.engines.torch_ref.spec import ModelConfig
-from timeshare.engines.vllm.args import check_engine_args
+from timeshare.engines.spec import EngineSpec, check_engines
 from timeshare.errors import ConfigError, TransferError
 from timeshare.levels import LogLevel
 from timeshare.protocols.weights import check_weight_endpoints
@@ -89,8 +87,8 @@ class DaemonSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     job: JobSection = JobSection()
     deadlines: DeadlineSection = DeadlineSection()
+    # The channel's own bucket size; its deadlines nested inside a SYNC's (deadlines.phase_s).
     transfer: TransferConfig = TransferConfig(
-        bucket_mb=1.0,
         ack_timeout_s=10.0,
         finalize_timeout_s=20.0,
         handshake_timeout_s=20.0,
@@ -274,15 +272,8 @@ def _check_runtime_dir(config: Config, sources: dict[str, str]) -> None:
 
 def _check_engine(config: Config) -> None:
     """What the engines' own libraries must accept (transformers, vLLM) is asked now, before
-    any worker starts."""
-    engine = config.engine
-    if engine.trainer == "fsdp":
-        model_dir = Path(engine.fsdp.model_dir)
-        check_model_dir(str(model_dir))
-        served = served_model(engine) if engine.rollout else ModelConfig.servable(model_dir)
-        engine.torch_ref.check_model(served, f"engine.fsdp.model_dir {model_dir}")
-    if engine.rollout == "vllm":
-        check_engine_args(rollout_vllm_spec(engine), served_model(engine))
+    any worker starts: each engine's check, as the registry names it."""
+    check_engines(config.engine)
 
 
 def _check_nesting(config: Config, sources: dict[str, str]) -> None:

@@ -245,6 +245,11 @@ class UnsupportedInput(TimeshareError):
     silently)."""
 
 
+class PromptTooLong(UnsupportedInput):
+    """Raised by a rollout engine given a request whose prompt and completion do not fit the
+    sequence it can hold (its context length or KV cache), naming the request and the lengths."""
+
+
 class WeightsTorn(TimeshareError):
     """Raised by a rollout engine asked to generate while its weights are not a whole version."""
 

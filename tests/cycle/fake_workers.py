@@ -29,9 +29,11 @@ from timeshare.protocols.commands.results import (
     PhaseResult,
     RolloutResult,
     SyncResult,
+    TrainFigures,
     TrainResult,
 )
 from timeshare.protocols.store import JobStore
+from timeshare.protocols.weights import TransferReport
 
 R = TypeVar("R")
 
@@ -135,13 +137,13 @@ class FakeWorkers(Workers):
             return HeldResult(held_mb=held)
         if command == "sync":
             digest = f"weights of version {step}"
-            return SyncResult(
-                version=step, bytes=4096, tensors=4, buckets=1, seconds=0.001, digest=digest
-            )
+            transfer = TransferReport(version=step, bytes=4096, tensors=4, buckets=1, seconds=0.001)
+            return SyncResult(transfer=transfer, digest=digest)
         if command == "bootstrap" and trainer:
             return BootstrapResult(step=self.start_step)
         if command == "train" and trainer:
-            return TrainResult(step=step, samples=0, committed=step, reward_mean=0.5)
+            figures = TrainFigures(step=step, samples=0, committed=step, reward_mean=0.5)
+            return TrainResult(figures=figures)
         if command == "rollout" and not trainer:
             samples = samples_of(worker.rank, step)
             return RolloutResult(samples=samples, version=step, reward_mean=0.5)

@@ -191,7 +191,7 @@ async def test_transfer_and_engine_keys_act_in_a_real_run(runtime_dir: Path) -> 
         trainer, rollout = report.trainer, report.rollout
         assert isinstance(trainer, SyncResult) and isinstance(rollout, SyncResult)
         assert trainer.staging_buffers == 1
-        for side in (trainer, rollout):
+        for side in (trainer.transfer, rollout.transfer):
             assert (side.tensors, side.bytes) == (3, 3 * 32768 * 4)
             assert side.buckets == side.checksummed == 2
             assert side.version == report.step

@@ -5,10 +5,26 @@ from __future__ import annotations
 import pytest
 import torch
 
-from timeshare.engines.base import RolloutRequest, SamplingParams, refuse_unsupported
-from timeshare.engines.simulated import DeviceLedger, SimulatedRollout, SimulatedTrainer
-from timeshare.engines.spec import SimulatedSpec
-from timeshare.errors import SimulatedOOM, UnsupportedInput, WeightsTorn
+from timeshare.engines.base import (
+    RolloutRequest,
+    RolloutTraits,
+    SamplingParams,
+    refuse_unsupported,
+)
+from timeshare.engines.simulated.engines import (
+    EVERY_INPUT,
+    DeviceLedger,
+    SimulatedRollout,
+    SimulatedTrainer,
+)
+from timeshare.engines.simulated.spec import SimulatedSpec
+from timeshare.errors import (
+    LoaderFailed,
+    PromptTooLong,
+    SimulatedOOM,
+    UnsupportedInput,
+    WeightsTorn,
+)
 from timeshare.protocols.store import JobStore
 
 
@@ -55,7 +71,9 @@ def test_generation_refuses_torn_weights_and_carries_the_version(ledger: DeviceL
     with pytest.raises(WeightsTorn):
         rollout.generate([request])
     rollout.begin_weight_update()
-    rollout.load_weights([("w", torch.ones(2))])
+    with pytest.raises(LoaderFailed, match="simulated rollout: no weight 'w' to load"):
+        rollout.load_weights([("w", torch.ones(2))])
+    rollout.load_weights([("layer0.weight", torch.ones(2))])
     rollout.finish_weight_update(7)
     [sample] = rollout.generate([request])
     assert (sample.weight_version, len(sample.tokens)) == (7, 3)
@@ -68,5 +86,9 @@ def test_an_adapter_names_every_field_it_cannot_honour() -> None:
     request = RolloutRequest("r1", (1,), images=("png",), processor_output={"pixel_values": 1})
     assert request.fields_in_use() == {"images", "processor_output"}
     with pytest.raises(UnsupportedInput, match=r"text-only cannot honour images, processor_output"):
-        refuse_unsupported(request, set(), "text-only")
-    refuse_unsupported(request, {"images", "processor_output"}, "multimodal")
+        refuse_unsupported(request, RolloutTraits(), "text-only")
+    refuse_unsupported(
+        request, RolloutTraits(inputs=frozenset({"images", "processor_output"})), "multimodal"
+    )
+    with pytest.raises(PromptTooLong, match=r"'r1' needs 17 tokens \(1 of prompt, 16 to gen"):
+        refuse_unsupported(request, RolloutTraits(inputs=EVERY_INPUT, max_tokens=16), "short")

@@ -19,6 +19,7 @@ from timeshare.errors import WorkerError
 from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
 from timeshare.protocols.commands.results import RolloutResult
 from timeshare.protocols.store import JobStore
+from timeshare.protocols.weights import TransferConfig
 
 ROLLOUT = WorkerId("rollout", 0)
 
@@ -48,6 +49,7 @@ async def test_abort_interrupts_a_hanging_generate_within_a_second(runtime_dir: 
             store_host=host,
             store_port=port,
             checkpoint_dir=str(runtime_dir / "ckpt"),
+            transfer=TransferConfig(bucket_mb=1.0),
             faults=[Fault("rollout", 0, "rollout", "hang")],
         )
         argv = [

@@ -100,7 +100,7 @@ class StepLog:
         if train is None:
             return
         now = time.monotonic()
-        resumed = msgspec.structs.replace(train, engine_s=train.train_s)
+        resumed = TrainResult(figures=train, engine_s=train.train_s)
         idle = PhaseResult()
         self._pending[report.step] += [
             PhaseReport(
@@ -141,17 +141,17 @@ def step_figures(
     by_rank: dict[int, dict[str, PhaseReport]] = defaultdict(dict)
     for report in reports:
         by_rank[report.rank][report.phase.value] = report
-    trains = [_as(TrainResult, by_rank[r]["train"].trainer) for r in ranks]
+    trains = [_as(TrainResult, by_rank[r]["train"].trainer).figures for r in ranks]
     sent = [_as(SyncResult, by_rank[r]["sync"].trainer) for r in ranks]
     received = [_as(SyncResult, by_rank[r]["sync"].rollout) for r in ranks]
-    transfer_bytes = sum(s.bytes for s in sent)
-    transfer_s = max(s.seconds for s in sent)
+    transfer_bytes = sum(s.transfer.bytes for s in sent)
+    transfer_s = max(s.transfer.seconds for s in sent)
     rewards = [t.reward_mean for t in trains if t.reward_mean is not None]
     logprob_diffs = [t.logprob_max_abs_diff for t in trains if t.logprob_max_abs_diff is not None]
     committed = [t.committed for t in trains]
     return StepFigures(
         step=step,
-        weight_version=sent[0].version,
+        weight_version=sent[0].transfer.version,
         sample_version=step - 1,
         reward_mean=sum(rewards) / len(rewards) if rewards else None,
         phases={p: max(by_rank[r][p].seconds for r in ranks) for p in PHASES},

@@ -89,18 +89,23 @@ def phase_record(report: PhaseReport, node: int, clock: Clock) -> PhaseRecord:
 def _version(report: PhaseReport) -> int:
     for result in (report.trainer, report.rollout):
         if isinstance(result, TrainResult):
-            return result.step
+            return result.figures.step
         if isinstance(result, SyncResult):
-            return result.version
+            return result.transfer.version
         if isinstance(result, RolloutResult) and result.version is not None:
             return result.version
     return report.step
 
 
 def _figures(role: str, result: PhaseResult) -> dict[str, Figure]:
-    """The plain figures of a result (not its spans, samples or per-bucket lists). A loss gone
-    to NaN stays visible, as the string "nan": JSON has no NaN and trace viewers refuse one."""
+    """The plain figures of a result (not its spans, samples or per-bucket lists), a SYNC's
+    transfer's and a TRAIN's figures among its own. A loss gone to NaN stays visible, as the
+    string "nan": JSON has no NaN and trace viewers refuse one."""
     fields = msgspec.structs.asdict(result)
+    if isinstance(result, SyncResult):
+        fields = msgspec.structs.asdict(result.transfer) | fields
+    if isinstance(result, TrainResult):
+        fields = msgspec.structs.asdict(result.figures) | fields
     return {
         f"{role}.{name}": str(value)
         if isinstance(value, float) and not math.isfinite(value)

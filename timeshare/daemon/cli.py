@@ -20,6 +20,9 @@
                                     the run's timeline as a Chrome trace (Perfetto), from the
                                     log in RUN_DIR (several: the nodes of one job, in one file)
 
+`timeshare --help` and `timeshare config show` list the registered engines (engines/registry.py),
+which `[engine] trainer` and `rollout` choose from.
+
 Exit codes: 0 done, 1 the run failed (the error names rank, role and phase), 2 bad input (an
 unusable config names the key and its source), 128 + signal number when stopped by a signal.
 """
@@ -34,6 +37,7 @@ from pathlib import Path
 import msgspec
 
 from timeshare.config import Config, effective_lines, load_config
+from timeshare.engines import registry
 from timeshare.engines.model_dir import ARCHITECTURES, ModelShape, init_model_dir
 from timeshare.errors import CheckpointError, ConfigError, CycleFailed, Interrupted, ReportError
 from timeshare.state.diagram import DIAGRAMS
@@ -46,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "config":
-            sys.stdout.write("\n".join(effective_lines(load_config(args.config))) + "\n")
+            lines = effective_lines(load_config(args.config))
+            sys.stdout.write("\n".join([*(f"# {line}" for line in _engines()), *lines]) + "\n")
         elif args.command == "state":
             sys.stdout.write(DIAGRAMS[args.table]())
         elif args.command == "model":
@@ -173,8 +178,21 @@ def _run(config: Config, summary: Path | None, name: str) -> int:
     return 0
 
 
+def _engines() -> list[str]:
+    """The registered engines, one line each, under a heading (--help, config show)."""
+    return [
+        "engines (engine.trainer and engine.rollout name one; [engine.<name>] is its table):",
+        *(f"  {line}" for line in registry.described()),
+    ]
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="timeshare", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="timeshare",
+        description=__doc__.split("\n")[0],
+        epilog="\n".join(_engines()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run the cycle in the foreground")
     run.add_argument("config", type=Path)
@@ -183,7 +201,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--steps", type=int, help="override job.steps")
     config = commands.add_parser("config", help="the job's configuration")
     config_commands = config.add_subparsers(dest="config_command", required=True)
-    show = config_commands.add_parser("show", help="print the effective config and its sources")
+    show = config_commands.add_parser(
+        "show",
+        help="print the effective config and its sources",
+        epilog="\n".join(_engines()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     show.add_argument("config", type=Path)
     state = commands.add_parser("state", help="the tables every decision of the job comes from")
     state_commands = state.add_subparsers(dest="state_command", required=True)

@@ -84,8 +84,8 @@ class JobProgress:
     def phase_ended(self, report: PhaseReport) -> list[dict[str, Any]]:
         self.metrics.phase_ended(report.phase, report.seconds)
         if report.phase is Phase.SYNC and isinstance(report.trainer, SyncResult):
-            sent = report.trainer
-            self.metrics.synced(sent.bytes, sent.seconds, list(sent.ack_s), sent.version)
+            sent = report.trainer.transfer
+            self.metrics.synced(sent.bytes, sent.seconds, list(sent.ack_seconds), sent.version)
         entries = self._every_rank(report)
         figures = self._steps.add(report)
         if figures is not None:
@@ -103,15 +103,14 @@ class JobProgress:
         if self._finished[key] < len(self.ranks):
             return []
         del self._finished[key]
-        if isinstance(report.trainer, TrainResult) and report.trainer.committed is not None:
+        trainer = report.trainer
+        if isinstance(trainer, TrainResult) and trainer.figures.committed is not None:
             self.committed_step = report.step  # every rank checkpointed before answering
             self.metrics.committed_step.set(report.step)
             return [journal_entry("step.committed", step=report.step)]
         if isinstance(report.trainer, SyncResult):
-            self.weight_version = report.trainer.version
-            return [
-                journal_entry("weights.synced", step=report.step, version=report.trainer.version)
-            ]
+            self.weight_version = report.trainer.transfer.version
+            return [journal_entry("weights.synced", step=report.step, version=self.weight_version)]
         return []
 
     def _log_step(self, figures: StepFigures) -> None:

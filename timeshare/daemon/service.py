@@ -123,7 +123,7 @@ class Service:
             uptime_s=round(time.monotonic() - self._started, 3),
             pid=os.getpid(),
             ranks=self.config.job.ranks,
-            engine=self.config.engine.kind,
+            engine="{} trainer, {} rollout".format(*self.config.engine.names),
             metrics_port=self.parts.metrics_port,
             log_level=self.config.log.level,
             loop_lag_max_ms=round(self.loop_lag.max_s * 1000, 3),

@@ -10,6 +10,7 @@ carries the weight version that produced it.
 from __future__ import annotations
 
 import hashlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ from typing import Any
 
 import torch
 
-from timeshare.engines.inlet import LocalInlet, WeightInlet
-from timeshare.errors import UnsupportedInput, WeightsTorn
+from timeshare.engines.inlet import WeightInlet
+from timeshare.errors import GenerateTimeout, PromptTooLong, UnsupportedInput, WeightsTorn
+from timeshare.protocols.commands.results import TrainFigures
 from timeshare.protocols.weights import TransferConfig
 from timeshare.protocols.weights.layout import Weight
 
@@ -94,12 +96,36 @@ class RolloutSample:
     reward: float | None = None  # set by the task once the completion is scored
 
 
-def refuse_unsupported(request: RolloutRequest, supported: set[str], engine: str) -> None:
-    """Raise `UnsupportedInput` naming every field of `request` that `engine` cannot honour."""
-    unsupported = sorted(request.fields_in_use() - supported)
+@dataclass(frozen=True)
+class RolloutTraits:
+    """What a rollout engine can do here, declared, so that the driver's memory rules and the
+    contract suite (tests/engines/contract/) hold it to what it says instead of skipping.
+
+    `inputs`: the optional request fields it honours (images, videos, processor_output);
+    any other is refused. `releases_memory`: sleep frees what `held_mb` counts; False where the
+    platform cannot (then `held_mb` is 0 and `resident_mb` shows what stays). `max_tokens`:
+    the longest prompt plus completion it holds (None: no limit); a longer one is refused.
+    """
+
+    inputs: frozenset[str] = frozenset()
+    releases_memory: bool = True
+    max_tokens: int | None = None
+
+
+def refuse_unsupported(request: RolloutRequest, traits: RolloutTraits, engine: str) -> None:
+    """Raise `UnsupportedInput` naming every field of `request` that `engine` cannot honour, or
+    `PromptTooLong` if its prompt and completion do not fit."""
+    unsupported = sorted(request.fields_in_use() - traits.inputs)
     if unsupported:
         raise UnsupportedInput(
             f"{engine} cannot honour {', '.join(unsupported)} of request {request.request_id!r}"
+        )
+    tokens = len(request.prompt_tokens) + request.sampling.max_tokens
+    if traits.max_tokens is not None and tokens > traits.max_tokens:
+        raise PromptTooLong(
+            f"{engine}: request {request.request_id!r} needs {tokens} tokens "
+            f"({len(request.prompt_tokens)} of prompt, {request.sampling.max_tokens} to "
+            f"generate), more than the {traits.max_tokens} it holds"
         )
 
 
@@ -116,9 +142,9 @@ class TrainerEngine(ABC):
 
     step: int = 0
     progress: Callable[[], None] = staticmethod(no_progress)
-    # The metrics of the TRAIN that made `step`, kept in its checkpoint (None: not known), so
+    # The figures of the TRAIN that made `step`, kept in its checkpoint (None: not known), so
     # that a run resumed after a crash mid-step can still report that step whole.
-    last_train: dict[str, float] | None = None
+    last_train: TrainFigures | None = None
 
     def bootstrap(self, directory: Path) -> int:
         """Load the last committed checkpoint with the parameters ready to send; return its step."""
@@ -126,8 +152,8 @@ class TrainerEngine(ABC):
         return self.step
 
     @abstractmethod
-    def train_step(self, batch: list[RolloutSample]) -> dict[str, float]:
-        """One optimisation step on the last rollout batch; returns its metrics."""
+    def train_step(self, batch: list[RolloutSample]) -> TrainFigures:
+        """One optimisation step on the last rollout batch; returns what it did."""
 
     @abstractmethod
     def offload(self) -> None:
@@ -175,10 +201,13 @@ class TrainerEngine(ABC):
 class RolloutEngine(ABC):
     """The rollout side of one rank (one shard of an engine that may span several devices)."""
 
-    def __init__(self) -> None:
+    def __init__(self, generate_timeout_s: float = 60.0) -> None:
         self.progress: Callable[[], None] = no_progress
         self.weight_version: int | None = None
         self.torn = True  # no whole weight version loaded yet
+        # A generate still running after this is aborted (GenerateTimeout) and the engine stays
+        # usable; the driver's phase deadline, around it, is longer.
+        self.generate_timeout_s = generate_timeout_s
 
     @abstractmethod
     def sleep(self) -> None:
@@ -189,16 +218,13 @@ class RolloutEngine(ABC):
         """Allocate `weights` and/or `kv_cache` again (checking real free memory first)."""
 
     @abstractmethod
-    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """One bucket of a weight transfer (tensors are views: copy what is kept)."""
-
-    @abstractmethod
-    def finish_weight_update(self, version: int) -> None:
-        """Post-load processing after the last bucket; the version is whole from now on."""
+    def traits(self) -> RolloutTraits:
+        """What this engine can do on this platform (see `RolloutTraits`)."""
 
     @abstractmethod
     def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
-        """Sample every request; raises `WeightsTorn` while no whole version is loaded."""
+        """Sample every request; raises `WeightsTorn` while no whole version is loaded, and
+        refuses a request it cannot honour whole (`refuse_unsupported`) before sampling any."""
 
     @abstractmethod
     def digest(self) -> str:
@@ -208,9 +234,10 @@ class RolloutEngine(ABC):
     def held_mb(self) -> float:
         """Device memory this engine holds now, in MiB (0 once it sleeps)."""
 
+    @abstractmethod
     def open_inlet(self, endpoint: str, transfer: TransferConfig) -> WeightInlet:
-        """Where this engine's weights come in (default: a receiver in this process)."""
-        return LocalInlet(self, endpoint, transfer)
+        """Where this engine's weights come in: a `LocalInlet` loading into the engine in this
+        process (a `WeightLoader`), or an inlet that drives the engine's own processes."""
 
     def resident_mb(self) -> float:
         """Memory this engine keeps even asleep, because the platform cannot release it (MiB).
@@ -224,8 +251,25 @@ class RolloutEngine(ABC):
         """A transfer starts: until it finishes, the weights are torn."""
         self.torn = True
 
+    def mark_whole(self, version: int) -> None:
+        """A transfer of `version` completed and was post-processed: generate may use it."""
+        self.weight_version = version
+        self.torn = False
+
     def close(self) -> None:  # noqa: B027 - an optional hook
         """The worker is shutting down (e.g. stop the engine's own processes)."""
+
+    def generate_deadline(self) -> float:
+        """When a generate starting now must have ended (`time.monotonic()`)."""
+        return time.monotonic() + self.generate_timeout_s
+
+    def check_deadline(self, deadline: float, requests: int) -> None:
+        """`GenerateTimeout` once `deadline` has passed (the caller aborts what still runs)."""
+        if time.monotonic() > deadline:
+            raise GenerateTimeout(
+                f"{type(self).__name__}: generate of {requests} requests still running after "
+                f"{self.generate_timeout_s:g} s (aborted)"
+            )
 
     def check_whole(self) -> int:
         if self.torn or self.weight_version is None:

@@ -1,15 +1,25 @@
-"""GRPO as both trainers compute it (torch_ref and FSDP): the batch as tensors, the checks on it,
-group-normalised advantages and the clipped loss, as pure functions.
+"""GRPO as every trainer computes it: the step (`GrpoTrainer.train_step`), and as pure functions
+the batch as tensors, the checks on it, group-normalised advantages and the clipped loss.
+
+A trainer engine subclasses `GrpoTrainer` and says only how its model computes: the logprobs of
+a batch without gradients (the policy's and the reference model's), and how one minibatch
+updates the model. The settings are the job's `[engine.grpo]` and `[engine.task]`.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from abc import abstractmethod
+from typing import NamedTuple
 
+import msgspec
 import torch
 
-from timeshare.engines.base import RolloutSample
+from timeshare.engines.base import RolloutSample, TrainerEngine
+from timeshare.engines.spec import GrpoSpec, TaskSpec
 from timeshare.errors import OffPolicy, TimeshareError
+from timeshare.protocols.commands.results import TrainFigures
 
 EPS = 1e-6
 
@@ -93,3 +103,97 @@ def clipped_loss(
         loss = loss + kl_coef * kl
         metrics["kl"] = float(kl)
     return loss, metrics
+
+
+class GrpoBatch(NamedTuple):
+    """One TRAIN's batch as tensors, and what is computed once for all its minibatches."""
+
+    prompts: torch.Tensor
+    completions: torch.Tensor
+    sampled: torch.Tensor  # the rollout's logprobs
+    rewards: torch.Tensor
+    old: torch.Tensor  # the policy's logprobs before this step's first update
+    advantages: torch.Tensor
+    ref: torch.Tensor | None  # the reference model's logprobs (a KL term only)
+
+
+class GrpoTrainer(TrainerEngine):
+    """The GRPO step: on-policy check, old and reference logprobs, group advantages, then one
+    optimiser step per minibatch; the step is committed (durable) before it is reported."""
+
+    rank: int
+    task: TaskSpec
+    grpo: GrpoSpec
+
+    def train_step(self, batch: list[RolloutSample]) -> TrainFigures:
+        started = time.perf_counter()
+        check_batch(batch, self.step, self.task.group_size, self.rank)
+        self.onload()
+        data = self.prepare(batch)
+        size = len(batch) // self.grpo.minibatches
+        loss, metrics = 0.0, dict[str, float]()
+        for start in range(0, len(batch), size):
+            loss, metrics = self.update(data, range(start, start + size))
+            self.progress()
+        self.step += 1
+        self.last_train = TrainFigures(
+            step=self.step,
+            samples=len(batch),
+            committed=self.step,
+            reward_mean=float(data.rewards.mean()),
+            logprob_max_abs_diff=float((data.old.cpu() - data.sampled).abs().max()),
+            loss=loss,
+            train_s=time.perf_counter() - started,
+            extra=metrics,
+        )
+        self.commit()
+        return self.last_train
+
+    def prepare(self, batch: list[RolloutSample]) -> GrpoBatch:
+        """The batch as tensors, with the logprobs and advantages all its minibatches use."""
+        prompts, completions, sampled = batch_tensors(batch)
+        rewards = rewards_of(batch)
+        old = self.policy_logprobs(prompts, completions)
+        ref = self.reference_logprobs(prompts, completions)
+        advantages = group_advantages(rewards, self.task.group_size)
+        return GrpoBatch(prompts, completions, sampled, rewards, old, advantages, ref)
+
+    def loss(
+        self, new: torch.Tensor, data: GrpoBatch, rows: slice
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The clipped objective of `rows` of the batch, whose new logprobs are `new`."""
+        return clipped_loss(
+            new,
+            data.old[rows],
+            data.advantages[rows].to(new.device),
+            clip_low=self.grpo.clip_ratio_low,
+            clip_high=self.grpo.clip_ratio_high,
+            ref_logprobs=None if data.ref is None else data.ref[rows],
+            kl_coef=self.grpo.kl_coef,
+        )
+
+    @abstractmethod
+    def policy_logprobs(self, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
+        """The trained model's logprobs of `completions`, without gradients."""
+
+    @abstractmethod
+    def reference_logprobs(
+        self, prompts: torch.Tensor, completions: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The reference model's logprobs, without gradients (None: no KL term)."""
+
+    @abstractmethod
+    def update(self, data: GrpoBatch, rows: range) -> tuple[float, dict[str, float]]:
+        """One optimiser step on the minibatch `rows`; its loss and figures."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the step just trained durable (its checkpoint), before TRAIN reports it."""
+
+
+def figures_kept(kept: object) -> TrainFigures | None:
+    """The TRAIN figures a checkpoint kept (None: none, or of an older format)."""
+    try:
+        return None if kept is None else msgspec.convert(kept, TrainFigures)
+    except msgspec.ValidationError:
+        return None

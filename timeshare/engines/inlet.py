@@ -27,7 +27,9 @@ class WeightInlet(Protocol):
 
 
 class WeightLoader(Protocol):
-    """What a `LocalInlet` loads into (a `RolloutEngine`)."""
+    """What a `LocalInlet` loads into: a rollout engine that loads in its worker process (its
+    `open_inlet` returns `LocalInlet(self, ...)`). `finish_weight_update` ends with
+    `mark_whole(version)`."""
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -39,9 +41,16 @@ class LocalInlet:
 
     def __init__(self, engine: WeightLoader, endpoint: str, transfer: TransferConfig) -> None:
         self.engine = engine
+        self.endpoint = endpoint
+        self.transfer = transfer
         self.receiver = WeightReceiver(endpoint, transfer)
 
     def receive(self, progress: Callable[[], None]) -> TransferReport:
+        if self.receiver.closed:
+            # A failed transfer ended its session and closed its receiver: the next transfer is
+            # a new session, taken by a new receiver (as vLLM's backend does, vllm/backend.py).
+            self.receiver = WeightReceiver(self.endpoint, self.transfer)
+
         def load(named: list[Any]) -> None:
             self.engine.load_weights(named)
             progress()

@@ -1,125 +1,191 @@
-"""`[engine]`: which engine pair a job runs, and each engine's own settings.
+"""`[engine]`: which trainer and which rollout engine a job runs, and the settings they share.
 
-The simulated pair's settings are here (its engines are one module, simulated.py); the
-reference pair's are in torch_ref/spec.py. The reference pair's task can also be served by other
-engines: vLLM as its rollout (`rollout = "vllm"`, vllm/spec.py) and FSDP2 over a transformers
-model as its trainer (`trainer = "fsdp"`, fsdp/spec.py). No torch, no vLLM: the job config is
-read without them.
+    [engine]            trainer, rollout (kinds of registry.py), torch_threads
+    [engine.task]       the task the rollout serves and its sampling (task.py runs it)
+    [engine.grpo]       GRPO and AdamW, as every trainer computes them (grpo.py)
+    [engine.<name>]     each registered engine's own settings, typed by its spec class
+
+`EngineSpec` is built from the registry: one table per registered engine, so that adding an
+engine adds its table without touching this module. Only the spec modules are imported here
+(torch-free by rule: tests/test_architecture.py), never an engine itself: the job config is read
+without torch, vLLM or transformers.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import msgspec
 
-from timeshare.engines.fsdp.spec import FsdpSpec
-from timeshare.engines.torch_ref.spec import ModelConfig, TorchRefSpec, model_config
-from timeshare.engines.vllm.spec import RolloutKind, VllmSpec
+from timeshare.engines import registry
+from timeshare.engines.model_config import TrainedModel, TrainsModel
+from timeshare.engines.registry import Role
+from timeshare.engines.vocab import MIN_VOCAB, PROMPT_TOKENS
 from timeshare.errors import ConfigError
 
-EngineKind = Literal["simulated", "torch_ref"]
-TrainerKind = Literal["", "fsdp"]
+if TYPE_CHECKING:
+    from timeshare.engines.model_config import ModelConfig
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+S = TypeVar("S", bound=msgspec.Struct)
 
 
-class SimulatedSizes(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """MiB each part takes on a simulated device."""
+class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The shipped task (say the digit back, task.py) and how the rollout samples it.
 
-    device_mb: float = 100.0
-    params_mb: float = 30.0
-    optimizer_mb: float = 40.0
-    staging_mb: float = 10.0
-    weights_mb: float = 35.0
-    kv_cache_mb: float = 50.0
+    Simulated engines serve fixed requests instead and read none of it."""
+
+    seed: int = 0  # the prompts and the sampling seeds of every step follow from it
+    prompts_per_rank: PositiveInt = 8
+    group_size: Annotated[int, msgspec.Meta(ge=2)] = 8  # GRPO needs a group to compare within
+    completion_tokens: PositiveInt = 6
+    temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences a rank's rollout generates per step (and its trainer trains on)."""
+        return self.prompts_per_rank * self.group_size
+
+    @property
+    def sequence_tokens(self) -> int:
+        """Tokens of one sampled sequence: a prompt and its completion."""
+        return PROMPT_TOKENS + self.completion_tokens
+
+    def check_model(self, model: ModelConfig, where: str) -> None:
+        """A `ConfigError` if the task cannot run on `model` (`where`: the key naming it)."""
+        if model.vocab_size < MIN_VOCAB:
+            raise ConfigError(
+                f"{where}: vocab_size ({model.vocab_size}) must be at least {MIN_VOCAB}: the "
+                "task uses ten digits, BOS and SEP"
+            )
+        if self.sequence_tokens > model.max_position_embeddings:
+            raise ConfigError(
+                f"{where}: max_position_embeddings ({model.max_position_embeddings}) is shorter "
+                f"than a prompt ({PROMPT_TOKENS}) plus engine.task.completion_tokens "
+                f"({self.completion_tokens})"
+            )
 
 
-class SimulatedSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Everything the simulated engines of a job need; workers get it as JSON."""
+class GrpoSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """GRPO with AdamW, the same for every trainer (grpo.py)."""
 
-    sizes: SimulatedSizes = SimulatedSizes()
-    engine_span: int = 1  # ranks (devices) one rollout engine spans; its leader wakes them all
-    tensors: int = 4
-    tensor_numel: int = 1024
-    account_memory: bool = True  # off: no ledger at all (to measure orchestration alone)
-    # phase -> rank (a string, as TOML keys are) -> seconds of (progressing) work
-    delays: dict[str, dict[str, float]] = {}
+    lr: Annotated[float, msgspec.Meta(gt=0.0)] = 3e-3
+    weight_decay: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    clip_ratio_low: Fraction = 0.2
+    clip_ratio_high: Annotated[float, msgspec.Meta(ge=0.0)] = 0.28
+    kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # 0: no reference model kept
+    minibatches: PositiveInt = 2
 
 
-class EngineSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    kind: EngineKind = "simulated"
-    # "": the pair's own rollout engine; "vllm": vLLM serves the rollout of the torch_ref pair
-    # (its model and task), as the rollout engine of a real run (engines/vllm/).
-    rollout: RolloutKind = ""
-    # "": the pair's own trainer; "fsdp": FSDP2 over a transformers model trains the torch_ref
-    # pair's task (engines/fsdp/).
-    trainer: TrainerKind = ""
-    simulated: SimulatedSpec = SimulatedSpec()
-    torch_ref: TorchRefSpec = TorchRefSpec()
-    vllm: VllmSpec = VllmSpec()
-    fsdp: FsdpSpec = FsdpSpec()
+class EngineChoice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What every job's `[engine]` holds; `EngineSpec` adds one table per registered engine."""
+
+    trainer: str = "simulated"
+    rollout: str = "simulated"
+    # intra-op threads per worker process: a trainer and a rollout share each rank's cores, and
+    # spinning OpenMP pools of several processes on few cores stall each other for a second
+    torch_threads: PositiveInt = 1
+    task: TaskSpec = TaskSpec()
+    grpo: GrpoSpec = GrpoSpec()
 
     def __post_init__(self) -> None:
-        for key, value in (("rollout", self.rollout), ("trainer", self.trainer)):
-            if value and self.kind != "torch_ref":
+        trainer = registry.find(self.trainer, "trainer")
+        rollout = registry.find(self.rollout, "rollout")
+        if trainer.family != rollout.family:
+            raise ConfigError(
+                f"engine.trainer = {self.trainer!r} and engine.rollout = {self.rollout!r} do not "
+                f"pair: the trainer's weights are {trainer.family}, the rollout serves "
+                f"{rollout.family}"
+            )
+        if self.task.batch_size % self.grpo.minibatches:
+            raise ConfigError(
+                f"engine.grpo.minibatches ({self.grpo.minibatches}) does not divide a rank's "
+                f"batch of {self.task.batch_size} samples (engine.task: prompts_per_rank x "
+                "group_size)"
+            )
+        for name in registry.ENGINES:
+            if name not in (self.trainer, self.rollout) and self.section(name) != _default(name):
                 raise ConfigError(
-                    f'engine.{key} = {value!r} needs engine.kind = "torch_ref" (the task it '
-                    f"serves), not {self.kind!r}"
+                    f"engine.{name} is set, but this job runs no {name} engine (engine.trainer = "
+                    f"{self.trainer!r}, engine.rollout = {self.rollout!r})"
                 )
-        if self.trainer == "fsdp":
-            self._check_fsdp()
-        elif self.kind == "torch_ref":
-            self.torch_ref.check_model(self.torch_ref.model, "engine.torch_ref.model")
 
-    def _check_fsdp(self) -> None:
-        if not self.fsdp.model_dir:
-            raise ConfigError(
-                'engine.fsdp.model_dir: trainer = "fsdp" trains a transformers model directory; '
-                "name one (`timeshare model init DIR` makes a small one)"
-            )
-        for key, value, unset in (
-            ("model_dir", self.torch_ref.model_dir, ""),
-            ("model", self.torch_ref.model, ModelConfig()),
-        ):
-            if value != unset:
-                raise ConfigError(
-                    f"engine.torch_ref.{key}: the FSDP trainer's model is "
-                    f"engine.fsdp.model_dir; leave engine.torch_ref.{key} unset"
-                )
-        micro = self.fsdp.micro_batch_size
-        minibatch = self.torch_ref.batch_size // self.torch_ref.minibatches
-        if micro and minibatch % micro:
-            raise ConfigError(
-                f"engine.fsdp.micro_batch_size ({micro}) does not divide a minibatch of "
-                f"{minibatch} samples (engine.torch_ref: prompts_per_rank x group_size / "
-                "minibatches)"
-            )
+    def section(self, name: str) -> msgspec.Struct:
+        """`[engine.<name>]`: the settings of a registered engine."""
+        value = getattr(self, name)
+        assert isinstance(value, msgspec.Struct)
+        return value
+
+    def settings(self, name: str, kind: type[S]) -> S:
+        """`[engine.<name>]` as the engine's own spec class (what its builder reads)."""
+        value = self.section(name)
+        if not isinstance(value, kind):
+            raise TypeError(f"engine.{name} is a {type(value).__name__}, not a {kind.__name__}")
+        return value
 
     @property
-    def trainer_name(self) -> str:
-        return self.trainer or self.kind
+    def names(self) -> tuple[str, str]:
+        """(trainer, rollout), for logs and status."""
+        return self.trainer, self.rollout
 
-    @property
-    def rollout_name(self) -> str:
-        """The rollout engine's name, for logs: the pair's own or the one `rollout` picks."""
-        return self.rollout or self.kind
+    def trained_model(self) -> TrainedModel | None:
+        """The model the trainer trains (None: a simulated one), for a rollout engine that
+        builds its own copy of it: no rollout needs to know which trainer it serves."""
+        settings = self.section(self.trainer)
+        return settings.trained_model() if isinstance(settings, TrainsModel) else None
 
-
-def served_model_dir(spec: EngineSpec) -> str:
-    """The transformers directory of the model the job trains ("": the torch_ref pair's own)."""
-    return spec.fsdp.model_dir if spec.trainer == "fsdp" else spec.torch_ref.model_dir
-
-
-def served_model(spec: EngineSpec) -> ModelConfig:
-    """The Llama keys of the model the job trains, for a rollout engine that builds its own."""
-    if spec.trainer == "fsdp":
-        return ModelConfig.from_json(Path(spec.fsdp.model_dir) / "config.json")
-    return model_config(spec.torch_ref)
+    def roles(self) -> dict[str, frozenset[Role]]:
+        """Each engine the job runs, with the roles it takes (torch_ref may take both)."""
+        roles: dict[str, set[Role]] = {self.trainer: {"trainer"}}
+        roles.setdefault(self.rollout, set()).add("rollout")
+        return {name: frozenset(taken) for name, taken in roles.items()}
 
 
-def rollout_vllm_spec(spec: EngineSpec) -> VllmSpec:
-    """`[engine.vllm]` as the engine starts: from the FSDP trainer's model directory unless it
-    names its own (the directory says the architecture; the first SYNC brings the weights)."""
-    if spec.trainer == "fsdp" and not spec.vllm.model_dir:
-        return msgspec.structs.replace(spec.vllm, model_dir=spec.fsdp.model_dir)
-    return spec.vllm
+def check_engines(spec: EngineChoice) -> None:
+    """What the job's engines must accept, asked now, before any worker starts: each engine's
+    own check (which may ask its library in a child process), then the task against the model."""
+    for name, roles in spec.roles().items():
+        entry = registry.ENGINES[name]
+        if entry.check:
+            registry.load(entry.check)(spec, roles)
+    trained = spec.trained_model()
+    if trained is not None:
+        spec.task.check_model(trained.config, trained.where)
+
+
+def _default(name: str) -> msgspec.Struct:
+    default: msgspec.Struct = registry.ENGINES[name].spec_type()()
+    return default
+
+
+def engine_spec_type() -> type[EngineChoice]:
+    """`[engine]` as the registry types it now: one table per registered engine."""
+    fields: list[tuple[str, Any, Any]] = [
+        (name, entry.spec_type(), msgspec.field(default_factory=entry.spec_type()))
+        for name, entry in registry.ENGINES.items()
+    ]
+    spec: type[EngineChoice] = msgspec.defstruct(  # type: ignore[assignment]
+        "EngineSpec",
+        fields,
+        bases=(EngineChoice,),
+        module=__name__,
+        frozen=True,
+        kw_only=True,
+        forbid_unknown_fields=True,
+    )
+    return spec
+
+
+if TYPE_CHECKING:
+    EngineSpec = EngineChoice
+else:
+    # The typed config of every registered engine: [engine.vllm] is a VllmSpec, and so on.
+    EngineSpec = engine_spec_type()
+
+
+def engine_spec(**values: Any) -> EngineChoice:
+    """An `EngineSpec` from keyword values (tables as spec structs or plain dicts), validated
+    as the config file's `[engine]` is."""
+    return msgspec.convert(msgspec.to_builtins(values), EngineSpec)

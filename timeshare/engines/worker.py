@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -29,10 +29,12 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from timeshare import logs
 from timeshare.engines.base import RolloutEngine, RolloutSample, TrainerEngine, WeightsDigest
+from timeshare.engines.context import EngineContext
 from timeshare.engines.faults import Fault
 from timeshare.engines.outlet import digested
-from timeshare.engines.pairs import EnginePair, Workload
+from timeshare.engines.pairs import build_rollout, build_trainer, workload_of
 from timeshare.engines.spec import EngineSpec
+from timeshare.engines.task import Workload
 from timeshare.errors import SimulatedFault
 from timeshare.protocols.commands import WorkerServer
 from timeshare.protocols.commands.results import (
@@ -64,8 +66,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     store_host: str
     store_port: int
     checkpoint_dir: str
+    transfer: TransferConfig  # the job's [transfer]: both ends of a channel use the same
     runtime_dir: str = ""  # the job's (what an engine's own processes leave is recorded there)
-    transfer: TransferConfig = TransferConfig(bucket_mb=1.0)
     engine: EngineSpec = EngineSpec()
     faults: list[Fault] = []
     heartbeat_s: float = 0.2
@@ -90,43 +92,15 @@ def fire_faults(spec: WorkerSpec, phase: str, step: int | None) -> None:
 
 Handler = Callable[[dict[str, Any]], PhaseResult]
 NOTHING_TO_DO: Handler = lambda params: PhaseResult()  # noqa: E731 - a phase of the other side
-TRAIN_FIELDS = ("step", "samples", "committed", "reward_mean", "logprob_max_abs_diff", "loss")
 
 
 def sync_result(
     report: TransferReport, digest: str, staging_buffers: int | None = None
 ) -> SyncResult:
-    """A transfer's report as a SYNC command's result."""
-    return SyncResult(
-        version=report.version,
-        bytes=report.bytes,
-        tensors=report.tensors,
-        buckets=report.buckets,
-        seconds=report.seconds,
-        checksummed=report.checksummed,
-        ack_s=report.ack_seconds,
-        digest=digest,
-        staging_buffers=staging_buffers,
-    )
-
-
-def train_result(metrics: Mapping[str, float]) -> TrainResult:
-    """An engine's TRAIN figures as the command's result: the known ones typed, the rest extra."""
-
-    def optional(key: str) -> float | None:
-        return float(metrics[key]) if key in metrics else None
-
-    committed = optional("committed")
-    return TrainResult(
-        step=int(metrics["step"]),
-        samples=int(metrics["samples"]),
-        committed=None if committed is None else int(committed),
-        reward_mean=optional("reward_mean"),
-        logprob_max_abs_diff=optional("logprob_max_abs_diff"),
-        loss=optional("loss"),
-        train_s=float(metrics.get("train_s", 0.0)),
-        extra={k: float(v) for k, v in metrics.items() if k not in (*TRAIN_FIELDS, "train_s")},
-    )
+    """A transfer's report as a SYNC command's result, less its spans: the command's own
+    spans hold them already (they travel once)."""
+    transfer = msgspec.structs.replace(report, spans=())
+    return SyncResult(transfer=transfer, digest=digest, staging_buffers=staging_buffers)
 
 
 class TrainerWorker:
@@ -159,12 +133,11 @@ class TrainerWorker:
 
     def bootstrap(self, params: dict[str, Any]) -> BootstrapResult:
         step = self.engine.bootstrap(Path(self.spec.checkpoint_dir))
-        last = self.engine.last_train
-        return BootstrapResult(step=step, train=None if last is None else train_result(last))
+        return BootstrapResult(step=step, train=self.engine.last_train)
 
     def train(self, params: dict[str, Any]) -> TrainResult:
         batch = msgspec.convert(params.get("batch", []), list[RolloutSample])
-        return train_result(self.engine.train_step(batch))
+        return TrainResult(figures=self.engine.train_step(batch))
 
     def offload(self, params: dict[str, Any]) -> PhaseResult:
         self.engine.offload()
@@ -263,7 +236,7 @@ def run(spec: WorkerSpec) -> None:
     structlog.contextvars.bind_contextvars(
         rank=spec.rank,
         role=spec.role,
-        engine=spec.engine.trainer_name if spec.role == "trainer" else spec.engine.rollout_name,
+        engine=spec.engine.trainer if spec.role == "trainer" else spec.engine.rollout,
     )
     store = JobStore.connect(spec.store_host, spec.store_port, timeout_s=30.0)
     handlers: dict[str, Callable[[dict[str, Any]], object]] = {}
@@ -277,15 +250,22 @@ def run(spec: WorkerSpec) -> None:
     )
     with ExitStack() as stack:
         worker: TrainerWorker | RolloutWorker
-        pair = EnginePair(spec.engine, spec.rank, spec.world_size, store)
+        context = EngineContext(
+            spec=spec.engine,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            store=store,
+            collective_timeout_s=spec.collective_timeout_s,
+            call_timeout_s=spec.engine_call_timeout_s,
+            runtime_dir=Path(spec.runtime_dir),
+        )
         if spec.role == "trainer":
             portal = stack.enter_context(start_blocking_portal())
-            trainer = pair.trainer(spec.collective_timeout_s)
-            worker = TrainerWorker(spec, trainer, portal, server)
+            worker = TrainerWorker(spec, build_trainer(context), portal, server)
         else:
-            rollout = pair.rollout(spec.engine_call_timeout_s, Path(spec.runtime_dir))
+            rollout = build_rollout(context)
             stack.callback(rollout.close)  # the engine's processes stop even if the worker fails
-            worker = RolloutWorker(spec, rollout, pair.workload(), server)
+            worker = RolloutWorker(spec, rollout, workload_of(context), server)
         stack.callback(worker.close)
         for name, handler in worker.handlers().items():
             handlers[name] = _phase_handler(spec, name, handler, worker.spans)

@@ -27,30 +27,34 @@ from torch.distributed.tensor import DTensor
 from timeshare.engines.base import RolloutSample
 from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
 from timeshare.engines.fsdp.memory import local
-from timeshare.engines.fsdp.spec import FsdpSpec
 from timeshare.engines.fsdp.trainer import FsdpTrainer
-from timeshare.engines.torch_ref.spec import TorchRefSpec
+from timeshare.engines.spec import EngineSpec, GrpoSpec, TaskSpec, engine_spec
 from timeshare.protocols.weights.layout import BucketPlanner, pack
 from timeshare.protocols.weights.lent import LentTensor
 
 GROUP = 4
 PER_RANK = 8  # two groups of four
 PROMPT, COMPLETION = 3, 4
-RL = TorchRefSpec(
-    group_size=GROUP,
-    prompts_per_rank=2,
-    completion_tokens=COMPLETION,
-    kv_cache_len=16,
-    lr=1e-3,
-    weight_decay=0.01,
-    minibatches=1,
-)
+TASK = TaskSpec(group_size=GROUP, prompts_per_rank=2, completion_tokens=COMPLETION)
+GRPO = GrpoSpec(lr=1e-3, weight_decay=0.01, minibatches=1)
 SPEC_KEYS: dict[str, Any] = {"micro_batch_size": 2, "max_grad_norm": 0.5}
 MIB = 2**20
 # The memory model: layers of 4, 16 and 48 MiB (fp32 Linear weights [out, in]), 132 MiB in all;
 # a bucket of 8 MiB, so that a small layer is lent staging and a large one is gathered whole.
 MEMORY_LAYERS = [(1024, 1024), (4096, 1024), (1024, 4096), (12288, 1024), (1024, 12288)]
 BUCKET_BYTES = 8 * MIB
+
+
+def engine(model_dir: Path, **fsdp: Any) -> EngineSpec:
+    """The job's `[engine]`: the FSDP trainer of `model_dir` (`[engine.fsdp]`: `fsdp`) on TASK
+    and GRPO, the reference rollout serving it."""
+    return engine_spec(
+        trainer="fsdp",
+        rollout="torch_ref",
+        task=TASK,
+        grpo=GRPO,
+        fsdp={"model_dir": str(model_dir), **fsdp},
+    )
 
 
 def global_batch(seed: int, ranks: int) -> list[RolloutSample]:
@@ -106,7 +110,7 @@ def snapshot(trainer: FsdpTrainer) -> dict[str, torch.Tensor]:
 
 
 def train(rank: int, world: int, model_dir: Path) -> dict[str, Any]:
-    trainer = FsdpTrainer(rank, world, FsdpSpec(model_dir=str(model_dir), **SPEC_KEYS), RL)
+    trainer = FsdpTrainer(rank, world, engine(model_dir, **SPEC_KEYS))
     trainer.build()
     out: dict[str, Any] = {"initial": weights_out(trainer, "into_staging")}
     data = trainer.prepare(rank_batch(1, rank, world))

@@ -10,10 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.engines.fsdp.rank import RL, rank_batch, snapshot
+from tests.engines.fsdp.rank import engine, rank_batch, snapshot
 from tests.engines.fsdp.test_trainer import SHAPE
 from tests.ports import free_port
-from timeshare.engines.fsdp.spec import FsdpSpec
 from timeshare.engines.fsdp.trainer import FsdpTrainer
 from timeshare.engines.model_dir import init_model_dir
 
@@ -26,7 +25,7 @@ def test_offload_frees_device_memory_and_onload_restores_it(tmp_path: Path) -> N
     )
     dist.init_process_group("nccl", store=store, rank=0, world_size=1)
     try:
-        trainer = FsdpTrainer(0, 1, FsdpSpec(model_dir=str(model_dir), device="cuda"), RL)
+        trainer = FsdpTrainer(0, 1, engine(model_dir, device="cuda"))
         trainer.build()
         batch = rank_batch(1, 0, 1)
         trainer.accumulate_gradients(trainer.prepare(batch), range(len(batch)))

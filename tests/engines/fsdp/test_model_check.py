@@ -10,8 +10,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from timeshare.engines.fsdp.check import check_model_dir, model_dir_problem
+from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import ModelShape, init_model_dir
-from timeshare.engines.torch_ref.spec import ModelConfig
+from timeshare.engines.torch_ref.spec import servable
 from timeshare.errors import ConfigError
 
 SHAPE = ModelShape(layers=2, hidden=32, intermediate=64, heads=4, kv_heads=4, vocab=16)
@@ -90,11 +91,11 @@ def test_the_child_process_check_raises_the_problem(good: Path, tmp_path: Path) 
 def test_the_reference_rollout_serves_a_llama_and_refuses_a_qwen2(
     good: Path, tmp_path: Path
 ) -> None:
-    config = ModelConfig.servable(good)
+    config = servable(good)
     assert (config.hidden_size, config.num_key_value_heads) == (32, 4)
     qwen = init_model_dir(tmp_path / "qwen", ModelShape(**{**SHAPE.__dict__, "arch": "qwen2"}), 0)
     with pytest.raises(ConfigError, match=r"serves the Llama architecture only .*Qwen2ForCausalLM"):
-        ModelConfig.servable(qwen)
+        servable(qwen)
 
 
 def test_rope_theta_is_read_where_transformers_5_keeps_it(good: Path, tmp_path: Path) -> None:

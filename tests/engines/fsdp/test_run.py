@@ -30,7 +30,7 @@ from tests.daemon.test_run import steps_of, timeshare_run
 from tests.engines.vllm.test_run import VLLM_JOB
 from timeshare.config import load_config
 from timeshare.engines.model_dir import ModelShape, init_model_dir
-from timeshare.engines.torch_ref.task import RepeatDigit
+from timeshare.engines.task import RepeatDigit
 from timeshare.errors import ConfigError
 
 pytestmark = pytest.mark.slow
@@ -45,9 +45,9 @@ FSDP_JOB: dict[str, Any] = {
     "deadlines": {"phase_s": 60.0, "stall_s": 20.0, "barrier_s": 30.0, "ready_s": 120.0},
     "transfer": {"bucket_mb": 1.0, "checksum": True},
     "engine": {
-        "kind": "torch_ref",
         "trainer": "fsdp",
-        "torch_ref": {"prompts_per_rank": 16, "group_size": 16, "completion_tokens": 6},
+        "rollout": "torch_ref",
+        "task": {"prompts_per_rank": 16, "group_size": 16, "completion_tokens": 6},
         "fsdp": {"micro_batch_size": 64},
     },
 }

@@ -8,12 +8,14 @@ from pathlib import Path
 import pytest
 
 from timeshare.config import load_config
+from timeshare.engines.fsdp import check
 from timeshare.errors import ConfigError
 
 
 def write(tmp_path: Path, engine: str) -> Path:
+    """`engine` in `[engine]`, the reference rollout serving the trainer."""
     path = tmp_path / "job.toml"
-    path.write_text(f'[engine]\nkind = "torch_ref"\n{engine}')
+    path.write_text(f'[engine]\nrollout = "torch_ref"\n{engine}')
     return path
 
 
@@ -22,7 +24,7 @@ def write(tmp_path: Path, engine: str) -> Path:
     [
         ('trainer = "fsdp"\n[engine.fsdp]\nmodle_dir = "x"\n', r"engine\.fsdp.*modle_dir"),
         ('trainer = "fsdp"\n', r"engine\.fsdp\.model_dir: trainer = \"fsdp\" trains"),
-        ('trainer = "deepspeed"\n', r"engine\.trainer"),
+        ('trainer = "deepspeed"\n', r"engine\.trainer = 'deepspeed': no such engine"),
         (
             'trainer = "fsdp"\n[engine.fsdp]\nmodel_dir = "m"\nparam_dtype = "float64"\n',
             r"engine\.fsdp\.param_dtype",
@@ -30,11 +32,6 @@ def write(tmp_path: Path, engine: str) -> Path:
         (
             'trainer = "fsdp"\n[engine.fsdp]\nmodel_dir = "m"\nmicro_batch_size = 7\n',
             r"micro_batch_size \(7\) does not divide a minibatch of 32 samples",
-        ),
-        (
-            'trainer = "fsdp"\n[engine.fsdp]\nmodel_dir = "m"\n'
-            '[engine.torch_ref]\nmodel_dir = "n"\n',
-            r"engine\.torch_ref\.model_dir: the FSDP trainer's model is engine\.fsdp\.model_dir",
         ),
         (
             'trainer = "fsdp"\n[engine.fsdp]\nmodel_dir = "/nonexistent/model"\n',
@@ -49,10 +46,32 @@ def test_what_cannot_run_is_one_error_naming_the_key(
         load_config(write(tmp_path, engine), environ={})
 
 
-def test_the_fsdp_trainer_needs_the_torch_ref_task(tmp_path: Path) -> None:
-    path = tmp_path / "job.toml"
-    path.write_text('[engine]\nkind = "simulated"\ntrainer = "fsdp"\n')
+@pytest.mark.parametrize(
+    ("section", "key"),
+    [
+        ('[engine.torch_ref]\nmodel_dir = "n"\n', "model_dir"),
+        ("[engine.torch_ref.model]\nhidden_size = 128\n", "model"),
+    ],
+)
+def test_the_fsdp_trainers_model_is_its_model_dir_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, section: str, key: str
+) -> None:
+    # Whatever transformers says of the directory (a child process: test_model_check.py).
+    monkeypatch.setattr(check, "check_model_dir", lambda model_dir: None)
+    engine = f'trainer = "fsdp"\n[engine.fsdp]\nmodel_dir = "m"\n{section}'
     with pytest.raises(
-        ConfigError, match=r'engine\.trainer = .fsdp. needs engine\.kind = "torch_ref"'
+        ConfigError,
+        match=rf"engine\.torch_ref\.{key}: the rollout serves the trainer's model "
+        r"\(engine\.trainer = 'fsdp'\); leave it unset",
+    ):
+        load_config(write(tmp_path, engine), environ={})
+
+
+def test_the_fsdp_trainer_needs_a_rollout_that_serves_its_model(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text('[engine]\nrollout = "simulated"\ntrainer = "fsdp"\n')
+    with pytest.raises(
+        ConfigError,
+        match=r"engine\.trainer = 'fsdp' and engine\.rollout = 'simulated' do not pair",
     ):
         load_config(path, environ={})

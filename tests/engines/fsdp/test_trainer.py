@@ -16,7 +16,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.engines.fsdp.rank import GROUP, RL, SPEC_KEYS, global_batch
+from tests.engines.fsdp.rank import GROUP, GRPO, SPEC_KEYS, TASK, global_batch
 from tests.ports import free_port
 from timeshare.engines.grpo import batch_tensors, clipped_loss, group_advantages, token_logprobs
 from timeshare.engines.model_dir import ModelShape, init_model_dir
@@ -76,7 +76,7 @@ def unsharded(model_dir: Path) -> Iterator[dict[str, Any]]:
     def logprobs() -> torch.Tensor:
         tokens = torch.cat((prompts, completions), dim=1)
         logits = model(input_ids=tokens[:, :-1]).logits[:, prompts.shape[1] - 1 :]
-        return token_logprobs(logits, completions, RL.temperature)
+        return token_logprobs(logits, completions, TASK.temperature)
 
     with torch.no_grad():
         old = logprobs()
@@ -84,14 +84,14 @@ def unsharded(model_dir: Path) -> Iterator[dict[str, Any]]:
         logprobs(),
         old,
         group_advantages(rewards, GROUP),
-        clip_low=RL.clip_ratio_low,
-        clip_high=RL.clip_ratio_high,
+        clip_low=GRPO.clip_ratio_low,
+        clip_high=GRPO.clip_ratio_high,
     )
     loss.backward()  # type: ignore[no-untyped-call]
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     torch.nn.utils.clip_grad_norm_(model.parameters(), SPEC_KEYS["max_grad_norm"])
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=RL.lr, weight_decay=RL.weight_decay, betas=(0.9, 0.99)
+        model.parameters(), lr=GRPO.lr, weight_decay=GRPO.weight_decay, betas=(0.9, 0.99)
     )
     optimizer.step()
     stepped = {n: p.detach().clone() for n, p in model.named_parameters()}

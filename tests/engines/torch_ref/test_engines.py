@@ -16,7 +16,9 @@ from timeshare.engines.base import (
     weights_digest,
 )
 from timeshare.engines.grpo import clipped_loss, group_advantages
-from timeshare.engines.pairs import TaskWorkload
+from timeshare.engines.model_config import ModelConfig
+from timeshare.engines.spec import EngineChoice, check_engines, engine_spec
+from timeshare.engines.task import RepeatDigit, TaskWorkload
 from timeshare.engines.torch_ref import checkpoint
 from timeshare.engines.torch_ref.model import (
     KVCache,
@@ -25,17 +27,21 @@ from timeshare.engines.torch_ref.model import (
     save_pretrained,
 )
 from timeshare.engines.torch_ref.rollout import TorchRefRollout
-from timeshare.engines.torch_ref.spec import ModelConfig, TorchRefSpec
-from timeshare.engines.torch_ref.task import RepeatDigit
 from timeshare.engines.torch_ref.trainer import TorchRefTrainer
-from timeshare.engines.torch_ref.vocab import BOS, SEP
+from timeshare.engines.vocab import BOS, SEP
 from timeshare.errors import ConfigError, EngineAsleep, OffPolicy, WeightsTorn
 
-SPEC = TorchRefSpec(prompts_per_rank=2, group_size=4, completion_tokens=5, kv_cache_len=16)
+SPEC = engine_spec(
+    trainer="torch_ref",
+    rollout="torch_ref",
+    task={"prompts_per_rank": 2, "group_size": 4, "completion_tokens": 5},
+    torch_ref={"kv_cache_len": 16},
+)
+MODEL = ModelConfig()
 
 
-def rollout_with(trainer: TorchRefTrainer, spec: TorchRefSpec = SPEC) -> TorchRefRollout:
-    engine = TorchRefRollout(0, spec, spec.model)
+def rollout_with(trainer: TorchRefTrainer, spec: EngineChoice = SPEC) -> TorchRefRollout:
+    engine = TorchRefRollout(0, spec, MODEL)
     engine.begin_weight_update()
     engine.wake({"weights"})
     engine.load_weights(list(trainer.iter_weights()))
@@ -45,7 +51,7 @@ def rollout_with(trainer: TorchRefTrainer, spec: TorchRefSpec = SPEC) -> TorchRe
 
 
 def scored_batch(trainer: TorchRefTrainer, step: int = 0) -> list[RolloutSample]:
-    workload = TaskWorkload(SPEC)
+    workload = TaskWorkload(SPEC.task)
     requests = workload.requests(0, step)
     engine = rollout_with(trainer)
     samples = engine.generate(requests)
@@ -80,10 +86,15 @@ def test_init_is_a_function_of_the_seed_and_checkpoints_round_trip(tmp_path: Pat
 
 
 def test_bad_engine_settings_are_refused_naming_the_key() -> None:
-    with pytest.raises(ConfigError, match="vocab_size"):
-        TorchRefSpec(model=ModelConfig(vocab_size=8))
-    with pytest.raises(ConfigError, match="kv_cache_len"):
-        TorchRefSpec(completion_tokens=20, kv_cache_len=16)
+    def reference(**sections: object) -> EngineChoice:
+        return engine_spec(trainer="torch_ref", rollout="torch_ref", **sections)
+
+    with pytest.raises(ConfigError, match=r"engine\.torch_ref\.model: vocab_size \(8\)"):
+        check_engines(reference(torch_ref={"model": {"vocab_size": 8}}))
+    with pytest.raises(ConfigError, match=r"engine\.torch_ref\.kv_cache_len \(16\) is shorter"):
+        check_engines(reference(task={"completion_tokens": 20}, torch_ref={"kv_cache_len": 16}))
+    with pytest.raises(ConfigError, match=r"kv_cache_len \(128\) exceeds max_position_embeddings"):
+        check_engines(reference(torch_ref={"kv_cache_len": 128}))
     with pytest.raises(ConfigError, match="num_attention_heads"):
         ModelConfig(hidden_size=64, num_attention_heads=5)
 
@@ -115,8 +126,10 @@ def test_trainer_and_rollout_logprobs_agree_and_training_raises_the_reward() -> 
         for a, b in zip(s.logprobs, r, strict=True)
     )
     assert diff < 1e-4
-    metrics = trainer.train_step(batch)
-    assert metrics["step"] == 1.0 and metrics["logprob_max_abs_diff"] < 1e-4
+    figures = trainer.train_step(batch)
+    assert figures.step == 1 and figures.committed == 1
+    assert figures.logprob_max_abs_diff is not None and figures.logprob_max_abs_diff < 1e-4
+    assert figures.samples == len(batch) and set(figures.extra) == {"clip_fraction"}
     with pytest.raises(OffPolicy, match=r"trains from weight version 1 .* versions \[0\]"):
         trainer.train_step(batch)
 
@@ -147,8 +160,8 @@ def test_offload_and_onload_are_bit_identical() -> None:
 
 def test_rollout_allocates_on_wake_frees_on_sleep_and_refuses_torn_weights() -> None:
     trainer = TorchRefTrainer(0, 1, SPEC)
-    engine = TorchRefRollout(0, SPEC, SPEC.model)
-    requests = TaskWorkload(SPEC).requests(0, 0)
+    engine = TorchRefRollout(0, SPEC, MODEL)
+    requests = TaskWorkload(SPEC.task).requests(0, 0)
     assert engine.held_mb() == 0.0
     with pytest.raises(EngineAsleep):
         engine.wake({"kv_cache"})
@@ -179,7 +192,7 @@ def test_rollout_allocates_on_wake_frees_on_sleep_and_refuses_torn_weights() -> 
 def test_sampling_is_seeded_and_top_p_narrows_it() -> None:
     trainer = TorchRefTrainer(0, 1, SPEC)
     engine = rollout_with(trainer)
-    requests = TaskWorkload(SPEC).requests(0, 4)
+    requests = TaskWorkload(SPEC.task).requests(0, 4)
     first = engine.generate(requests)
     assert engine.generate(requests) == first
     narrow = [

@@ -24,9 +24,9 @@ import psutil
 import pytest
 import torch
 
+from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import ModelShape, init_model_dir
 from timeshare.engines.torch_ref.model import CausalLM, init_model
-from timeshare.engines.torch_ref.spec import ModelConfig
 from timeshare.engines.vllm.engine import VllmInlet, VllmRollout
 from timeshare.engines.vllm.spec import VllmSpec
 from timeshare.protocols.weights import TransferConfig, TransferReport, WeightSender

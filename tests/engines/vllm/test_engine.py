@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import pytest
 import torch
 
 from tests.engines.vllm.conftest import Engine, Named, named_weights
 from timeshare.engines.base import RolloutRequest, SamplingParams, weights_digest
 from timeshare.engines.torch_ref.model import CausalLM, init_model
+from timeshare.engines.vllm.report import BackendReport
 from timeshare.errors import GenerateTimeout, PeerError, UnsupportedInput, WeightsTorn
 
 pytestmark = pytest.mark.slow
@@ -49,6 +49,10 @@ def test_what_arrived_is_the_trainers_weights_bit_for_bit(
     assert sent.spans[0].start <= received.spans[0].start
     assert engine.rollout.digest() == weights_digest(weights)
     assert engine.rollout.weight_version == sent.version
+    # The backend's own report, as it crossed vLLM's RPC (msgpack bytes, typed on arrival).
+    inside = BackendReport.decode(engine.rollout.llm.collective_rpc("timeshare_report")[0])
+    assert inside.transfer == received and inside.digest == weights_digest(weights)
+    assert inside.call_s >= inside.spent.load_s > 0
 
 
 def test_seeded_generation_is_reproducible_and_carries_its_version(engine: Engine) -> None:
@@ -112,15 +116,15 @@ def test_a_generate_past_its_deadline_is_aborted_and_the_engine_stays_usable(
     engine: Engine,
 ) -> None:
     expected = engine.rollout.generate(requests(seed=5))
-    spec = engine.rollout.spec
-    engine.rollout.spec = msgspec.structs.replace(spec, generate_timeout_s=0.05)
+    timeout_s = engine.rollout.generate_timeout_s
+    engine.rollout.generate_timeout_s = 0.05
     try:
         started = time.monotonic()
         with pytest.raises(GenerateTimeout, match="aborted"):
             engine.rollout.generate(requests(seed=9, count=64, max_tokens=60))
         assert time.monotonic() - started < 30
     finally:
-        engine.rollout.spec = spec
+        engine.rollout.generate_timeout_s = timeout_s
     assert not engine.rollout.llm.llm_engine.has_unfinished_requests()
     assert engine.rollout.generate(requests(seed=5)) == expected
 

@@ -16,15 +16,41 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from timeshare.engines.child_check import answer, ask_child
+from timeshare.engines.fsdp.spec import FsdpSpec
+from timeshare.errors import ConfigError
+
+if TYPE_CHECKING:
+    from timeshare.engines.registry import Role
+    from timeshare.engines.spec import EngineChoice
 
 CHECK_TIMEOUT_S = 120.0  # importing transformers and torch on a loaded machine
 INDEX_FILE = "model.safetensors.index.json"
 SHOWN = 5  # names listed in an error before "and N more"
+
+
+def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
+    """The registry's check (registry.py): a model directory transformers loads, and
+    micro-batches that divide a minibatch."""
+    fsdp = spec.settings("fsdp", FsdpSpec)
+    if not fsdp.model_dir:
+        raise ConfigError(
+            'engine.fsdp.model_dir: trainer = "fsdp" trains a transformers model directory; '
+            "name one (`timeshare model init DIR` makes a small one)"
+        )
+    micro = fsdp.micro_batch_size
+    minibatch = spec.task.batch_size // spec.grpo.minibatches
+    if micro and minibatch % micro:
+        raise ConfigError(
+            f"engine.fsdp.micro_batch_size ({micro}) does not divide a minibatch of "
+            f"{minibatch} samples (engine.task: prompts_per_rank x group_size, over "
+            "engine.grpo.minibatches)"
+        )
+    check_model_dir(fsdp.model_dir)
 
 
 def check_model_dir(model_dir: str) -> None:

@@ -1,17 +1,20 @@
 """`[engine.fsdp]`: the FSDP2 trainer's own settings (model directory, precision, batching).
 
-Selected with `[engine] trainer = "fsdp"` beside `kind = "torch_ref"`: the task, the sampling
-and the GRPO and AdamW settings stay those of `[engine.torch_ref]`, which both trainers read, so
-that a run can switch trainers without restating its RL. No torch here: the job config is read
-without it. Whether transformers can load `model_dir` is asked in a child process at load time
+Selected with `[engine] trainer = "fsdp"`: the task, the sampling and the GRPO and AdamW
+settings are the job's (`[engine.task]`, `[engine.grpo]`), which every trainer reads, so that a
+run can switch trainers without restating its RL. No torch here: the job config is read without
+it. Whether transformers can load `model_dir` is asked in a child process at load time
 (check.py).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 import msgspec
+
+from timeshare.engines.model_config import ModelConfig, TrainedModel
 
 PrecisionName = Literal["float32", "bfloat16", "float16"]
 # How SYNC gathers each parameter: its all-gather writes straight into the weight channel's
@@ -40,3 +43,11 @@ class FsdpSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # Free each layer's gathered parameters after its forward (memory) or keep them until the
     # backward (one all-gather less per layer).
     reshard_after_forward: bool = True
+
+    def trained_model(self) -> TrainedModel:
+        """The model directory's model: every rollout engine starts from it."""
+        return TrainedModel(
+            config=ModelConfig.from_json(Path(self.model_dir) / "config.json"),
+            directory=self.model_dir,
+            where=f"engine.fsdp.model_dir {self.model_dir}",
+        )

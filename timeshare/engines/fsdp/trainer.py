@@ -14,12 +14,12 @@ to the host, `offload_params` after SYNC the parameter shards too (and the refer
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple, cast
+from typing import cast
 
+import msgspec
 import structlog
 import torch
 import torch.distributed as dist
@@ -27,20 +27,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from timeshare.engines.base import RolloutSample, TrainerEngine
+from timeshare.engines.base import RolloutSample
+from timeshare.engines.context import EngineContext
 from timeshare.engines.fsdp import checkpoint
 from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
 from timeshare.engines.fsdp.memory import HostStore, resident_bytes
 from timeshare.engines.fsdp.spec import FsdpSpec
 from timeshare.engines.grpo import (
+    GrpoBatch,
+    GrpoTrainer,
     batch_tensors,
-    check_batch,
-    clipped_loss,
-    group_advantages,
-    rewards_of,
+    figures_kept,
     token_logprobs,
 )
-from timeshare.engines.torch_ref.spec import TorchRefSpec
+from timeshare.engines.spec import EngineChoice
 from timeshare.errors import CheckpointError, ConfigError
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.layout import Weight
@@ -81,18 +81,6 @@ def load_model(model_dir: Path) -> torch.nn.Module:
     return model
 
 
-class Batch(NamedTuple):
-    """One TRAIN's batch as tensors, and what is computed once for all its minibatches."""
-
-    prompts: torch.Tensor
-    completions: torch.Tensor
-    sampled: torch.Tensor  # the rollout's logprobs
-    rewards: torch.Tensor
-    old: torch.Tensor  # logprobs before this step's first update
-    advantages: torch.Tensor
-    ref: torch.Tensor | None  # the reference model's logprobs (a KL term only)
-
-
 def shard(model: torch.nn.Module, mesh: DeviceMesh, spec: FsdpSpec) -> torch.nn.Module:
     """`fully_shard` each decoder layer, then the root (what is left: embeddings, norm, head)."""
     policy = MixedPrecisionPolicy(
@@ -118,21 +106,32 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-class FsdpTrainer(TrainerEngine):
+def build(context: EngineContext) -> FsdpTrainer:
+    """The registry's builder (registry.py)."""
+    return FsdpTrainer(
+        context.rank,
+        context.world_size,
+        context.spec,
+        store=context.store,
+        collective_timeout_s=context.collective_timeout_s,
+    )
+
+
+class FsdpTrainer(GrpoTrainer):
     def __init__(
         self,
         rank: int,
         world_size: int,
-        spec: FsdpSpec,
-        rl: TorchRefSpec,
+        engine: EngineChoice,
         *,
         store: JobStore | None = None,
         collective_timeout_s: float = 30.0,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.spec = spec
-        self.rl = rl
+        self.spec = spec = engine.settings("fsdp", FsdpSpec)
+        self.task = engine.task
+        self.grpo = engine.grpo
         self.store = store
         self.collective_timeout_s = collective_timeout_s
         self.device = pick_device(spec.device)
@@ -175,11 +174,11 @@ class FsdpTrainer(TrainerEngine):
         self._model = shard(load_model(self.model_dir), mesh, self.spec)
         self._optimizer = torch.optim.AdamW(
             self.module.parameters(),
-            lr=self.rl.lr,
-            weight_decay=self.rl.weight_decay,
+            lr=self.grpo.lr,
+            weight_decay=self.grpo.weight_decay,
             betas=(0.9, 0.99),
         )
-        if self.rl.kl_coef > 0:
+        if self.grpo.kl_coef > 0:
             reference = load_model(self.model_dir).requires_grad_(False)
             self._reference = shard(reference, mesh, self.spec)
 
@@ -256,43 +255,21 @@ class FsdpTrainer(TrainerEngine):
         values = self._logprobs_without_grad(self.module, prompts, completions)
         return [tuple(row) for row in values.tolist()]
 
-    def train_step(self, batch: list[RolloutSample]) -> dict[str, float]:
-        started = time.perf_counter()
-        check_batch(batch, self.step, self.rl.group_size, self.rank)
-        self.onload()
-        data = self.prepare(batch)
-        size = len(batch) // self.rl.minibatches
-        loss, metrics = 0.0, dict[str, float]()
-        for start in range(0, len(batch), size):
-            loss, metrics = self.accumulate_gradients(data, range(start, start + size))
-            metrics.update(self.apply_gradients())
-            self.progress()
-        self.step += 1
-        self.last_train = {
-            **metrics,
-            "step": float(self.step),
-            "loss": loss,
-            "reward_mean": float(data.rewards.mean()),
-            "logprob_max_abs_diff": float((data.old.cpu() - data.sampled).abs().max()),
-            "samples": float(len(batch)),
-            "committed": float(self.step),
-            "train_s": time.perf_counter() - started,
-        }
-        self._save()  # the step is committed (durable) before TRAIN reports it done
-        return dict(self.last_train)
+    def policy_logprobs(self, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
+        return self._logprobs_without_grad(self.module, prompts, completions)
 
-    def prepare(self, batch: list[RolloutSample]) -> Batch:
-        """The batch as tensors, with the logprobs and advantages all its minibatches use."""
-        prompts, completions, sampled = batch_tensors(batch)
-        rewards = rewards_of(batch)
-        old = self._logprobs_without_grad(self.module, prompts, completions)
-        ref = None
-        if self._reference is not None:
-            ref = self._logprobs_without_grad(self._reference, prompts, completions)
-        advantages = group_advantages(rewards, self.rl.group_size)
-        return Batch(prompts, completions, sampled, rewards, old, advantages, ref)
+    def reference_logprobs(
+        self, prompts: torch.Tensor, completions: torch.Tensor
+    ) -> torch.Tensor | None:
+        if self._reference is None:
+            return None
+        return self._logprobs_without_grad(self._reference, prompts, completions)
 
-    def accumulate_gradients(self, data: Batch, rows: range) -> tuple[float, dict[str, float]]:
+    def update(self, data: GrpoBatch, rows: range) -> tuple[float, dict[str, float]]:
+        loss, metrics = self.accumulate_gradients(data, rows)
+        return loss, metrics | self.apply_gradients()
+
+    def accumulate_gradients(self, data: GrpoBatch, rows: range) -> tuple[float, dict[str, float]]:
         """The gradients of the minibatch `rows`, micro-batch by micro-batch; its mean loss."""
         micro = self.spec.micro_batch_size or len(rows)
         self.optimizer.zero_grad(set_to_none=True)
@@ -303,15 +280,7 @@ class FsdpTrainer(TrainerEngine):
             # Gradients are reduced across ranks once, with the minibatch's last micro-batch.
             self.fsdp.set_requires_gradient_sync(first + micro >= rows.stop)
             new = self._logprobs(self.module, data.prompts[piece], data.completions[piece])
-            loss, metrics = clipped_loss(
-                new,
-                data.old[piece],
-                data.advantages[piece].to(new.device),
-                clip_low=self.rl.clip_ratio_low,
-                clip_high=self.rl.clip_ratio_high,
-                ref_logprobs=None if data.ref is None else data.ref[piece],
-                kl_coef=self.rl.kl_coef,
-            )
+            loss, metrics = self.loss(new, data, piece)
             scaled = loss * (len(new) / len(rows))  # the minibatch's mean, not the sum
             scaled.backward()  # type: ignore[no-untyped-call]
             loss_sum += float(scaled.detach())
@@ -356,7 +325,7 @@ class FsdpTrainer(TrainerEngine):
     ) -> torch.Tensor:
         tokens = torch.cat((prompts, completions), dim=1).to(self.device)
         logits = model(input_ids=tokens[:, :-1]).logits[:, prompts.shape[1] - 1 :]
-        return token_logprobs(logits, completions.to(self.device), self.rl.temperature)
+        return token_logprobs(logits, completions.to(self.device), self.task.temperature)
 
     # -- checkpoints ---------------------------------------------------------------------------
 
@@ -369,7 +338,7 @@ class FsdpTrainer(TrainerEngine):
             "step": self.step,
             "rng": torch.get_rng_state(),
             "data_position": self.step,  # prompts are a function of (seed, rank, step)
-            "train": self.last_train,
+            "train": None if self.last_train is None else msgspec.to_builtins(self.last_train),
         }
         checkpoint.save(
             directory.parent,
@@ -397,7 +366,7 @@ class FsdpTrainer(TrainerEngine):
         )
         torch.set_rng_state(own["rng"])
         self.step = int(own["step"])
-        self.last_train = own.get("train")
+        self.last_train = figures_kept(own.get("train"))
         log.info("trainer.checkpoint.loaded", rank=self.rank, step=self.step)
 
     def _agreed(self, step: int | None) -> int | None:
@@ -418,6 +387,6 @@ class FsdpTrainer(TrainerEngine):
             )
         return None if step is None else smallest
 
-    def _save(self) -> None:
+    def commit(self) -> None:
         if self.checkpoint_root is not None:
             self.save_checkpoint(self.checkpoint_root / f"rank{self.rank}")

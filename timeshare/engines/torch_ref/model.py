@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from timeshare.engines.torch_ref.spec import ModelConfig
+from timeshare.engines.model_config import ModelConfig
 from timeshare.errors import ConfigError
 
 STATE_DICT_FILES = ("pytorch_model.bin", "model.pt")

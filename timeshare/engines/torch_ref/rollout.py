@@ -9,8 +9,6 @@ is what the trainer recomputes.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import structlog
 import torch
 
@@ -18,25 +16,37 @@ from timeshare.engines.base import (
     RolloutEngine,
     RolloutRequest,
     RolloutSample,
+    RolloutTraits,
     refuse_unsupported,
     weights_digest,
 )
+from timeshare.engines.context import EngineContext
 from timeshare.engines.grpo import token_logprobs
+from timeshare.engines.inlet import LocalInlet
+from timeshare.engines.model_config import ModelConfig
+from timeshare.engines.spec import EngineChoice
 from timeshare.engines.torch_ref.model import CausalLM, KVCache
-from timeshare.engines.torch_ref.spec import ModelConfig, TorchRefSpec
-from timeshare.errors import EngineAsleep, TimeshareError
+from timeshare.engines.torch_ref.spec import TorchRefSpec
+from timeshare.errors import EngineAsleep, LoaderFailed, TimeshareError
+from timeshare.protocols.weights import TransferConfig
 from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
 
 
-class TorchRefRollout(RolloutEngine):
-    SUPPORTED: ClassVar[frozenset[str]] = frozenset()  # text only
+def build(context: EngineContext) -> TorchRefRollout:
+    """The registry's builder (registry.py): a copy of the model the trainer trains."""
+    trained = context.spec.trained_model()
+    assert trained is not None, "a causal_lm trainer trains a model"
+    return TorchRefRollout(context.rank, context.spec, trained.config)
 
-    def __init__(self, rank: int, spec: TorchRefSpec, model_config: ModelConfig) -> None:
-        super().__init__()
+
+class TorchRefRollout(RolloutEngine):
+    def __init__(self, rank: int, engine: EngineChoice, model_config: ModelConfig) -> None:
+        self.spec = engine.settings("torch_ref", TorchRefSpec)
+        super().__init__(self.spec.generate_timeout_s)
         self.rank = rank
-        self.spec = spec
+        self.batch_size = engine.task.batch_size
         self.config = model_config
         self.model: CausalLM | None = None
         self.cache: KVCache | None = None
@@ -54,7 +64,7 @@ class TorchRefRollout(RolloutEngine):
         if "kv_cache" in tags and self.cache is None:
             if self.model is None:
                 raise EngineAsleep("wake kv_cache: the weights are asleep (wake them first)")
-            self.cache = KVCache(self.config, self.spec.batch_size, self.spec.kv_cache_len)
+            self.cache = KVCache(self.config, self.batch_size, self.spec.kv_cache_len)
             log.info("rollout.wake", rank=self.rank, tag="kv_cache", mb=self.cache.nbytes / MIB)
 
     def sleep(self) -> None:
@@ -75,6 +85,9 @@ class TorchRefRollout(RolloutEngine):
 
     # -- weights -------------------------------------------------------------------------------
 
+    def open_inlet(self, endpoint: str, transfer: TransferConfig) -> LocalInlet:
+        return LocalInlet(self, endpoint, transfer)
+
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         if self.model is None:
             raise EngineAsleep("load_weights: the weights are asleep (wake them first)")
@@ -82,12 +95,12 @@ class TorchRefRollout(RolloutEngine):
         with torch.no_grad():
             for name, tensor in named:
                 if name not in parameters:
-                    raise TimeshareError(f"load_weights: the model has no parameter {name!r}")
+                    raise LoaderFailed(f"torch_ref rollout: the model has no parameter {name!r}")
                 target = parameters[name]
                 if target.shape != tensor.shape or target.dtype != tensor.dtype:
-                    raise TimeshareError(
-                        f"load_weights: {name} is {tuple(tensor.shape)} {tensor.dtype}, the model "
-                        f"expects {tuple(target.shape)} {target.dtype}"
+                    raise LoaderFailed(
+                        f"torch_ref rollout: {name} is {tuple(tensor.shape)} {tensor.dtype}, the "
+                        f"model expects {tuple(target.shape)} {target.dtype}"
                     )
                 target.copy_(tensor)
                 self.loaded.add(name)
@@ -98,8 +111,7 @@ class TorchRefRollout(RolloutEngine):
         missing = {name for name, _ in self.model.named_parameters()} - self.loaded
         if missing:
             raise TimeshareError(f"weight update {version} left {sorted(missing)} unloaded")
-        self.weight_version = version
-        self.torn = False
+        self.mark_whole(version)
 
     def digest(self) -> str:
         if self.model is None:
@@ -108,6 +120,10 @@ class TorchRefRollout(RolloutEngine):
 
     # -- generation ----------------------------------------------------------------------------
 
+    def traits(self) -> RolloutTraits:
+        """Text only; sleep frees weights and cache; a sequence fits the KV cache."""
+        return RolloutTraits(max_tokens=self.spec.kv_cache_len)
+
     def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
         version = self.check_whole()
         if self.model is None or self.cache is None:
@@ -115,7 +131,7 @@ class TorchRefRollout(RolloutEngine):
         if not requests:
             return []
         for request in requests:
-            refuse_unsupported(request, set(self.SUPPORTED), "torch_ref rollout")
+            refuse_unsupported(request, self.traits(), "torch_ref rollout")
         sampling = requests[0].sampling
         if any(r.sampling != sampling for r in requests):
             raise TimeshareError("torch_ref rollout: one batch must share its sampling parameters")
@@ -125,10 +141,10 @@ class TorchRefRollout(RolloutEngine):
             raise TimeshareError(
                 f"torch_ref rollout: prompts of differing lengths {sorted(lengths)}"
             )
-        if len(requests) > self.spec.batch_size or total > self.spec.kv_cache_len:
+        if len(requests) > self.batch_size or total > self.spec.kv_cache_len:
             raise TimeshareError(
                 f"torch_ref rollout: {len(requests)} sequences of {total} tokens exceed the KV "
-                f"cache ({self.spec.batch_size} x {self.spec.kv_cache_len})"
+                f"cache ({self.batch_size} x {self.spec.kv_cache_len})"
             )
         tokens, logprobs = self._sample(
             requests, sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.seed
@@ -153,6 +169,7 @@ class TorchRefRollout(RolloutEngine):
         seed: int | None,
     ) -> tuple[list[list[int]], list[list[float]]]:
         assert self.model is not None and self.cache is not None
+        deadline = self.generate_deadline()
         generator = torch.Generator()
         if seed is not None:
             generator.manual_seed(seed)
@@ -167,6 +184,7 @@ class TorchRefRollout(RolloutEngine):
                 chosen.append(token)
                 chosen_logprobs.append(token_logprobs(logits, token, temperature))
                 self.progress()
+                self.check_deadline(deadline, len(requests))
                 if position + 1 < max_tokens:
                     logits = self.model(token.unsqueeze(1), self.cache)[:, -1]
         return (

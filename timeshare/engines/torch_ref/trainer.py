@@ -9,25 +9,26 @@ identical; each samples its own prompts.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 import torch
 import torch.distributed as dist
 
-from timeshare.engines.base import RolloutSample, TrainerEngine, weights_digest
+from timeshare.engines.base import RolloutSample, weights_digest
+from timeshare.engines.context import EngineContext
 from timeshare.engines.grpo import (
+    GrpoBatch,
+    GrpoTrainer,
     batch_tensors,
-    check_batch,
-    clipped_loss,
-    group_advantages,
-    rewards_of,
+    figures_kept,
     token_logprobs,
 )
+from timeshare.engines.spec import EngineChoice
 from timeshare.engines.torch_ref import checkpoint
 from timeshare.engines.torch_ref.model import CausalLM, init_model, load_pretrained
 from timeshare.engines.torch_ref.spec import TorchRefSpec
@@ -43,26 +44,42 @@ def initial_model(spec: TorchRefSpec) -> CausalLM:
     return init_model(spec.model, spec.seed)
 
 
-class TorchRefTrainer(TrainerEngine):
+def build(context: EngineContext) -> TorchRefTrainer:
+    """The registry's builder (registry.py)."""
+    return TorchRefTrainer(
+        context.rank,
+        context.world_size,
+        context.spec,
+        store=context.store,
+        collective_timeout_s=context.collective_timeout_s,
+    )
+
+
+class TorchRefTrainer(GrpoTrainer):
     def __init__(
         self,
         rank: int,
         world_size: int,
-        spec: TorchRefSpec,
+        engine: EngineChoice,
         *,
         store: JobStore | None = None,
         collective_timeout_s: float = 30.0,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
-        self.spec = spec
+        self.spec = engine.settings("torch_ref", TorchRefSpec)
+        self.task = engine.task
+        self.grpo = engine.grpo
         self.store = store
         self.collective_timeout_s = collective_timeout_s
-        self.model = initial_model(spec)
+        self.model = initial_model(self.spec)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, betas=(0.9, 0.99)
+            self.model.parameters(),
+            lr=self.grpo.lr,
+            weight_decay=self.grpo.weight_decay,
+            betas=(0.9, 0.99),
         )
-        self.reference = initial_model(spec) if spec.kl_coef > 0 else None
+        self.reference = initial_model(self.spec) if self.grpo.kl_coef > 0 else None
         self.step = 0
         self.host_params: dict[str, torch.Tensor] | None = None  # set while params are offloaded
         self.host_optimizer: dict[int, dict[str, Any]] | None = None
@@ -154,58 +171,39 @@ class TorchRefTrainer(TrainerEngine):
             values = self._logprobs(self.model, prompts, completions)
         return [tuple(row) for row in values.tolist()]
 
-    def train_step(self, batch: list[RolloutSample]) -> dict[str, float]:
-        started = time.perf_counter()
-        check_batch(batch, self.step, self.spec.group_size, self.rank)
-        self.onload()
-        prompts, completions, sampled = batch_tensors(batch)
-        rewards = rewards_of(batch)
+    def policy_logprobs(self, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            old = self._logprobs(self.model, prompts, completions)
-            ref = None
-            if self.reference is not None:
-                ref = self._logprobs(self.reference, prompts, completions)
-        advantages = group_advantages(rewards, self.spec.group_size)
-        metrics: dict[str, float] = {}
-        size = len(batch) // self.spec.minibatches
-        for start in range(0, len(batch), size):
-            part = slice(start, start + size)
-            new = self._logprobs(self.model, prompts[part], completions[part])
-            loss, metrics = clipped_loss(
-                new,
-                old[part],
-                advantages[part],
-                clip_low=self.spec.clip_ratio_low,
-                clip_high=self.spec.clip_ratio_high,
-                ref_logprobs=None if ref is None else ref[part],
-                kl_coef=self.spec.kl_coef,
-            )
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()  # type: ignore[no-untyped-call]
-            self._average_gradients()
-            self.optimizer.step()
-            self.progress()
+            return self._logprobs(self.model, prompts, completions)
+
+    def reference_logprobs(
+        self, prompts: torch.Tensor, completions: torch.Tensor
+    ) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with torch.no_grad():
+            return self._logprobs(self.reference, prompts, completions)
+
+    def update(self, data: GrpoBatch, rows: range) -> tuple[float, dict[str, float]]:
+        part = slice(rows.start, rows.stop)
+        new = self._logprobs(self.model, data.prompts[part], data.completions[part])
+        loss, metrics = self.loss(new, data, part)
         self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        self.last_train = {
-            **metrics,
-            "step": float(self.step),
-            "loss": float(loss.detach()),
-            "reward_mean": float(rewards.mean()),
-            "logprob_max_abs_diff": float((old - sampled).abs().max()),
-            "samples": float(len(batch)),
-            "committed": float(self.step),
-            "train_s": time.perf_counter() - started,
-        }
-        self._save()  # the step is committed (durable) before TRAIN reports it done
-        return dict(self.last_train)  # a copy: the caller may add to it
+        loss.backward()  # type: ignore[no-untyped-call]
+        self._average_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach()), metrics
+
+    def commit(self) -> None:
+        if self.checkpoint_dir is not None:
+            self.save_checkpoint(self.checkpoint_dir)
 
     def _logprobs(
         self, model: CausalLM, prompts: torch.Tensor, completions: torch.Tensor
     ) -> torch.Tensor:
         tokens = torch.cat((prompts, completions), dim=1)
         logits = model(tokens[:, :-1])[:, prompts.shape[1] - 1 :]
-        return token_logprobs(logits, completions, self.spec.temperature)
+        return token_logprobs(logits, completions, self.task.temperature)
 
     def _average_gradients(self) -> None:
         if self.world_size == 1:
@@ -230,7 +228,7 @@ class TorchRefTrainer(TrainerEngine):
             "optimizer": self.optimizer.state_dict(),
             "rng": torch.get_rng_state(),
             "data_position": self.step,  # prompts are a function of (seed, rank, step)
-            "train": self.last_train,
+            "train": None if self.last_train is None else msgspec.to_builtins(self.last_train),
         }
         checkpoint.write(directory, self.step, state)
         if was_offloaded:
@@ -248,12 +246,8 @@ class TorchRefTrainer(TrainerEngine):
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         self.step = int(state["step"])
-        self.last_train = state.get("train")
+        self.last_train = figures_kept(state.get("train"))
         log.info("trainer.checkpoint.loaded", rank=self.rank, step=self.step)
-
-    def _save(self) -> None:
-        if self.checkpoint_dir is not None:
-            self.save_checkpoint(self.checkpoint_dir)
 
 
 def _clone(value: Any) -> Any:

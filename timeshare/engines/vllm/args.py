@@ -16,13 +16,17 @@ import re
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from timeshare.engines.child_check import answer, ask_child
-from timeshare.engines.torch_ref.spec import ModelConfig
+from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.vllm.spec import VllmSpec
+
+if TYPE_CHECKING:
+    from timeshare.engines.registry import Role
+    from timeshare.engines.spec import EngineChoice
 
 CHECK_TIMEOUT_S = 120.0  # the import of vLLM and one engine config, on a loaded machine
 
@@ -30,6 +34,14 @@ CHECK_TIMEOUT_S = 120.0  # the import of vLLM and one engine config, on a loaded
 class _Check(msgspec.Struct, frozen=True):
     spec: VllmSpec
     model: ModelConfig
+
+
+def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
+    """The registry's check (registry.py): vLLM accepts the engine's arguments for the model
+    the trainer trains."""
+    trained = spec.trained_model()
+    assert trained is not None, "a causal_lm trainer trains a model"
+    check_engine_args(spec.settings("vllm", VllmSpec).starting_from(trained), trained.config)
 
 
 def check_engine_args(spec: VllmSpec, model: ModelConfig) -> None:

@@ -24,13 +24,12 @@ given, and the loader's own failures are errors, never silent.
 
 `TimeshareWorkerExtension` is mixed into vLLM's worker (`worker_extension_cls`) so the rollout
 worker can read the last transfer's report by method name (`collective_rpc("timeshare_report")`):
-no function objects, so no pickle.
+no function objects, so no pickle. The report is a `BackendReport` (report.py), as msgpack bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,8 +49,9 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 )
 
 from timeshare.engines.base import WeightsDigest
+from timeshare.engines.vllm.report import LOADER_REFUSED, BackendReport, LoadSeconds
 from timeshare.errors import LoaderFailed, SessionClosed, TimeshareError
-from timeshare.protocols.weights import TransferConfig, TransferReport, WeightReceiver
+from timeshare.protocols.weights import TransferConfig, WeightReceiver
 
 log = structlog.get_logger(__name__)
 
@@ -79,7 +79,7 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
         self.transfer = TransferConfig()
         self.receiver: WeightReceiver | None = None
 
-        self.report: dict[str, Any] | None = None  # the last whole version, None while torn
+        self.report: BackendReport | None = None  # the last whole version, None while torn
 
     def init_transfer_engine(self, init_info: TimeshareInitInfo) -> None:
         if not init_info.endpoint:
@@ -101,7 +101,7 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
         load_weights: Callable[[list[tuple[str, torch.Tensor]]], object] = model.load_weights  # type: ignore[assignment]
 
         # Where a version's time goes inside vLLM's worker (in the report: the benchmark shows it).
-        spent = {"digest_s": 0.0, "copy_s": 0.0, "load_s": 0.0, "finalize_s": 0.0}
+        spent = LoadSeconds()
 
         def load(named: list[tuple[str, torch.Tensor]]) -> None:
             # (Hashing in a thread beside vLLM's load gained nothing here: vLLM's CPU worker
@@ -110,28 +110,28 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
             if digest is not None:
                 for name, tensor in named:
                     digest.add(name, tensor)
-            spent["digest_s"] += (now := time.perf_counter()) - mark
+            spent.digest_s += (now := time.perf_counter()) - mark
             mark = now
             # Layerwise reload keeps a layer's tensors until the layer is whole, which may be in
             # a later bucket: it gets copies, never views of staging (reused after the ACK).
             copies = [(name, tensor.clone()) for name, tensor in named]
-            spent["copy_s"] += (now := time.perf_counter()) - mark
+            spent.copy_s += (now := time.perf_counter()) - mark
             mark = now
             try:
                 load_weights(copies)
             except Exception as exc:  # the trainer sees this as PeerError: say whose loader
                 raise LoaderFailed(
-                    f"vLLM's loader of {type(model).__name__} refused "
+                    f"{LOADER_REFUSED} {type(model).__name__} refused "
                     f"{[name for name, _ in named][:4]}...: {type(exc).__name__}: {exc}"
                 ) from exc
             finally:
                 copies.clear()
-                spent["load_s"] += time.perf_counter() - mark
+                spent.load_s += time.perf_counter() - mark
 
         def post_process() -> None:
             mark = time.perf_counter()
             finalize_layerwise_reload(model, self.model_config)  # type: ignore[no-untyped-call]
-            spent["finalize_s"] += time.perf_counter() - mark
+            spent.finalize_s += time.perf_counter() - mark
 
         started = time.perf_counter()
         try:
@@ -139,10 +139,12 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
         except BaseException:
             self._abandon_reload()
             raise
-        self.report = {
-            **_as_dict(report, digest, time.perf_counter() - started),
-            **{key: round(value, 6) for key, value in spent.items()},
-        }
+        self.report = BackendReport(
+            transfer=report,
+            digest="" if digest is None else digest.hexdigest(),
+            call_s=time.perf_counter() - started,
+            spent=spent,
+        )
 
     def finish_weight_update(self) -> None:
         if self.report is None:
@@ -182,28 +184,17 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
             self.receiver = None
 
 
-def _as_dict(
-    report: TransferReport, digest: WeightsDigest | None, seconds: float
-) -> dict[str, Any]:
-    """The report as plain values (it travels back over vLLM's msgpack RPC)."""
-    return {
-        **dataclasses.asdict(report),
-        "spans": [list(span) for span in report.spans],
-        "digest": "" if digest is None else digest.hexdigest(),
-        "call_s": seconds,
-    }
-
-
 class TimeshareWorkerExtension:
     """Methods mixed into vLLM's worker, called by name through `collective_rpc`."""
 
     weight_transfer_engine: WeightTransferEngine[Any, Any] | None
 
-    def timeshare_report(self) -> dict[str, Any] | None:
-        """The last whole version this worker received (None: none, or the last one failed)."""
+    def timeshare_report(self) -> bytes | None:
+        """The last whole version this worker received, a `BackendReport` as msgpack (None:
+        none, or the last one failed)."""
         engine = self.weight_transfer_engine
         if not isinstance(engine, TimeshareWeightTransfer):
             raise TimeshareError(
                 "timeshare_report: this engine's weight_transfer_config backend is not timeshare"
             )
-        return engine.report
+        return None if engine.report is None else engine.report.encode()

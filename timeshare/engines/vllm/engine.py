@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
@@ -42,13 +42,22 @@ from timeshare.engines.base import (
     RolloutEngine,
     RolloutRequest,
     RolloutSample,
+    RolloutTraits,
     refuse_unsupported,
 )
-from timeshare.engines.torch_ref.spec import ModelConfig
-from timeshare.engines.torch_ref.task import mix
+from timeshare.engines.context import EngineContext
+from timeshare.engines.model_config import ModelConfig
+from timeshare.engines.task import mix
 from timeshare.engines.vllm.plugin import BACKEND, HOST_PID_ENV
+from timeshare.engines.vllm.report import LOADER_REFUSED, BackendReport
 from timeshare.engines.vllm.spec import VllmSpec
-from timeshare.errors import EngineBroken, GenerateTimeout, TimeshareError
+from timeshare.errors import (
+    EngineBroken,
+    GenerateTimeout,
+    LoaderFailed,
+    TimeshareError,
+    TransferError,
+)
 from timeshare.protocols.weights import TransferConfig, TransferReport
 from timeshare.runtime import (
     mapped_segments,
@@ -58,7 +67,6 @@ from timeshare.runtime import (
     record_foreign_segments,
     release_foreign_segments,
 )
-from timeshare.timing import Span
 from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
@@ -117,10 +125,21 @@ def engine_args(spec: VllmSpec, model_dir: str, *, sleep_mode: bool) -> dict[str
     return args
 
 
+def build(context: EngineContext) -> VllmRollout:
+    """The registry's builder (registry.py): vLLM serving the model the trainer trains."""
+    trained = context.spec.trained_model()
+    assert trained is not None, "a causal_lm trainer trains a model"
+    return VllmRollout(
+        context.rank,
+        context.spec.settings("vllm", VllmSpec).starting_from(trained),
+        trained.config,
+        context.call_timeout_s,
+        context.runtime_dir,
+    )
+
+
 class VllmRollout(RolloutEngine):
     """One rank's rollout engine over vLLM's `LLM`."""
-
-    SUPPORTED: ClassVar[frozenset[str]] = frozenset()  # a text model; see _multimodal
 
     def __init__(
         self,
@@ -130,7 +149,7 @@ class VllmRollout(RolloutEngine):
         call_timeout_s: float,
         runtime_dir: Path,
     ) -> None:
-        super().__init__()
+        super().__init__(spec.generate_timeout_s)
         self.rank = rank
         self.runtime_dir = runtime_dir
         self.owner = f"vllm-rank{rank}"
@@ -167,13 +186,6 @@ class VllmRollout(RolloutEngine):
 
     def open_inlet(self, endpoint: str, transfer: TransferConfig) -> VllmInlet:
         return VllmInlet(self, endpoint, transfer)
-
-    def load_weights(self, named: list[tuple[str, Any]]) -> None:
-        raise TimeshareError("vLLM loads weights in its own worker: use the engine's inlet")
-
-    def finish_weight_update(self, version: int) -> None:
-        self.weight_version = version
-        self.torn = False
 
     def digest(self) -> str:
         """What arrived at vLLM's loader for the last whole version (see backend.py)."""
@@ -248,11 +260,16 @@ class VllmRollout(RolloutEngine):
 
     # -- generation -----------------------------------------------------------------------------
 
+    def traits(self) -> RolloutTraits:
+        """A text model; sleep frees memory only where vLLM has sleep mode (CUDA); a sequence
+        fits `max_model_len`."""
+        return RolloutTraits(releases_memory=self.sleeps, max_tokens=self.spec.max_model_len)
+
     def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
         version = self.check_whole()
         self.check_usable()
         for request in requests:
-            refuse_unsupported(request, set(self.SUPPORTED), "vLLM rollout")
+            refuse_unsupported(request, self.traits(), "vLLM rollout")
         engine = self.llm.llm_engine
         batch = f"g{next(self._ids)}"
         pending: dict[str, int] = {}
@@ -261,13 +278,13 @@ class VllmRollout(RolloutEngine):
             engine.add_request(request_id, _prompt(request), _sampling(request, index))
             pending[request_id] = index
         outputs: dict[int, Any] = {}
-        deadline = time.monotonic() + self.spec.generate_timeout_s
+        deadline = self.generate_deadline()
         try:
             while pending:
                 if time.monotonic() > deadline:
                     raise GenerateTimeout(
                         f"vLLM rollout rank {self.rank}: generate of {len(requests)} requests "
-                        f"still running after {self.spec.generate_timeout_s:g} s "
+                        f"still running after {self.generate_timeout_s:g} s "
                         f"({len(pending)} unfinished, aborted)"
                     )
                 for output in engine.step():
@@ -330,35 +347,39 @@ class VllmInlet:
         llm = self.engine.llm
         update = {"begin_timeout_s": self.transfer.begin_timeout_s, "digest": digest}
         self.engine.call("start_weight_update", llm.start_weight_update)
-        self.engine.call("update_weights", lambda: llm.update_weights({"update_info": update}))
+        try:
+            self.engine.call("update_weights", lambda: llm.update_weights({"update_info": update}))
+        except TimeshareError:
+            raise  # (EngineBroken: the call did not return)
+        except Exception as exc:  # vLLM's RPC: the backend's exception, as a plain Exception
+            raise _update_failed(self.engine.rank, exc) from exc
         progress()
         reports = self.engine.call("timeshare_report", lambda: llm.collective_rpc(EXTENSION_REPORT))
-        report = reports[0]
-        if report is None:
+        if reports[0] is None:
             raise TimeshareError("vLLM's worker has no report of the version it just received")
-        version = int(report["version"])
+        received = BackendReport.decode(reports[0])
+        version = received.transfer.version
         self.engine.call(
             "finish_weight_update", lambda: llm.finish_weight_update(weight_version=str(version))
         )
-        self.engine.digest_of_version = str(report["digest"])
-        self.engine.weights_bytes = int(report["bytes"])
-        self.engine.finish_weight_update(version)
-        return TransferReport(
-            version=version,
-            bytes=int(report["bytes"]),
-            tensors=int(report["tensors"]),
-            buckets=int(report["buckets"]),
-            seconds=float(report["seconds"]),
-            checksummed=int(report["checksummed"]),
-            # vLLM's worker is a process of this machine: its monotonic clock is this one's
-            spans=tuple(Span(str(n), float(s), float(d)) for n, s, d in report.get("spans", ())),
-        )
+        self.engine.digest_of_version = received.digest
+        self.engine.weights_bytes = received.transfer.bytes
+        self.engine.mark_whole(version)
+        # vLLM's worker is a process of this machine: its spans' monotonic clock is this one's.
+        return received.transfer
 
     def close(self) -> None:
         if self.engine.broken is None:
             self.engine.call(
                 "shutdown_weight_transfer_engine", self.engine.llm.shutdown_weight_transfer_engine
             )
+
+
+def _update_failed(rank: int, exc: Exception) -> TransferError | LoaderFailed:
+    """What the backend raised receiving a version, typed again from its message (all that
+    vLLM's RPC brings back): the model's loader refusing a weight, or the transfer failing."""
+    message = f"vLLM rollout rank {rank}: update_weights failed: {exc}"
+    return LoaderFailed(message) if LOADER_REFUSED in str(exc) else TransferError(message)
 
 
 def _prompt(request: RolloutRequest) -> TokensPrompt:

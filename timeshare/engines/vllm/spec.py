@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from timeshare.engines.model_config import TrainedModel
 from timeshare.errors import ConfigError
 from timeshare.units import Seconds
 
@@ -92,5 +93,9 @@ class VllmSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             args["gpu_memory_utilization"] = self.gpu_memory_utilization
         return args
 
-
-RolloutKind = Literal["", "vllm"]
+    def starting_from(self, trained: TrainedModel) -> VllmSpec:
+        """As the engine starts: from the trained model's directory unless `model_dir` names
+        its own (the directory says the architecture; the first SYNC brings the weights)."""
+        if self.model_dir or not trained.directory:
+            return self
+        return msgspec.structs.replace(self, model_dir=trained.directory)

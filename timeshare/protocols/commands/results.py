@@ -12,6 +12,7 @@ from typing import Literal
 
 import msgspec
 
+from timeshare.protocols.weights.config import TransferReport
 from timeshare.timing import Span
 
 Role = Literal["trainer", "rollout"]
@@ -26,10 +27,12 @@ class PhaseResult(msgspec.Struct, frozen=True, kw_only=True):
     spans: tuple[Span, ...] = ()
 
 
-class TrainResult(PhaseResult, frozen=True, kw_only=True):
-    """One optimisation step (TRAIN, on the trainer). `committed` is the step made durable
-    before the answer (None: this engine keeps no checkpoints); `reward_mean` is the mean
-    reward of the samples trained on; `extra` holds the engine's other figures."""
+class TrainFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """What one optimisation step did, as the trainer engine returns it (and its checkpoint
+    keeps it). `committed` is the step made durable before the answer (None: this engine keeps
+    no checkpoints); `reward_mean` is the mean reward of the samples trained on;
+    `logprob_max_abs_diff` compares the trainer's logprobs with the rollout's; `extra` holds
+    the engine's other figures (clip_fraction, kl, grad_norm, ...)."""
 
     step: int
     samples: int
@@ -41,28 +44,29 @@ class TrainResult(PhaseResult, frozen=True, kw_only=True):
     extra: dict[str, float] = {}
 
 
+class TrainResult(PhaseResult, frozen=True, kw_only=True):
+    """One optimisation step (TRAIN, on the trainer): the engine's figures, as it gave them."""
+
+    figures: TrainFigures
+
+
 class BootstrapResult(PhaseResult, frozen=True, kw_only=True):
     """The trainer loaded the last committed checkpoint, of `step`. `train` is the TRAIN that
     made that step, as its checkpoint kept it (None: step 0, or an engine that keeps none)."""
 
     step: int
-    train: TrainResult | None = None
+    train: TrainFigures | None = None
 
 
 class SyncResult(PhaseResult, frozen=True, kw_only=True):
-    """One weight transfer, from either side: what moved, how fast, and the weights' digest.
+    """One weight transfer, from either side: the channel's report of it (what moved, how
+    fast), the weights' digest, and (the sender) the session's staging buffer count.
 
-    `seconds` runs from the first bucket to FINALIZED; `ack_s` (the sender) times each bucket
-    from its header to its ACK; `staging_buffers` (the sender) is the session's buffer count.
+    The transfer's spans travel once, among the command's own (`spans`): `transfer.spans` is
+    empty.
     """
 
-    version: int
-    bytes: int
-    tensors: int
-    buckets: int
-    seconds: float
-    checksummed: int = 0
-    ack_s: tuple[float, ...] = ()
+    transfer: TransferReport
     digest: str = ""
     staging_buffers: int | None = None
 

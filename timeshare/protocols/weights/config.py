@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 from typing import Literal, get_args
 
 import msgspec
@@ -117,8 +116,7 @@ def check_number(
         raise ConfigError(f"{key} must be at most {most:g}, got {value}")
 
 
-@dataclass(frozen=True)
-class TransferReport:
+class TransferReport(msgspec.Struct, frozen=True):
     """What one transfer moved and how fast (seconds from the first bucket to FINALIZED).
 
     `checksummed`: buckets that carried a crc32 (the sender) or whose crc32 was checked (the

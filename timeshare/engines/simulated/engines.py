@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
@@ -23,13 +23,18 @@ from timeshare.engines.base import (
     RolloutEngine,
     RolloutRequest,
     RolloutSample,
+    RolloutTraits,
     TrainerEngine,
     refuse_unsupported,
     weights_digest,
 )
-from timeshare.engines.spec import SimulatedSpec
-from timeshare.errors import SimulatedOOM
+from timeshare.engines.context import EngineContext
+from timeshare.engines.inlet import LocalInlet
+from timeshare.engines.simulated.spec import SimulatedSpec
+from timeshare.errors import LoaderFailed, SimulatedOOM
+from timeshare.protocols.commands.results import TrainFigures
 from timeshare.protocols.store import JobStore
+from timeshare.protocols.weights import TransferConfig
 
 KIB_PER_MB = 1024
 PROGRESS_STEP_S = 0.05
@@ -75,20 +80,49 @@ class DeviceLedger:
         return self.store.add(f"ledger/{device}/used", 0) / KIB_PER_MB
 
 
+def weight_names(spec: SimulatedSpec) -> list[str]:
+    return [f"layer{i}.weight" for i in range(spec.tensors)]
+
+
 def weights_of_step(step: int, spec: SimulatedSpec) -> dict[str, torch.Tensor]:
     """The trainer's weights after `step` steps: values that tell the step apart."""
     return {
-        f"layer{i}.weight": torch.full((spec.tensor_numel,), step + i / 1000.0)
-        for i in range(spec.tensors)
+        name: torch.full((spec.tensor_numel,), step + i / 1000.0)
+        for i, name in enumerate(weight_names(spec))
     }
 
 
-def simulate_work(spec: SimulatedSpec, phase: str, rank: int, progress: Callable[[], None]) -> None:
-    """Take the time `spec.delays` gives `phase` on `rank`, reporting progress as real work does."""
+def simulate_work(
+    spec: SimulatedSpec,
+    phase: str,
+    rank: int,
+    progress: Callable[[], None],
+    check: Callable[[], None] = lambda: None,
+) -> None:
+    """Take the time `spec.delays` gives `phase` on `rank`, reporting progress as real work does
+    (and calling `check` as often: a deadline that raises)."""
     deadline = time.monotonic() + spec.delays.get(phase, {}).get(str(rank), 0.0)
     while (left := deadline - time.monotonic()) > 0:
         time.sleep(min(left, PROGRESS_STEP_S))
         progress()
+        check()
+
+
+def ledger_of(context: EngineContext) -> DeviceLedger:
+    spec = context.spec.settings("simulated", SimulatedSpec)
+    return DeviceLedger(context.store, spec.sizes.device_mb, enabled=spec.account_memory)
+
+
+def build_trainer(context: EngineContext) -> SimulatedTrainer:
+    """The registry's trainer builder (registry.py)."""
+    spec = context.spec.settings("simulated", SimulatedSpec)
+    return SimulatedTrainer(context.rank, spec, ledger_of(context))
+
+
+def build_rollout(context: EngineContext) -> SimulatedRollout:
+    """The registry's rollout builder (registry.py)."""
+    spec = context.spec.settings("simulated", SimulatedSpec)
+    return SimulatedRollout(context.rank, spec, ledger_of(context))
 
 
 class SimulatedTrainer(TrainerEngine):
@@ -110,12 +144,12 @@ class SimulatedTrainer(TrainerEngine):
             if self.ledger.held(self.rank, self._owner(part)) == 0:
                 self.ledger.allocate(self.rank, self._owner(part), mb)
 
-    def train_step(self, batch: list[RolloutSample]) -> dict[str, float]:
+    def train_step(self, batch: list[RolloutSample]) -> TrainFigures:
         self.onload()
         self.delay("train")
         self.step += 1
         self.weights = weights_of_step(self.step, self.spec)
-        return {"step": float(self.step), "samples": float(len(batch))}
+        return TrainFigures(step=self.step, samples=len(batch))
 
     def offload(self) -> None:
         self.delay("offload")
@@ -172,14 +206,15 @@ class SimulatedTrainer(TrainerEngine):
         simulate_work(self.spec, phase, self.rank, self.progress)
 
 
+# The simulated rollout ignores the content of these fields, so it can honour them all.
+EVERY_INPUT = frozenset({"images", "videos", "processor_output"})
+
+
 class SimulatedRollout(RolloutEngine):
     """Rank `rank`'s shard of a rollout engine spanning `engine_span` devices."""
 
-    # It ignores the content of these fields, so it can honour them all.
-    SUPPORTED: ClassVar[frozenset[str]] = frozenset({"images", "videos", "processor_output"})
-
     def __init__(self, rank: int, spec: SimulatedSpec, ledger: DeviceLedger) -> None:
-        super().__init__()
+        super().__init__(spec.generate_timeout_s)
         self.rank = rank
         self.spec = spec
         self.ledger = ledger
@@ -206,8 +241,22 @@ class SimulatedRollout(RolloutEngine):
                 for tag in ("kv_cache", "weights"):
                     self.ledger.release(device, f"rollout.{tag}")
 
+    def open_inlet(self, endpoint: str, transfer: TransferConfig) -> LocalInlet:
+        return LocalInlet(self, endpoint, transfer)
+
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Keep a copy of each weight; a name the simulated trainer never sends, or a shape or
+        dtype other than its (`weights_of_step`), is refused."""
+        known = weight_names(self.spec)
+        shape = (self.spec.tensor_numel,)
         for name, tensor in named:
+            if name not in known:
+                raise LoaderFailed(f"simulated rollout: no weight {name!r} to load")
+            if tuple(tensor.shape) != shape or tensor.dtype != torch.float32:
+                raise LoaderFailed(
+                    f"simulated rollout: {name} is {tuple(tensor.shape)} {tensor.dtype}, the "
+                    f"engine takes {shape} {torch.float32}"
+                )
             self.loaded[name] = tensor.clone()
 
     def held_mb(self) -> float:
@@ -217,20 +266,34 @@ class SimulatedRollout(RolloutEngine):
         return sum(self.ledger.held(d, f"rollout.{t}") for d in self.devices for t in tags)
 
     def finish_weight_update(self, version: int) -> None:
-        self.weight_version = version
-        self.torn = False
+        self.mark_whole(version)
 
     def digest(self) -> str:
         return weights_digest(self.loaded.items())
 
+    def traits(self) -> RolloutTraits:
+        """Every input (ignored), memory in the ledger, no sequence limit."""
+        return RolloutTraits(inputs=EVERY_INPUT)
+
     def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
         version = self.check_whole()
-        self.delay("rollout")
+        for request in requests:
+            refuse_unsupported(request, self.traits(), "simulated rollout")
+        deadline = self.generate_deadline()
+        check = partial(self.check_deadline, deadline, len(requests))
+        simulate_work(self.spec, "rollout", self.rank, self.progress, check)
         samples = []
         for request in requests:
-            refuse_unsupported(request, set(self.SUPPORTED), "simulated rollout")
             n = request.sampling.max_tokens
-            samples.append(RolloutSample(request.request_id, tuple(range(n)), (0.0,) * n, version))
+            samples.append(
+                RolloutSample(
+                    request.request_id,
+                    tuple(range(n)),
+                    (0.0,) * n,
+                    version,
+                    prompt_tokens=request.prompt_tokens,
+                )
+            )
         return samples
 
     def delay(self, phase: str) -> None:

@@ -1,0 +1,31 @@
+"""What a builder is given to build one engine of one rank (registry.py names the builders).
+
+    trainer builder:  EngineContext -> TrainerEngine
+    rollout builder:  EngineContext -> RolloutEngine
+
+Every builder reads its own settings from `spec` (`spec.settings(name, ItsSpec)`) and the job's
+shared ones (`spec.task`, `spec.grpo`); a rollout engine that builds its own copy of the model
+asks `spec.trained_model()`, never the trainer's settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from timeshare.engines.spec import EngineSpec
+from timeshare.protocols.store import JobStore
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    spec: EngineSpec
+    rank: int
+    world_size: int
+    store: JobStore
+    # The trainers' process group (data-parallel engines): each collective's deadline.
+    collective_timeout_s: float = 30.0
+    # An engine of processes of its own (vLLM): each call into them, and where what they leave
+    # is recorded so that a sweep removes it.
+    call_timeout_s: float = 30.0
+    runtime_dir: Path = Path()

