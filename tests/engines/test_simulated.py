@@ -73,7 +73,7 @@ def test_generation_refuses_torn_weights_and_carries_the_version(ledger: DeviceL
     rollout.begin_weight_update()
     with pytest.raises(LoaderFailed, match="simulated rollout: no weight 'w' to load"):
         rollout.load_weights([("w", torch.ones(2))])
-    rollout.load_weights([("layer0.weight", torch.ones(2))])
+    rollout.load_weights([("layer0.weight", torch.ones(1024))])
     rollout.finish_weight_update(7)
     [sample] = rollout.generate([request])
     assert (sample.weight_version, len(sample.tokens)) == (7, 3)

