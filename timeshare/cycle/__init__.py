@@ -1,6 +1,8 @@
 """The cycle runner, shared by `timeshare run` and `timeshared`: it performs what state/ decides.
 
 runner.py    `run_cycle`: advance the machine, plan, perform; one inbox of what happened
+nodes.py     this node's dealings with the other nodes: its beat, the crossings at fences,
+             its last word, a node or the store lost
 phases.py    performing one piece: a phase on a rank's two workers, a barrier meeting, a check
 commands.py  the job store's commands, turned into the machine's events
 workers.py   the seam to the workers (`Workers`) and their real processes (`spawn_workers`)

@@ -8,10 +8,9 @@ BARRIER's rule — all are the machine's. The runner only keeps what the machine
 each phase's results until the phase ends, each rank's samples until its next TRAIN.
 
 With several nodes, each node's daemon runs this over its own ranks (global rank numbers:
-node * ranks-per-node + local), beats in the job store (protocols/nodes.py: a node gone quiet
-fails the run, naming it), and meets the other nodes at every fence the machine asks it to
-cross, bringing the newest command it has read: the machine applies the operator's commands
-held for that crossing up to the newest any node had read, the same on every node.
+node * ranks-per-node + local); its dealings with the other nodes (the beat, the crossings at
+fences, its last word) are nodes.py's. The runner keeps the one copy of the job's state
+(`_Cycle.state`, moved only by `_move`): everything else reads it there.
 """
 
 from __future__ import annotations
@@ -29,10 +28,10 @@ from timeshare.cluster import node_ranks
 from timeshare.config import Config, DeadlineSection
 from timeshare.cycle.commands import CommandFeed
 from timeshare.cycle.hooks import BootstrapReport, CycleHooks, PhaseReport, RunSummary
+from timeshare.cycle.nodes import NodeCoordinator
 from timeshare.cycle.phases import (
     blame_of,
     bootstrap,
-    cross_nodes,
     cycle_failed,
     held_memory,
     meet_at_barrier,
@@ -42,14 +41,12 @@ from timeshare.cycle.phases import (
 )
 from timeshare.cycle.telling import Telling
 from timeshare.cycle.workers import Workers, WorkerSpawner, spawn_workers, worker_ids
-from timeshare.errors import CycleFailed, NodeLost, StoreError, WorkerFailure
+from timeshare.errors import CycleFailed, StoreError, WorkerFailure
 from timeshare.protocols.barrier import Barrier
 from timeshare.protocols.commands.results import HeldResult, PhaseResult, RolloutResult
-from timeshare.protocols.nodes import BEAT_S, NodeBeat, NodeCrossing, store_lost
 from timeshare.protocols.store import AsyncJobStore, JobStore
 from timeshare.state import (
     MEMORY_FENCES,
-    NEXT_PHASE,
     OPERATOR_EVENTS,
     BarrierChecked,
     Bootstrapped,
@@ -76,8 +73,6 @@ from timeshare.state.job import LIVE
 log = structlog.get_logger(__name__)
 
 INBOX = 1000  # reports waiting for the loop: at most a phase and a meeting per rank, commands
-PREVIOUS_PHASE = {following: phase for phase, following in NEXT_PHASE.items()}
-LAST_WORD_S = 2.0  # for a node's final record, on its way out
 
 
 async def run_cycle(
@@ -109,9 +104,16 @@ async def run_cycle(
             raise node_failed(
                 0, node_ranks(config.cluster, config.job.ranks, node=0), "start", exc
             ) from exc
-    cycle = _Cycle(config, job_store, hooks or CycleHooks(), fences, across_nodes)
     async with spawn(config, job_store.blocking) as workers:
-        ended = await cycle.run(workers)
+        cycle = _Cycle(
+            config,
+            job_store,
+            workers,
+            hooks=hooks or CycleHooks(),
+            fences=fences,
+            across_nodes=across_nodes,
+        )
+        ended = await cycle.run()
         if isinstance(ended, RunSummary):
             await workers.shut_down(deadline_s=config.deadlines.for_command("shutdown"))
     if isinstance(ended, CycleFailed):
@@ -142,92 +144,100 @@ _Report = _Ran | _Met | CycleFailed | Event
 
 
 class _Cycle:
+    """One run of the cycle on this node's ranks, over `workers` (spawned for it)."""
+
     def __init__(
         self,
         config: Config,
         store: AsyncJobStore,
+        workers: Workers,
+        *,
         hooks: CycleHooks,
         fences: frozenset[Phase],
         across_nodes: bool,
     ) -> None:
         self.config = config
         self.node = config.cluster.node_rank
-        self.nodes = config.cluster.nodes if across_nodes else 1
         self.node_ranks = node_ranks(config.cluster, config.job.ranks)  # global, this node's
         self.ranks = len(self.node_ranks)
         self.store = store
+        self.workers = workers
         self.hooks = hooks
         self.fences = fences
         self.send, self.inbox = anyio.create_memory_object_stream[_Report](INBOX)
         self.telling = Telling(hooks, self.node)
+        self.coordinator = NodeCoordinator(
+            store,
+            self.telling,
+            self.send,
+            node=self.node,
+            nodes=config.cluster.nodes if across_nodes else 1,
+            ranks=self.ranks,
+            job_state=lambda: self.state,
+            deadlines=lambda: self.deadlines,
+        )
         self.failure: CycleFailed | None = None
         self.barriers: list[Barrier] = []
         self.meeting = ""  # names this cycle's store barrier at BARRIER (the node's ranks)
         self.meetings: dict[int, anyio.CancelScope] = {}
         self.at_barrier: dict[int, _Ran] = {}  # BARRIER answered; reported once the rank met
         self.batches: dict[int, msgspec.Raw] = {}  # rank -> its last ROLLOUT's samples
-        self.crossing: NodeCrossing | None = None
-        self.crossing_scope = anyio.CancelScope()
-        self.beat: NodeBeat | None = None
         self.commands: CommandFeed | None = None
-        self.lost: NodeLost | None = None
-        self.state: JobState  # the machine's, as last moved
+        self.state: JobState  # the machine's, as last moved: the one copy (see `_move`)
 
     @property
     def deadlines(self) -> DeadlineSection:
         source = self.hooks.deadlines
         return self.config.deadlines if source is None else source()
 
-    async def run(self, workers: Workers) -> RunSummary | CycleFailed:
-        self.workers = workers
-        state = initial_state(
-            self.ranks,
-            max_steps=self.config.job.steps,
-            fences=self.fences,
-            nodes=self.nodes,
-            first_rank=self.node_ranks.start,
+    async def run(self) -> RunSummary | CycleFailed:
+        self._move(
+            initial_state(
+                self.ranks,
+                max_steps=self.config.job.steps,
+                fences=self.fences,
+                nodes=self.coordinator.nodes,
+                first_rank=self.node_ranks.start,
+            )
         )
-        self.telling.state(state)
-        self.state = state
         ended: RunSummary | CycleFailed | None = None
         async with anyio.create_task_group() as beating:
-            if self.nodes > 1:  # a node gone (or the store) ends the run, wherever it stands
-                try:
-                    self.beat = await self._node_beat()
-                except StoreError as exc:
-                    return await self._failed(state, self._store_lost(exc))
-                beating.start_soon(self._keep_beating, self.beat, beating.cancel_scope)
-            ended = await self._run(state)
+            try:  # several nodes: a node gone (or the store) ends the run, wherever it stands
+                await self.coordinator.start_beating(beating)
+            except StoreError as exc:
+                return await self._failed(self.coordinator.store_lost(exc))
+            ended = await self._run()
             beating.cancel_scope.cancel()
-        if self.lost is not None:
-            ended = self._failure_of_lost()
+        lost = self.coordinator.failure_of_lost()
+        if lost is not None:
+            ended = self._lost(lost)
         assert ended is not None
-        if self.beat is not None:  # the others learn at once that this node stopped or failed
-            await self._last_word(self.beat)
+        # The others learn at once that this node stopped or failed.
+        await self.coordinator.last_word()
         return ended
 
-    async def _run(self, state: JobState) -> RunSummary | CycleFailed:
+    async def _run(self) -> RunSummary | CycleFailed:
         try:
             after = self.hooks.commands_from
             if after is None:  # commands written from now on apply (one sent in start-up waits)
                 after = await self.store.latest_command()
             step, after = await self._bootstrap(after)
         except CycleFailed as failed:
-            return await self._failed(state, failed)
+            return await self._failed(failed)
         except StoreError as exc:  # several nodes: the leader, and its store, are gone
-            return await self._failed(state, self._store_lost(exc))
+            return await self._failed(self.coordinator.store_lost(exc))
         self.telling.summary.first_step = step
         started = time.monotonic()
         async with anyio.create_task_group() as group, self.inbox:
             ids = worker_ids(self.node_ranks)
             self.commands = CommandFeed(self.store, self.send, after, self.workers, ids)
             group.start_soon(self._watch_commands, self.commands)
-            state = await self._drive(group, state, Bootstrapped(step))
+            await self._drive(group, Bootstrapped(step))
             group.cancel_scope.cancel()
-        if state.lifecycle is Lifecycle.FAILED:
-            return self._failure_of(state)
-        log.info("cycle.run.stopped", step=state.step, reason=state.reason)
-        return self.telling.stopped(state, time.monotonic() - started)
+        if self.state.lifecycle is Lifecycle.FAILED:
+            return self._failure_of()
+        log.info("cycle.run.stopped", step=self.state.step, reason=self.state.reason)
+        return self.telling.stopped(self.state, time.monotonic() - started)
 
     async def _bootstrap(self, after: int) -> tuple[int, int]:
         """Workers up, the checkpoint loaded; the step the job resumes at (the trainers', the
@@ -244,146 +254,76 @@ class _Cycle:
         self.barriers = [Barrier(c, i, self.ranks) for i, c in enumerate(connections)]
         cycle_id = await self.store.next_generation(f"cycle/node/{self.node}")
         self.meeting = f"{cycle_id}/node/{self.node}"
-        if self.nodes > 1:  # every node loaded; they agree on the step and on the commands
-            self.crossing = NodeCrossing.of(
-                await self.store.another_connection(), self.node, self.nodes, cycle_id
-            )
-            brought = await cross_nodes(
-                self.crossing,
-                {"step": step, "commands": after},
-                Phase.SYNC,
-                self.ranks,
-                timeout_s=self.deadlines.ready_s + deadline_s,
-            )
-            steps = [int(node["step"]) for node in brought]
-            if len(set(steps)) > 1:  # a checkpoint directory the nodes do not share, maybe
-                log.warning("cycle.nodes.steps_differ", steps_by_node=steps)
-            step = min(steps)
-            after = min(int(node["commands"]) for node in brought)
-            assert self.beat is not None
-            self.beat.judging = True  # every node came: from now on, one gone quiet is lost
+        # Several nodes: every node loaded; they agree on the step and on the commands.
+        step, after = await self.coordinator.agree_at_start(
+            cycle_id, step, after, load_s=deadline_s
+        )
         for rank, result in zip(self.node_ranks, loaded, strict=True):
             await self.telling.bootstrapped(BootstrapReport(step, rank, result))
         return step, after
 
-    # -- the nodes -------------------------------------------------------------------------------
-
-    async def _node_beat(self) -> NodeBeat:
-        # Its calls wait at most node_s: a leader whose host vanished (no connection reset)
-        # is noticed within that too.
-        connection = await self.store.another_connection(timeout_s=self.deadlines.node_s)
-        return NodeBeat(
-            connection,
-            self.node,
-            self.nodes,
-            self.ranks,
-            lost_s=self.deadlines.node_s,
-        )
-
-    async def _keep_beating(self, beat: NodeBeat, run: anyio.CancelScope) -> None:
-        """Beat until cancelled; a node lost (or the store) cancels the whole run."""
-        while True:
-            try:
-                records = await anyio.to_thread.run_sync(beat.beat_once)
-            except NodeLost as lost:
-                log.error("cycle.node.lost", node=lost.node, error=str(lost))
-                self.lost = lost
-                run.cancel()
-                return
-            self.telling.nodes(records)
-            await anyio.sleep(BEAT_S)
-
-    def _failure_of_lost(self) -> CycleFailed:
-        """The run ends because a node is gone: the machine learns it, as any failure."""
-        assert self.lost is not None
-        state = self.state
-        failed = node_failed(self.lost.node, self.lost.ranks, self._phase_now(), self.lost)
-        if state.lifecycle in LIVE:
-            self.state = advance(state, self._keep(failed)).state
-            self.telling.state(self.state)
-        self.failure = failed
-        return self._failure_of(self.state)
-
-    async def _last_word(self, beat: NodeBeat) -> None:
-        """Write this node's final record (stopped, or failed and why); the store may be gone.
-
-        The leader then waits until every other node has stopped, failed or gone quiet: the
-        store leaves with the leader's process, and a follower still draining would take that
-        for the leader's death.
-        """
-        beat.update(self.state)
-        try:
-            with anyio.fail_after(LAST_WORD_S):
-                await anyio.to_thread.run_sync(beat.write, abandon_on_cancel=True)
-            if self.node != 0:
-                return
-            with anyio.fail_after(self._longest_phase_s()):
-                while True:
-                    if await anyio.to_thread.run_sync(beat.others_finished):
-                        break
-                    await anyio.sleep(BEAT_S)
-        except (NodeLost, TimeoutError) as exc:
-            log.warning("cycle.node.last_word", error=str(exc) or "timed out")
-
-    def _longest_phase_s(self) -> float:
-        """The longest another node may still take to finish what it is in."""
-        deadlines = self.deadlines
-        longest = max(deadlines.for_command(phase.value) for phase in Phase)
-        return longest + deadlines.barrier_s + deadlines.node_s
-
     # -- advance, plan, perform ------------------------------------------------------------------
 
-    async def _drive(self, group: TaskGroup, state: JobState, event: Event) -> JobState:
+    async def _drive(self, group: TaskGroup, event: Event) -> None:
+        """Advance, plan, perform, until the plan says the run has ended."""
         while True:
+            before = self.state
             try:
-                outcome = advance(state, event)
+                outcome = advance(before, event)
             except InvalidTransition as exc:
                 if not isinstance(event, OPERATOR_EVENTS):
                     raise  # the driver itself broke a rule: a bug, not an input
                 log.warning("cycle.command.refused", error=str(exc))
-                event = await self._next_event(state)
+                event = await self._next_event()
                 continue
-            before, state = state, outcome.state
-            self.state = state
-            self.telling.state(state)
-            if self.beat is not None:
-                self.beat.update(state)
-            if state.lifecycle is not before.lifecycle:
-                self.telling.mark(state.lifecycle.value, time.monotonic(), step=state.step)
-            if state.lifecycle is Lifecycle.PAUSED and before.lifecycle is not Lifecycle.PAUSED:
-                log.info("cycle.pause.verified", workers=2 * self.ranks)
-            for refused in outcome.refused:
-                log.warning("cycle.command.refused", error=refused)
+            self._move(outcome.state)
+            self._tell_move(before, outcome.refused)
             if isinstance(event, BarrierChecked) and event.rank not in outcome.meet:
-                await self._barrier_done(state, event.rank)  # nobody to meet: BARRIER ended
+                await self._barrier_done(event.rank)  # nobody to meet: BARRIER ended
             steps = plan(before, outcome)
-            follow_up = await self._perform(group, state, steps)
+            follow_up = await self._perform(group, steps)
             if steps.ended:
-                return state
-            event = follow_up if follow_up is not None else await self._next_event(state)
+                return
+            event = follow_up if follow_up is not None else await self._next_event()
 
-    async def _perform(self, group: TaskGroup, state: JobState, steps: Plan) -> Event | None:
+    def _move(self, state: JobState) -> None:
+        """The machine moved the job to `state`: kept here only (nodes.py reads it here too)."""
+        self.state = state
+        self.telling.state(state)
+
+    def _tell_move(self, before: JobState, refused: tuple[str, ...]) -> None:
+        """The move on the timeline and in the log: a new lifecycle, a verified pause, refusals."""
+        state = self.state
+        if state.lifecycle is not before.lifecycle:
+            self.telling.mark(state.lifecycle.value, time.monotonic(), step=state.step)
+        if state.lifecycle is Lifecycle.PAUSED and before.lifecycle is not Lifecycle.PAUSED:
+            log.info("cycle.pause.verified", workers=2 * self.ranks)
+        for reason in refused:
+            log.warning("cycle.command.refused", error=reason)
+
+    async def _perform(self, group: TaskGroup, steps: Plan) -> Event | None:
         """Do what the plan says; the event it leads to at once, if any."""
+        step = self.state.step
         if steps.cancel_meets:
             for scope in self.meetings.values():
                 scope.cancel()
             self.meetings.clear()
             self.at_barrier.clear()
-            self.crossing_scope.cancel()
+            self.coordinator.call_off_crossing()
         for phase in sorted(
             {phase for _, phase in steps.start} & self.fences, key=list(Phase).index
         ):
-            self.telling.mark(f"fence before {phase.name}", time.monotonic(), step=state.step)
+            self.telling.mark(f"fence before {phase.name}", time.monotonic(), step=step)
         for rank, phase in steps.start:
-            group.start_soon(self._run_phase, rank, phase, state.step)
+            group.start_soon(self._run_phase, rank, phase, step)
         for rank in steps.meet:
             self.meetings[rank] = anyio.CancelScope()
             group.start_soon(self._meet, rank, self.meetings[rank])
         if steps.cross is not None:
-            self.crossing_scope = anyio.CancelScope()
-            group.start_soon(self._cross, steps.cross, self.crossing_scope)
+            assert self.commands is not None
+            self.coordinator.start_crossing(group, steps.cross, self.commands)
         if steps.publish:
-            lost = await self._publish(state)
+            lost = await self._publish()
             if lost is not None:
                 return self._keep(lost)
         if steps.check_release:
@@ -392,7 +332,7 @@ class _Cycle:
             return Drained()
         return None
 
-    async def _next_event(self, state: JobState) -> Event:
+    async def _next_event(self) -> Event:
         """What happened next, as the machine's event (reports of cancelled work are dropped)."""
         while True:
             report = await self.inbox.receive()
@@ -408,7 +348,7 @@ class _Cycle:
                     self.telling.summary.stop_requested = True  # the daemon stops too
                 return report
             if isinstance(report, Crossed):
-                if state.crossing is not report.following:
+                if self.state.crossing is not report.following:
                     continue  # a stop called the crossing off
                 self.telling.mark(
                     f"nodes met before {report.following.name}",
@@ -419,10 +359,10 @@ class _Cycle:
             if isinstance(report, _Ran):
                 return await self._ran(report)
             if isinstance(report, _Met):
-                if not state.ranks[report.rank].meeting:
+                if not self.state.ranks[report.rank].meeting:
                     continue  # a drain called the meeting off
                 self.meetings.pop(report.rank, None)
-                await self._barrier_done(state, report.rank)
+                await self._barrier_done(report.rank)
                 return RankFinished(report.rank, Phase.BARRIER)
             return report
 
@@ -438,9 +378,9 @@ class _Cycle:
         await self._report(ran)
         return RankFinished(ran.rank, ran.phase)
 
-    async def _barrier_done(self, state: JobState, rank: int) -> None:
+    async def _barrier_done(self, rank: int) -> None:
         ran = self.at_barrier.pop(rank, None)
-        if ran is not None and state.lifecycle is not Lifecycle.FAILED:
+        if ran is not None and self.state.lifecycle is not Lifecycle.FAILED:
             await self._report(ran)
 
     # -- the tasks -------------------------------------------------------------------------------
@@ -470,55 +410,25 @@ class _Cycle:
                 )
             except CycleFailed as failed:
                 cause = failed.cause  # a store gone is not the rank's failure but the leader's
-                lost = self._store_lost(cause) if isinstance(cause, StoreError) else None
-                await self.send.send(lost or failed)
-                return
-            await self.send.send(_Met(rank))
-
-    async def _cross(self, following: Phase, scope: anyio.CancelScope) -> None:
-        """Meet every node at the fence before `following`, bringing the last command this node
-        has seen; then read every command up to the last any node had seen."""
-        assert self.crossing is not None and self.commands is not None
-        previous = PREVIOUS_PHASE[following].value
-        timeout_s = self.deadlines.for_command(previous) + self.deadlines.barrier_s
-        with scope:
-            try:
-                latest = await self.store.latest_command()
-                brought = await cross_nodes(
-                    self.crossing, {"commands": latest}, following, self.ranks, timeout_s
-                )
-                commands = max(int(node["commands"]) for node in brought)
-                await self.commands.read_through(commands)  # into the inbox, before the crossing
-            except CycleFailed as failed:
+                if isinstance(cause, StoreError):
+                    failed = self.coordinator.store_lost(cause)
                 await self.send.send(failed)
                 return
-            except StoreError as exc:
-                await self.send.send(self._store_lost(exc))
-                return
-            await self.send.send(Crossed(following, commands))
+            await self.send.send(_Met(rank))
 
     async def _watch_commands(self, commands: CommandFeed) -> None:
         try:
             await commands.watch()
         except StoreError as exc:  # several nodes: the leader, and its store, are gone
-            await self.send.send(self._store_lost(exc))
+            await self.send.send(self.coordinator.store_lost(exc))
 
-    def _store_lost(self, exc: StoreError) -> CycleFailed:
-        """The run's failure when the job store is gone (with the leader that hosted it)."""
-        lost = store_lost(self.store.address, self.node, self.ranks, exc)
-        return node_failed(lost.node, lost.ranks, self._phase_now(), lost)
-
-    def _phase_now(self) -> str:
-        state = self.state
-        return "start" if state.lifecycle is Lifecycle.STARTING else state.phases[0].value
-
-    async def _publish(self, state: JobState) -> CycleFailed | None:
+    async def _publish(self) -> CycleFailed | None:
         """Where the job stands, into the store; the failure if the store is gone."""
         try:
-            await self.store.publish(state)
+            await self.store.publish(self.state)
         except StoreError as exc:
-            if state.lifecycle in LIVE:
-                return self._store_lost(exc)
+            if self.state.lifecycle in LIVE:
+                return self.coordinator.store_lost(exc)
             log.warning("cycle.state.unpublished", error=str(exc))  # the run is over anyway
         return None
 
@@ -540,22 +450,27 @@ class _Cycle:
         )
         await self.telling.phase_ended(report)
 
-    async def _failed(self, state: JobState, failed: CycleFailed) -> CycleFailed:
+    async def _failed(self, failed: CycleFailed) -> CycleFailed:
         """A failure before the cycle ran: the machine still learns it, and tells."""
-        state = advance(state, self._keep(failed)).state
-        self.state = state
-        self.telling.state(state)
-        await self._publish(state)
-        return self._failure_of(state)
+        self._move(advance(self.state, self._keep(failed)).state)
+        await self._publish()
+        return self._failure_of()
+
+    def _lost(self, failed: CycleFailed) -> CycleFailed:
+        """The run ends because a node is gone: the machine learns it, as any failure."""
+        event = self._keep(failed)
+        if self.state.lifecycle in LIVE:
+            self._move(advance(self.state, event).state)
+        return self._failure_of()
 
     def _keep(self, failed: CycleFailed) -> Failed:
         """Keep the failure a task saw as the run's error; the machine's event for it."""
         self.failure = failed
         return Failed(str(failed), blame_of(failed))
 
-    def _failure_of(self, state: JobState) -> CycleFailed:
+    def _failure_of(self) -> CycleFailed:
         """The run's failure: the one a task saw, or the one the machine's rules found."""
-        failure = self.failure or rule_broken(state)
+        failure = self.failure or rule_broken(self.state)
         log.error(
             "cycle.run.failed",
             rank=failure.rank,
