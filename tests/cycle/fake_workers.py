@@ -25,8 +25,8 @@ from timeshare.errors import CommandTimeout, WorkerDied, WorkerError, WorkerStal
 from timeshare.protocols.commands import WorkerId
 from timeshare.protocols.commands.results import (
     BootstrapResult,
+    CommandResult,
     HeldResult,
-    PhaseResult,
     RolloutResult,
     SyncResult,
     TrainFigures,
@@ -147,7 +147,7 @@ class FakeWorkers(Workers):
         if command == "rollout" and not trainer:
             samples = samples_of(worker.rank, step)
             return RolloutResult(samples=samples, version=step, reward_mean=0.5)
-        return PhaseResult()
+        return CommandResult()
 
 
 def spawner(workers: FakeWorkers) -> WorkerSpawner:

@@ -6,12 +6,12 @@ import msgspec
 import pytest
 
 from timeshare.protocols.commands import frames
-from timeshare.protocols.commands.results import PhaseResult, SyncResult, result_type
+from timeshare.protocols.commands.results import CommandResult, SyncResult, result_type
 from timeshare.protocols.weights import TransferReport
 from timeshare.timing import Span
 
 
-def through_the_lane(value: PhaseResult, command: str, role: str) -> PhaseResult:
+def through_the_lane(value: CommandResult, command: str, role: str) -> CommandResult:
     """`value` as a worker sends it and the driver decodes it (driver_side.call)."""
     frame = frames.decode_from_worker(frames.encode(frames.result(7, value)))
     assert isinstance(frame, frames.Result) and frame.id == 7

@@ -14,7 +14,7 @@ from timeshare.cycle.hooks import PhaseReport
 from timeshare.cycle.records import MarkRecord, PhaseRecord, Record, record_of_line
 from timeshare.cycle.telling import phase_record
 from timeshare.errors import ReportError
-from timeshare.protocols.commands.results import PhaseResult, TrainFigures, TrainResult
+from timeshare.protocols.commands.results import CommandResult, TrainFigures, TrainResult
 from timeshare.report.trace import (
     BARRIER_WAIT,
     DRIVER_TID,
@@ -206,7 +206,7 @@ def test_the_format_check_refuses_what_the_format_does_not_define() -> None:
 def test_a_loss_gone_to_nan_stays_visible_and_the_trace_stays_json() -> None:
     figures = TrainFigures(step=3, samples=4, loss=math.nan, reward_mean=math.inf)
     trainer = TrainResult(figures=figures)
-    report = PhaseReport(3, 0, Phase.TRAIN, 100.0, 0.5, trainer, PhaseResult(), answered=100.4)
+    report = PhaseReport(3, 0, Phase.TRAIN, 100.0, 0.5, trainer, CommandResult(), answered=100.4)
     record = phase_record(report, node=0, clock=CLOCK)
     assert (record.figures["trainer.loss"], record.figures["trainer.reward_mean"]) == ("nan", "inf")
     assert record.figures["trainer.samples"] == 4 and record.answered == 100.4

@@ -12,22 +12,24 @@ from dataclasses import dataclass, field
 
 from timeshare.config import DeadlineSection
 from timeshare.cycle.records import Record
-from timeshare.protocols.commands.results import BootstrapResult, PhaseResult
+from timeshare.protocols.commands.results import BootstrapResult, CommandResult
 from timeshare.protocols.nodes import NodeRecord
 from timeshare.state import JobState, Phase
 
 
 @dataclass(frozen=True)
 class PhaseReport:
-    """One rank's run of one phase (both workers): when and how long, and what each returned."""
+    """One rank's run of one phase (both workers): when and how long, and what each returned
+    (their `CommandResult`s), as a front end's observer is told (records.py's `PhaseRecord` is
+    the same phase as the timeline logs it)."""
 
     step: int  # the job's step as the phase started (TRAIN of step s makes weight version s)
     rank: int
     phase: Phase
     started: float  # time.monotonic() as the phase started
     seconds: float  # to its end; BARRIER's includes the wait for every rank
-    trainer: PhaseResult
-    rollout: PhaseResult
+    trainer: CommandResult
+    rollout: CommandResult
     answered: float  # time.monotonic() as both had answered (BARRIER: before the wait)
 
 

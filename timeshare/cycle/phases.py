@@ -29,8 +29,8 @@ from timeshare.protocols.commands import WorkerId
 from timeshare.protocols.commands.results import (
     ROLES,
     BootstrapResult,
+    CommandResult,
     HeldResult,
-    PhaseResult,
     result_type,
 )
 from timeshare.protocols.nodes import NodeCrossing
@@ -105,10 +105,10 @@ async def run_phase(
     phase: Phase,
     params: dict[str, dict[str, Any]],
     deadline_s: float,
-) -> dict[str, PhaseResult]:
+) -> dict[str, CommandResult]:
     """Both workers of `rank` run `phase` with their `params` (by role); their results."""
     started = time.monotonic()
-    results: dict[str, PhaseResult] = {}
+    results: dict[str, CommandResult] = {}
 
     async def run(role: str) -> None:
         returns = result_type(phase.value, role)

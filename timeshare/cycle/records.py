@@ -31,6 +31,9 @@ Figure = float | int | str | bool | None
 
 
 class PhaseRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One rank's phase on the timeline, as logged and traced: the driver's `PhaseReport`
+    (hooks.py) flattened to plain figures and spans, on a clock a reader can place."""
+
     node: int
     rank: int  # global
     phase: str

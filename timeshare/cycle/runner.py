@@ -43,7 +43,7 @@ from timeshare.cycle.telling import Telling
 from timeshare.cycle.workers import Workers, WorkerSpawner, spawn_workers, worker_ids
 from timeshare.errors import CycleFailed, StoreError, WorkerFailure
 from timeshare.protocols.barrier import Barrier
-from timeshare.protocols.commands.results import HeldResult, PhaseResult, RolloutResult
+from timeshare.protocols.commands.results import CommandResult, HeldResult, RolloutResult
 from timeshare.protocols.store import AsyncJobStore, JobStore
 from timeshare.state import (
     MEMORY_FENCES,
@@ -130,7 +130,7 @@ class _Ran:
     step: int
     started: float
     answered: float
-    results: dict[str, PhaseResult]
+    results: dict[str, CommandResult]
 
 
 @dataclass(frozen=True)

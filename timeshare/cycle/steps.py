@@ -35,8 +35,8 @@ import msgspec
 
 from timeshare.cycle.hooks import BootstrapReport, PhaseReport
 from timeshare.protocols.commands.results import (
+    CommandResult,
     HeldResult,
-    PhaseResult,
     RolloutResult,
     SyncResult,
     TrainResult,
@@ -45,7 +45,7 @@ from timeshare.state import Phase
 from timeshare.units import gbps
 
 PHASES = [phase.value for phase in Phase]
-R = TypeVar("R", bound=PhaseResult)
+R = TypeVar("R", bound=CommandResult)
 
 
 class SyncFigures(msgspec.Struct, frozen=True):
@@ -101,7 +101,7 @@ class StepLog:
             return
         now = time.monotonic()
         resumed = TrainResult(figures=train, engine_s=train.train_s)
-        idle = PhaseResult()
+        idle = CommandResult()
         self._pending[report.step] += [
             PhaseReport(
                 report.step,
@@ -172,13 +172,13 @@ def step_figures(
     )
 
 
-def _as(kind: type[R], result: PhaseResult) -> R:
+def _as(kind: type[R], result: CommandResult) -> R:
     if not isinstance(result, kind):
         raise TypeError(f"expected a {kind.__name__}, got {type(result).__name__}")
     return result
 
 
-def _held(result: PhaseResult) -> float:
+def _held(result: CommandResult) -> float:
     return result.held_mb if isinstance(result, HeldResult) else 0.0
 
 

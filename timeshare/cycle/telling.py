@@ -10,7 +10,7 @@ import msgspec
 from timeshare.cycle.hooks import BootstrapReport, CycleHooks, PhaseReport, RunSummary
 from timeshare.cycle.records import Figure, MarkRecord, PhaseRecord, Record, log_record
 from timeshare.protocols.commands.results import (
-    PhaseResult,
+    CommandResult,
     RolloutResult,
     SyncResult,
     TrainResult,
@@ -97,7 +97,7 @@ def _version(report: PhaseReport) -> int:
     return report.step
 
 
-def _figures(role: str, result: PhaseResult) -> dict[str, Figure]:
+def _figures(role: str, result: CommandResult) -> dict[str, Figure]:
     """The plain figures of a result (not its spans, samples or per-bucket lists), a SYNC's
     transfer's and a TRAIN's figures among its own. A loss gone to NaN stays visible, as the
     string "nan": JSON has no NaN and trace viewers refuse one."""

@@ -39,8 +39,8 @@ from timeshare.errors import SimulatedFault
 from timeshare.protocols.commands import WorkerServer
 from timeshare.protocols.commands.results import (
     BootstrapResult,
+    CommandResult,
     HeldResult,
-    PhaseResult,
     RolloutResult,
     SyncResult,
     TrainResult,
@@ -90,8 +90,8 @@ def fire_faults(spec: WorkerSpec, phase: str, step: int | None) -> None:
         threading.Event().wait()  # hang: no progress until aborted or killed
 
 
-Handler = Callable[[dict[str, Any]], PhaseResult]
-NOTHING_TO_DO: Handler = lambda params: PhaseResult()  # noqa: E731 - a phase of the other side
+Handler = Callable[[dict[str, Any]], CommandResult]
+NOTHING_TO_DO: Handler = lambda params: CommandResult()  # noqa: E731 - a phase of the other side
 
 
 def sync_result(
@@ -139,9 +139,9 @@ class TrainerWorker:
         batch = msgspec.convert(params.get("batch", []), list[RolloutSample])
         return TrainResult(figures=self.engine.train_step(batch))
 
-    def offload(self, params: dict[str, Any]) -> PhaseResult:
+    def offload(self, params: dict[str, Any]) -> CommandResult:
         self.engine.offload()
-        return PhaseResult()
+        return CommandResult()
 
     def sync(self, params: dict[str, Any]) -> SyncResult:
         with self.spans.span("prepare"):
@@ -199,10 +199,10 @@ class RolloutWorker:
         self.spans.extend(report.spans)
         return sync_result(report, self.engine.digest())
 
-    def resume(self, params: dict[str, Any]) -> PhaseResult:
+    def resume(self, params: dict[str, Any]) -> CommandResult:
         with self.spans.span("wake kv_cache"):
             self.engine.wake({"kv_cache"})
-        return PhaseResult()
+        return CommandResult()
 
     def held(self, params: dict[str, Any]) -> HeldResult:
         return HeldResult(held_mb=self.engine.held_mb(), resident_mb=self.engine.resident_mb())
@@ -279,7 +279,7 @@ def _phase_handler(spec: WorkerSpec, phase: str, handler: Handler, spans: Spans)
     """Fire the faults injected for this phase, run it, and say how long the engine worked and
     where that time went: a span of the whole command (named after it), then those within."""
 
-    def run_phase(params: dict[str, Any]) -> PhaseResult:
+    def run_phase(params: dict[str, Any]) -> CommandResult:
         structlog.contextvars.bind_contextvars(phase=phase, step=params.get("step"))
         fire_faults(spec, phase, params.get("step"))
         spans.take()  # (what a failed command left)

@@ -19,9 +19,12 @@ Role = Literal["trainer", "rollout"]
 ROLES: tuple[Role, Role] = ("trainer", "rollout")
 
 
-class PhaseResult(msgspec.Struct, frozen=True, kw_only=True):
-    """A command with nothing to report beyond the time its engine worked, and the spans it
-    recorded (the whole command first, named after it; then what happened inside)."""
+class CommandResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker answers to one command (a phase, bootstrap, held): the time its engine
+    worked and the spans it recorded (the whole command first, named after it; then what
+    happened inside); each subclass adds what its command reports. Not to be confused with the
+    driver's `PhaseReport` (cycle/hooks.py: one rank's phase, both workers' results, as a front
+    end is told) and `PhaseRecord` (cycle/records.py: that phase as the timeline logs it)."""
 
     engine_s: float = 0.0
     spans: tuple[Span, ...] = ()
@@ -44,13 +47,13 @@ class TrainFigures(msgspec.Struct, frozen=True, kw_only=True):
     extra: dict[str, float] = {}
 
 
-class TrainResult(PhaseResult, frozen=True, kw_only=True):
+class TrainResult(CommandResult, frozen=True, kw_only=True):
     """One optimisation step (TRAIN, on the trainer): the engine's figures, as it gave them."""
 
     figures: TrainFigures
 
 
-class BootstrapResult(PhaseResult, frozen=True, kw_only=True):
+class BootstrapResult(CommandResult, frozen=True, kw_only=True):
     """The trainer loaded the last committed checkpoint, of `step`. `train` is the TRAIN that
     made that step, as its checkpoint kept it (None: step 0, or an engine that keeps none)."""
 
@@ -58,7 +61,7 @@ class BootstrapResult(PhaseResult, frozen=True, kw_only=True):
     train: TrainFigures | None = None
 
 
-class SyncResult(PhaseResult, frozen=True, kw_only=True):
+class SyncResult(CommandResult, frozen=True, kw_only=True):
     """One weight transfer, from either side: the channel's report of it (what moved, how
     fast), the weights' digest, and (the sender) the session's staging buffer count.
 
@@ -71,14 +74,14 @@ class SyncResult(PhaseResult, frozen=True, kw_only=True):
     staging_buffers: int | None = None
 
 
-class HeldResult(PhaseResult, frozen=True, kw_only=True):
+class HeldResult(CommandResult, frozen=True, kw_only=True):
     """Device memory the worker's engine still holds, in MiB (BARRIER on the trainer, `held`)."""
 
     held_mb: float
     resident_mb: float = 0.0  # what the engine cannot release on this platform (shown only)
 
 
-class RolloutResult(PhaseResult, frozen=True, kw_only=True):
+class RolloutResult(CommandResult, frozen=True, kw_only=True):
     """One ROLLOUT: the samples (opaque to the driver, which hands them to the rank's next
     TRAIN as they came), the weight version that produced them, and their mean reward."""
 
@@ -98,7 +101,7 @@ class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     progress: int  # grows while its engine makes progress
 
 
-RESULTS: dict[tuple[str, str], type[PhaseResult]] = {
+RESULTS: dict[tuple[str, str], type[CommandResult]] = {
     ("bootstrap", "trainer"): BootstrapResult,
     ("train", "trainer"): TrainResult,
     ("sync", "trainer"): SyncResult,
@@ -113,8 +116,8 @@ COMMANDS = frozenset(
 )
 
 
-def result_type(command: str, role: str) -> type[PhaseResult]:
-    """The type `role`'s answer to `command` has (PhaseResult where it has nothing to report)."""
+def result_type(command: str, role: str) -> type[CommandResult]:
+    """The type `role`'s answer to `command` has (CommandResult where it has nothing to report)."""
     if command not in COMMANDS:
         raise ValueError(f"no worker command {command!r}; commands are {sorted(COMMANDS)}")
-    return RESULTS.get((command, role), PhaseResult)
+    return RESULTS.get((command, role), CommandResult)
