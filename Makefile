@@ -80,7 +80,7 @@ typecheck: $(STAMP)
 # is compiled first: else the first run's many processes each compile the package at once.
 pytest: $(STAMP) test-tools
 	$(PY) -m compileall -q timeshare tests
-	$(PY) -m pytest -q -n 3 --dist worksteal
+	$(PY) -m pytest -q -n 3 --dist worksteal --durations=15
 
 # socat: a plain client of the control socket; systemd-analyze and systemd-socket-activate
 # (Debian's systemd package): the unit files' checks and socket activation.
