@@ -17,6 +17,7 @@ from pathlib import Path
 
 import timeshare
 from timeshare import errors
+from timeshare.engines.registry import ENGINES
 
 PACKAGE = Path(timeshare.__file__).parent
 LAYERS = {
@@ -100,14 +101,24 @@ def test_no_module_imports_itself_in_a_circle() -> None:
     assert cycles == [], f"import cycles: {cycles}"
 
 
+def engine_packages() -> set[str]:
+    """The package of every registered engine (where its spec module lives)."""
+    return {entry.spec.partition(":")[0].rpartition(".")[0] for entry in ENGINES.values()}
+
+
 def engine_package(module: str) -> str | None:
-    """The engine package `module` belongs to (timeshare.engines.<name>.*), if any."""
-    parts = module.split(".")
-    if len(parts) >= 3 and parts[:2] == ["timeshare", "engines"]:
-        package = ".".join(parts[:3])
-        if (PACKAGE / "engines" / parts[2] / "__init__.py").exists():
+    """The registered engine's package `module` belongs to, if any."""
+    for package in engine_packages():
+        if module == package or module.startswith(f"{package}."):
             return package
     return None
+
+
+def test_every_engine_is_a_package_of_its_own() -> None:
+    modules = module_names()
+    for package in engine_packages():
+        assert package.startswith("timeshare.engines."), package
+        assert modules.get(package, Path()).name == "__init__.py", f"{package}: no __init__.py"
 
 
 def test_no_engine_package_imports_another() -> None:

@@ -137,7 +137,8 @@ def test_a_section_given_in_part_keeps_the_job_defaults_for_the_rest(tmp_path: P
 
 def heavy_modules_imported_by(statements: str) -> list[str]:
     """Which of torch and zmq a fresh interpreter has imported after running `statements`."""
-    report = "import json, sys\nprint(json.dumps(sorted({'torch', 'zmq'} & set(sys.modules))))"
+    heavy = "{'torch', 'zmq', 'vllm', 'transformers', 'safetensors'}"
+    report = f"import json, sys\nprint(json.dumps(sorted({heavy} & set(sys.modules))))"
     script = f"{statements}\n{report}"
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
@@ -146,9 +147,10 @@ def heavy_modules_imported_by(statements: str) -> list[str]:
     return msgspec.json.decode(done.stdout.splitlines()[-1], type=list[str])
 
 
-def test_loading_a_config_imports_neither_torch_nor_zmq() -> None:
+def test_loading_a_config_imports_neither_torch_nor_an_engines_library() -> None:
     # Reading a config (`timeshare config show`, a tool that checks one) must not pay the second
-    # or more that loading torch takes: every settings module stays free of torch and zmq.
+    # or more that loading torch takes: every settings module (each registered engine's spec
+    # module included) stays free of torch, zmq and the engines' libraries.
     load = (
         "from pathlib import Path\n"
         "from timeshare.config import load_config\n"
@@ -182,11 +184,12 @@ def test_config_show_imports_neither_torch_nor_zmq() -> None:
         ),
         (
             '[engine]\ntrainer = "torch_ref"\n',  # the rollout stays simulated
-            r"engine.trainer = 'torch_ref' and engine.rollout = 'simulated' do not pair",
+            r"engine.trainer = 'torch_ref' \(from file .*\) and engine.rollout = 'simulated' "
+            r"\(from default\) do not pair",
         ),
         (
             '[engine]\ntrainer = "torch_ref"\nrollout = "torch_ref"\n[engine.vllm]\nseed = 3\n',
-            r"engine.vllm is set, but this job runs no vllm engine",
+            r"engine.vllm.seed is set \(from file .*\), but this job runs no vllm engine",
         ),
         ("[engine.sglang]\nseed = 3\n", r"engine.sglang: Object contains unknown field"),
     ],
@@ -196,6 +199,34 @@ def test_engines_come_from_the_registry_and_a_bad_choice_is_named(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(write(tmp_path, text), environ={})
+
+
+def test_a_rollout_engines_generate_deadline_runs_inside_rollouts(tmp_path: Path) -> None:
+    path = write(tmp_path, '[engine]\ntrainer = "torch_ref"\nrollout = "torch_ref"\n')
+    assert load_config(path, environ={}).config.engine.rollout == "torch_ref"  # derived: fine
+    env = {"TIMESHARE_ENGINE__TORCH_REF__GENERATE_TIMEOUT_S": "45"}
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ=env)
+    assert str(info.value) == (
+        "engine.torch_ref.generate_timeout_s (45 s, from env "
+        "TIMESHARE_ENGINE__TORCH_REF__GENERATE_TIMEOUT_S) must be shorter than "
+        "deadlines.phase_s (30 s, from default), which it runs inside"
+    )
+    env["TIMESHARE_DEADLINES__COMMANDS__ROLLOUT"] = "50"
+    assert load_config(path, environ=env).config.deadlines.for_command("rollout") == 50
+
+
+def test_a_bad_engine_choice_names_the_key_and_where_it_came_from(tmp_path: Path) -> None:
+    path = write(tmp_path, '[engine]\nrollout = "torch_ref"\n')
+    with pytest.raises(ConfigError) as unknown:
+        load_config(path, environ={"TIMESHARE_ENGINE__TRAINER": "megatron"})
+    assert str(unknown.value) == (
+        "engine.trainer = 'megatron': no such engine; trainer engines are simulated, torch_ref, "
+        "fsdp (from env TIMESHARE_ENGINE__TRAINER)"
+    )
+    env = {"TIMESHARE_ENGINE__TRAINER": "torch_ref", "TIMESHARE_ENGINE__VLLM__SEED": "3"}
+    with pytest.raises(ConfigError, match=r"^engine.vllm.seed is set \(from env TIMESHARE_EN"):
+        load_config(path, environ=env)
 
 
 def test_an_unknown_engine_exits_2_and_help_lists_the_registered_ones(tmp_path: Path) -> None:

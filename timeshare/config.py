@@ -27,11 +27,12 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import msgspec
 
 from timeshare.cluster import ClusterSection, check_cluster, launcher_values
+from timeshare.engines import registry
 from timeshare.engines.faults import Fault
 from timeshare.engines.spec import EngineSpec, check_engines
 from timeshare.errors import ConfigError, TransferError
@@ -144,7 +145,7 @@ def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> 
     _check_nesting(config, sources)
     _check_runtime_dir(config, sources)
     check_cluster(config.cluster, config.job.ranks, lambda key: sources.get(key, "default"))
-    _check_engine(config)
+    check_engines(config.engine, lambda key: sources.get(key, "default"))
     return LoadedConfig(config, sources)
 
 
@@ -238,9 +239,25 @@ def _convert(data: dict[str, Any], sources: dict[str, str]) -> Config:
         message = str(exc)
         key = _key_of(message)
         where = sources.get(key) or _source_within(key, sources) or "default"
+        if key in ENGINE_KINDS and message.startswith("Invalid enum value"):
+            return _unknown_engine(data, key, where, exc)
         raise ConfigError(
             f"{key or 'config'}: {message.split(' - at ', maxsplit=1)[0]} (from {where})"
         ) from exc
+
+
+ENGINE_KINDS: dict[str, registry.Role] = {"engine.trainer": "trainer", "engine.rollout": "rollout"}
+
+
+def _unknown_engine(
+    data: dict[str, Any], key: str, where: str, exc: msgspec.ValidationError
+) -> NoReturn:
+    """`engine.trainer` or `rollout` names no registered engine of its role: say which exist."""
+    try:
+        registry.find(str(_get(data, key)), ENGINE_KINDS[key])
+    except ConfigError as unknown:
+        raise ConfigError(f"{unknown} (from {where})") from exc
+    raise ConfigError(f"{key}: {exc} (from {where})") from exc
 
 
 def _key_of(message: str) -> str:
@@ -270,12 +287,6 @@ def _check_runtime_dir(config: Config, sources: dict[str, str]) -> None:
         raise ConfigError(f"job.runtime_dir is too long (from {where}): {exc}") from exc
 
 
-def _check_engine(config: Config) -> None:
-    """What the engines' own libraries must accept (transformers, vLLM) is asked now, before
-    any worker starts: each engine's check, as the registry names it."""
-    check_engines(config.engine)
-
-
 def _check_nesting(config: Config, sources: dict[str, str]) -> None:
     values = msgspec.to_builtins(config)
     for command in config.deadlines.commands:
@@ -285,7 +296,7 @@ def _check_nesting(config: Config, sources: dict[str, str]) -> None:
                 f"{key}: no such command (from {sources.get(key, 'default')}); "
                 f"commands are {', '.join(sorted(COMMANDS))}"
             )
-    for inner, command in NESTED_DEADLINES:
+    for inner, command in [*NESTED_DEADLINES, *_engine_deadlines(config)]:
         custom = command in config.deadlines.commands
         outer = f"deadlines.commands.{command}" if custom else "deadlines.phase_s"
         inner_s, outer_s = _get(values, inner), _get(values, outer)
@@ -295,6 +306,14 @@ def _check_nesting(config: Config, sources: dict[str, str]) -> None:
                 f"than {outer} ({outer_s:g} s, from {sources.get(outer, 'default')}), "
                 "which it runs inside"
             )
+
+
+def _engine_deadlines(config: Config) -> list[tuple[str, str]]:
+    """The rollout engine's own generate deadline, where it sets one: inside ROLLOUT's."""
+    rollout = config.engine.rollout
+    if getattr(config.engine.section(rollout), "generate_timeout_s", None) is None:
+        return []  # (an engine that sets none takes 0.9 of ROLLOUT's deadline: worker_spec)
+    return [(f"engine.{rollout}.generate_timeout_s", Phase.ROLLOUT.value)]
 
 
 # -- nested dicts --------------------------------------------------------------------------------

@@ -75,6 +75,7 @@ def test_generation_refuses_torn_weights_and_carries_the_version(ledger: DeviceL
         rollout.load_weights([("w", torch.ones(2))])
     rollout.load_weights([("layer0.weight", torch.ones(1024))])
     rollout.finish_weight_update(7)
+    rollout.mark_whole(7)  # as its LocalInlet does
     [sample] = rollout.generate([request])
     assert (sample.weight_version, len(sample.tokens)) == (7, 3)
     rollout.begin_weight_update()

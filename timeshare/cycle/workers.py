@@ -228,6 +228,7 @@ def worker_spec(
         collective_timeout_s=config.deadlines.phase_s,
         # within SYNC's own deadline, so that the worker, not the driver, names the call
         engine_call_timeout_s=0.9 * config.deadlines.for_command("sync"),
+        generate_timeout_s=0.9 * config.deadlines.for_command("rollout"),
         log_file=config.log.file,
         log_level=config.log.level,
     )

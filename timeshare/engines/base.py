@@ -98,8 +98,10 @@ class RolloutSample:
 
 @dataclass(frozen=True)
 class RolloutTraits:
-    """What a rollout engine can do here, declared, so that the driver's memory rules and the
-    contract suite (tests/engines/contract/) hold it to what it says instead of skipping.
+    """What a rollout engine can do here, declared, so that the contract suite
+    (tests/engines/contract/) holds it to what it says instead of skipping, and `generate`
+    refuses what it cannot honour (`refuse_unsupported`). (The driver's memory rules read
+    `held_mb` and `resident_mb`, which follow `releases_memory`.)
 
     `inputs`: the optional request fields it honours (images, videos, processor_output);
     any other is refused. `releases_memory`: sleep frees what `held_mb` counts; False where the
@@ -127,6 +129,10 @@ def refuse_unsupported(request: RolloutRequest, traits: RolloutTraits, engine: s
             f"({len(request.prompt_tokens)} of prompt, {request.sampling.max_tokens} to "
             f"generate), more than the {traits.max_tokens} it holds"
         )
+
+
+# A generate's deadline where neither the engine's settings nor its builder give one.
+DEFAULT_GENERATE_S = 60.0
 
 
 def no_progress() -> None:
@@ -201,7 +207,7 @@ class TrainerEngine(ABC):
 class RolloutEngine(ABC):
     """The rollout side of one rank (one shard of an engine that may span several devices)."""
 
-    def __init__(self, generate_timeout_s: float = 60.0) -> None:
+    def __init__(self, generate_timeout_s: float = DEFAULT_GENERATE_S) -> None:
         self.progress: Callable[[], None] = no_progress
         self.weight_version: int | None = None
         self.torn = True  # no whole weight version loaded yet

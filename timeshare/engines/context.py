@@ -29,3 +29,5 @@ class EngineContext:
     # is recorded so that a sweep removes it.
     call_timeout_s: float = 30.0
     runtime_dir: Path = Path()
+    # A rollout's generate, unless its own settings give one (inside ROLLOUT's deadline).
+    generate_timeout_s: float = 27.0

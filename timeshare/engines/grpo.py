@@ -14,12 +14,15 @@ from abc import abstractmethod
 from typing import NamedTuple
 
 import msgspec
+import structlog
 import torch
 
 from timeshare.engines.base import RolloutSample, TrainerEngine
 from timeshare.engines.spec import GrpoSpec, TaskSpec
 from timeshare.errors import OffPolicy, TimeshareError
 from timeshare.protocols.commands.results import TrainFigures
+
+log = structlog.get_logger(__name__)
 
 EPS = 1e-6
 
@@ -192,8 +195,31 @@ class GrpoTrainer(TrainerEngine):
 
 
 def figures_kept(kept: object) -> TrainFigures | None:
-    """The TRAIN figures a checkpoint kept (None: none, or of an older format)."""
-    try:
-        return None if kept is None else msgspec.convert(kept, TrainFigures)
-    except msgspec.ValidationError:
+    """The TRAIN figures a checkpoint kept (None: none, or unreadable, which is logged).
+
+    Checkpoints written before the figures were typed keep a flat dict of floats: its known
+    keys become the typed fields, the rest `extra`."""
+    if kept is None:
         return None
+    if isinstance(kept, dict) and "extra" not in kept and kept.keys() >= _FLAT_KEYS:
+        kept = _typed_from_flat(kept)
+    try:
+        return msgspec.convert(kept, TrainFigures)
+    except msgspec.ValidationError as exc:
+        log.warning("trainer.checkpoint.figures_unreadable", error=str(exc))
+        return None
+
+
+_FLAT_KEYS = {"step", "samples"}
+_INTEGERS = ("step", "samples", "committed")
+
+
+def _typed_from_flat(flat: dict[str, object]) -> dict[str, object]:
+    fields = set(TrainFigures.__struct_fields__) - {"extra"}
+    typed: dict[str, object] = {k: v for k, v in flat.items() if k in fields}
+    for key in _INTEGERS:
+        value = typed.get(key)
+        if isinstance(value, float):
+            typed[key] = int(value)
+    typed["extra"] = {k: v for k, v in flat.items() if k not in fields}
+    return typed

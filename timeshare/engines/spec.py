@@ -5,15 +5,17 @@
     [engine.grpo]       GRPO and AdamW, as every trainer computes them (grpo.py)
     [engine.<name>]     each registered engine's own settings, typed by its spec class
 
-`EngineSpec` is built from the registry: one table per registered engine, so that adding an
-engine adds its table without touching this module. Only the spec modules are imported here
-(torch-free by rule: tests/test_architecture.py), never an engine itself: the job config is read
-without torch, vLLM or transformers.
+`EngineSpec` is built from the registry when this module is imported: one table per registered
+engine, so that adding an engine adds its table without touching this module. Every registered
+engine's spec module is imported here, never an engine itself: spec modules are torch-free
+(tests/test_config.py checks that reading a config loads no torch, vLLM or transformers), and
+one that fails to import fails every config load, whichever engines the job runs.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, cast
 
 import msgspec
 
@@ -80,7 +82,9 @@ class GrpoSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 class EngineChoice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What every job's `[engine]` holds; `EngineSpec` adds one table per registered engine."""
+    """What every job's `[engine]` holds; `EngineSpec` adds one table per registered engine
+    and narrows `trainer` and `rollout` to the registered kinds. The checks that read several
+    keys at once are `check_engines`', run when a config is loaded."""
 
     trainer: str = "simulated"
     rollout: str = "simulated"
@@ -89,28 +93,6 @@ class EngineChoice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     torch_threads: PositiveInt = 1
     task: TaskSpec = TaskSpec()
     grpo: GrpoSpec = GrpoSpec()
-
-    def __post_init__(self) -> None:
-        trainer = registry.find(self.trainer, "trainer")
-        rollout = registry.find(self.rollout, "rollout")
-        if trainer.family != rollout.family:
-            raise ConfigError(
-                f"engine.trainer = {self.trainer!r} and engine.rollout = {self.rollout!r} do not "
-                f"pair: the trainer's weights are {trainer.family}, the rollout serves "
-                f"{rollout.family}"
-            )
-        if self.task.batch_size % self.grpo.minibatches:
-            raise ConfigError(
-                f"engine.grpo.minibatches ({self.grpo.minibatches}) does not divide a rank's "
-                f"batch of {self.task.batch_size} samples (engine.task: prompts_per_rank x "
-                "group_size)"
-            )
-        for name in registry.ENGINES:
-            if name not in (self.trainer, self.rollout) and self.section(name) != _default(name):
-                raise ConfigError(
-                    f"engine.{name} is set, but this job runs no {name} engine (engine.trainer = "
-                    f"{self.trainer!r}, engine.rollout = {self.rollout!r})"
-                )
 
     def section(self, name: str) -> msgspec.Struct:
         """`[engine.<name>]`: the settings of a registered engine."""
@@ -136,6 +118,16 @@ class EngineChoice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         settings = self.section(self.trainer)
         return settings.trained_model() if isinstance(settings, TrainsModel) else None
 
+    def served_model(self) -> TrainedModel:
+        """The trained model, for a rollout engine that serves a copy of it."""
+        trained = self.trained_model()
+        if trained is None:
+            raise ConfigError(
+                f"engine.rollout = {self.rollout!r} serves the trainer's model, but "
+                f"engine.trainer = {self.trainer!r} trains none"
+            )
+        return trained
+
     def roles(self) -> dict[str, frozenset[Role]]:
         """Each engine the job runs, with the roles it takes (torch_ref may take both)."""
         roles: dict[str, set[Role]] = {self.trainer: {"trainer"}}
@@ -143,16 +135,52 @@ class EngineChoice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return {name: frozenset(taken) for name, taken in roles.items()}
 
 
-def check_engines(spec: EngineChoice) -> None:
-    """What the job's engines must accept, asked now, before any worker starts: each engine's
-    own check (which may ask its library in a child process), then the task against the model."""
+Sources = Callable[[str], str]  # where a key's value came from ("file job.toml", "default")
+
+
+def check_engines(spec: EngineChoice, source_of: Sources = lambda key: "default") -> None:
+    """What the job's engines must accept, before any worker starts, quickest first: the
+    choice itself, each engine's own check, the task against the model, and last each engine's
+    probe (its library asked in a child process, seconds). `source_of` names where a key's
+    value came from, for the error."""
+    check_choice(spec, source_of)
     for name, roles in spec.roles().items():
-        entry = registry.ENGINES[name]
-        if entry.check:
-            registry.load(entry.check)(spec, roles)
+        if check := registry.ENGINES[name].check:
+            registry.load(check)(spec, roles)
     trained = spec.trained_model()
     if trained is not None:
         spec.task.check_model(trained.config, trained.where)
+    for name, roles in spec.roles().items():
+        if probe := registry.ENGINES[name].probe:
+            registry.load(probe)(spec, roles)
+
+
+def check_choice(spec: EngineChoice, source_of: Sources) -> None:
+    """A trainer and a rollout engine that pair, minibatches that divide a batch, and no
+    table set for an engine the job does not run."""
+    trainer = registry.find(spec.trainer, "trainer")
+    rollout = registry.find(spec.rollout, "rollout")
+    if trainer.family != rollout.family:
+        raise ConfigError(
+            f"engine.trainer = {spec.trainer!r} (from {source_of('engine.trainer')}) and "
+            f"engine.rollout = {spec.rollout!r} (from {source_of('engine.rollout')}) do not "
+            f"pair: the trainer's weights are {trainer.family}, the rollout serves "
+            f"{rollout.family}"
+        )
+    if spec.task.batch_size % spec.grpo.minibatches:
+        raise ConfigError(
+            f"engine.grpo.minibatches ({spec.grpo.minibatches}, from "
+            f"{source_of('engine.grpo.minibatches')}) does not divide a rank's batch of "
+            f"{spec.task.batch_size} samples (engine.task: prompts_per_rank x group_size)"
+        )
+    for name in registry.ENGINES:
+        if name in (spec.trainer, spec.rollout) or spec.section(name) == _default(name):
+            continue
+        key = _first_set(spec.section(name), _default(name), f"engine.{name}")
+        raise ConfigError(
+            f"{key} is set (from {source_of(key)}), but this job runs no {name} engine "
+            f"(engine.trainer = {spec.trainer!r}, engine.rollout = {spec.rollout!r})"
+        )
 
 
 def _default(name: str) -> msgspec.Struct:
@@ -160,13 +188,33 @@ def _default(name: str) -> msgspec.Struct:
     return default
 
 
+def _first_set(table: msgspec.Struct, default: msgspec.Struct, prefix: str) -> str:
+    """The first key of `table` (nested keys joined by dots) that differs from `default`."""
+    for name in table.__struct_fields__:
+        value, unset = getattr(table, name), getattr(default, name)
+        if value != unset:
+            if isinstance(value, msgspec.Struct) and isinstance(unset, msgspec.Struct):
+                return _first_set(value, unset, f"{prefix}.{name}")
+            return f"{prefix}.{name}"
+    return prefix
+
+
 def engine_spec_type() -> type[EngineChoice]:
-    """`[engine]` as the registry types it now: one table per registered engine."""
+    """`[engine]` as the registry types it now: `trainer` and `rollout` one of the registered
+    kinds (a `Literal` of them), and one table per registered engine, typed by its spec."""
+    shared = set(EngineChoice.__struct_fields__) | {"section", "settings", "names", "roles"}
+    clashing = sorted(shared & set(registry.ENGINES))
+    if clashing:
+        raise TypeError(f"engines named {clashing} would hide [engine]'s own keys: rename them")
     fields: list[tuple[str, Any, Any]] = [
-        (name, entry.spec_type(), msgspec.field(default_factory=entry.spec_type()))
-        for name, entry in registry.ENGINES.items()
+        ("trainer", Literal[tuple(registry.kinds("trainer"))], "simulated"),
+        ("rollout", Literal[tuple(registry.kinds("rollout"))], "simulated"),
+        *(
+            (name, entry.spec_type(), msgspec.field(default_factory=entry.spec_type()))
+            for name, entry in registry.ENGINES.items()
+        ),
     ]
-    spec: type[EngineChoice] = msgspec.defstruct(  # type: ignore[assignment]
+    spec = msgspec.defstruct(
         "EngineSpec",
         fields,
         bases=(EngineChoice,),
@@ -175,7 +223,7 @@ def engine_spec_type() -> type[EngineChoice]:
         kw_only=True,
         forbid_unknown_fields=True,
     )
-    return spec
+    return cast(type[EngineChoice], spec)
 
 
 if TYPE_CHECKING:

@@ -73,6 +73,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     heartbeat_s: float = 0.2
     collective_timeout_s: float = 30.0  # the trainers' gloo group, for data-parallel engines
     engine_call_timeout_s: float = 30.0  # one call into an engine's own processes (vLLM)
+    generate_timeout_s: float = 27.0  # a rollout's generate, unless its settings give one
     log_file: str = ""
     log_level: str = "info"
 
@@ -258,6 +259,7 @@ def run(spec: WorkerSpec) -> None:
             collective_timeout_s=spec.collective_timeout_s,
             call_timeout_s=spec.engine_call_timeout_s,
             runtime_dir=Path(spec.runtime_dir),
+            generate_timeout_s=spec.generate_timeout_s,
         )
         if spec.role == "trainer":
             portal = stack.enter_context(start_blocking_portal())

@@ -35,7 +35,7 @@ class EchoRollout(RolloutEngine):
         self.weights.update((name, tensor.clone()) for name, tensor in named)
 
     def finish_weight_update(self, version: int) -> None:
-        self.mark_whole(version)
+        """Nothing to post-process (the inlet marks the version whole)."""
 
     def digest(self) -> str:
         return weights_digest(self.weights.items())

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ from timeshare.engines.base import (
     SamplingParams,
     weights_digest,
 )
-from timeshare.engines.grpo import clipped_loss, group_advantages
+from timeshare.engines.grpo import clipped_loss, figures_kept, group_advantages
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.spec import EngineChoice, check_engines, engine_spec
 from timeshare.engines.task import RepeatDigit, TaskWorkload
@@ -30,6 +31,7 @@ from timeshare.engines.torch_ref.rollout import TorchRefRollout
 from timeshare.engines.torch_ref.trainer import TorchRefTrainer
 from timeshare.engines.vocab import BOS, SEP
 from timeshare.errors import ConfigError, EngineAsleep, OffPolicy, WeightsTorn
+from timeshare.protocols.commands.results import TrainFigures
 
 SPEC = engine_spec(
     trainer="torch_ref",
@@ -46,6 +48,7 @@ def rollout_with(trainer: TorchRefTrainer, spec: EngineChoice = SPEC) -> TorchRe
     engine.wake({"weights"})
     engine.load_weights(list(trainer.iter_weights()))
     engine.finish_weight_update(trainer.step)
+    engine.mark_whole(trainer.step)  # as its LocalInlet does
     engine.wake({"kv_cache"})
     return engine
 
@@ -177,6 +180,7 @@ def test_rollout_allocates_on_wake_frees_on_sleep_and_refuses_torn_weights() -> 
         engine.generate(requests)  # mid-transfer
     engine.load_weights(named[3:])
     engine.finish_weight_update(0)
+    engine.mark_whole(0)  # as its LocalInlet does
     assert engine.digest() == weights_digest(named)
     assert len(engine.generate(requests)) == len(requests)
     engine.sleep()
@@ -235,3 +239,14 @@ def test_a_trainer_resumes_from_the_committed_step(tmp_path: Path) -> None:
         again.optimizer.state_dict()["state"].keys()
         == trainer.optimizer.state_dict()["state"].keys()
     )
+
+
+def test_train_figures_of_a_checkpoint_written_before_they_were_typed_are_kept() -> None:
+    flat = {"step": 3.0, "samples": 8.0, "committed": 3.0, "loss": -0.5, "clip_fraction": 0.25}
+    assert figures_kept(flat) == TrainFigures(
+        step=3, samples=8, committed=3, loss=-0.5, extra={"clip_fraction": 0.25}
+    )
+    typed = TrainFigures(step=2, samples=4, reward_mean=0.5, extra={"kl": 0.1})
+    assert figures_kept(msgspec.to_builtins(typed)) == typed
+    assert figures_kept({"step": "three"}) is None  # unreadable: logged, not fatal
+    assert figures_kept(None) is None

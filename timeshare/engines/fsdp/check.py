@@ -34,14 +34,10 @@ SHOWN = 5  # names listed in an error before "and N more"
 
 
 def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
-    """The registry's check (registry.py): a model directory transformers loads, and
+    """The registry's check (registry.py): a model directory with its config, and
     micro-batches that divide a minibatch."""
     fsdp = spec.settings("fsdp", FsdpSpec)
-    if not fsdp.model_dir:
-        raise ConfigError(
-            'engine.fsdp.model_dir: trainer = "fsdp" trains a transformers model directory; '
-            "name one (`timeshare model init DIR` makes a small one)"
-        )
+    fsdp.trained_model()  # names what is missing: the directory, or its config.json
     micro = fsdp.micro_batch_size
     minibatch = spec.task.batch_size // spec.grpo.minibatches
     if micro and minibatch % micro:
@@ -50,7 +46,11 @@ def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
             f"{minibatch} samples (engine.task: prompts_per_rank x group_size, over "
             "engine.grpo.minibatches)"
         )
-    check_model_dir(fsdp.model_dir)
+
+
+def probe(spec: EngineChoice, roles: frozenset[Role]) -> None:
+    """The registry's probe (registry.py): transformers loads the model directory."""
+    check_model_dir(spec.settings("fsdp", FsdpSpec).model_dir)
 
 
 def check_model_dir(model_dir: str) -> None:

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from timeshare.engines.model_config import ModelConfig, TrainedModel
+from timeshare.errors import ConfigError
 
 PrecisionName = Literal["float32", "bfloat16", "float16"]
 # How SYNC gathers each parameter: its all-gather writes straight into the weight channel's
@@ -46,6 +47,19 @@ class FsdpSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     def trained_model(self) -> TrainedModel:
         """The model directory's model: every rollout engine starts from it."""
+        where = f"engine.fsdp.model_dir: {self.model_dir}"
+        if not self.model_dir:
+            raise ConfigError(
+                'engine.fsdp.model_dir: trainer = "fsdp" trains a transformers model '
+                "directory; name one (`timeshare model init DIR` makes a small one)"
+            )
+        if not Path(self.model_dir).is_dir():
+            raise ConfigError(f"{where} is not a directory")
+        if not (Path(self.model_dir) / "config.json").is_file():
+            raise ConfigError(
+                f"{where} has no config.json (a transformers model directory holds config.json "
+                "and *.safetensors)"
+            )
         return TrainedModel(
             config=ModelConfig.from_json(Path(self.model_dir) / "config.json"),
             directory=self.model_dir,

@@ -20,6 +20,7 @@ import torch
 
 from timeshare.durable import write_atomically
 from timeshare.engines.base import (
+    DEFAULT_GENERATE_S,
     RolloutEngine,
     RolloutRequest,
     RolloutSample,
@@ -122,7 +123,9 @@ def build_trainer(context: EngineContext) -> SimulatedTrainer:
 def build_rollout(context: EngineContext) -> SimulatedRollout:
     """The registry's rollout builder (registry.py)."""
     spec = context.spec.settings("simulated", SimulatedSpec)
-    return SimulatedRollout(context.rank, spec, ledger_of(context))
+    rollout = SimulatedRollout(context.rank, spec, ledger_of(context))
+    rollout.generate_timeout_s = spec.generate_timeout_s or context.generate_timeout_s
+    return rollout
 
 
 class SimulatedTrainer(TrainerEngine):
@@ -214,7 +217,7 @@ class SimulatedRollout(RolloutEngine):
     """Rank `rank`'s shard of a rollout engine spanning `engine_span` devices."""
 
     def __init__(self, rank: int, spec: SimulatedSpec, ledger: DeviceLedger) -> None:
-        super().__init__(spec.generate_timeout_s)
+        super().__init__(spec.generate_timeout_s or DEFAULT_GENERATE_S)
         self.rank = rank
         self.spec = spec
         self.ledger = ledger
@@ -266,7 +269,7 @@ class SimulatedRollout(RolloutEngine):
         return sum(self.ledger.held(d, f"rollout.{t}") for d in self.devices for t in tags)
 
     def finish_weight_update(self, version: int) -> None:
-        self.mark_whole(version)
+        """Nothing to post-process: the copies are the weights."""
 
     def digest(self) -> str:
         return weights_digest(self.loaded.items())

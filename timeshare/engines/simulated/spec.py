@@ -28,5 +28,6 @@ class SimulatedSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     account_memory: bool = True  # off: no ledger at all (to measure orchestration alone)
     # phase -> rank (a string, as TOML keys are) -> seconds of (progressing) work
     delays: dict[str, dict[str, float]] = {}
-    # A generate (with its simulated delay) still running after this is aborted.
-    generate_timeout_s: Seconds = 60.0
+    # A generate (with its simulated delay) still running after this is aborted; None: 0.9 of
+    # the ROLLOUT command's deadline, which it runs inside.
+    generate_timeout_s: Seconds | None = None

@@ -13,6 +13,7 @@ import structlog
 import torch
 
 from timeshare.engines.base import (
+    DEFAULT_GENERATE_S,
     RolloutEngine,
     RolloutRequest,
     RolloutSample,
@@ -36,15 +37,16 @@ log = structlog.get_logger(__name__)
 
 def build(context: EngineContext) -> TorchRefRollout:
     """The registry's builder (registry.py): a copy of the model the trainer trains."""
-    trained = context.spec.trained_model()
-    assert trained is not None, "a causal_lm trainer trains a model"
-    return TorchRefRollout(context.rank, context.spec, trained.config)
+    trained = context.spec.served_model()
+    rollout = TorchRefRollout(context.rank, context.spec, trained.config)
+    rollout.generate_timeout_s = rollout.spec.generate_timeout_s or context.generate_timeout_s
+    return rollout
 
 
 class TorchRefRollout(RolloutEngine):
     def __init__(self, rank: int, engine: EngineChoice, model_config: ModelConfig) -> None:
         self.spec = engine.settings("torch_ref", TorchRefSpec)
-        super().__init__(self.spec.generate_timeout_s)
+        super().__init__(self.spec.generate_timeout_s or DEFAULT_GENERATE_S)
         self.rank = rank
         self.batch_size = engine.task.batch_size
         self.config = model_config
@@ -111,7 +113,6 @@ class TorchRefRollout(RolloutEngine):
         missing = {name for name, _ in self.model.named_parameters()} - self.loaded
         if missing:
             raise TimeshareError(f"weight update {version} left {sorted(missing)} unloaded")
-        self.mark_whole(version)
 
     def digest(self) -> str:
         if self.model is None:

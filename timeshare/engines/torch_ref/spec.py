@@ -28,8 +28,9 @@ class TorchRefSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     model_dir: str = ""
     seed: int = 0  # the random initialisation of `model`
     kv_cache_len: Annotated[int, msgspec.Meta(ge=1)] = 64  # tokens per sequence the rollout holds
-    # A generate still running after this is aborted (the engine stays usable).
-    generate_timeout_s: Seconds = 60.0
+    # A generate still running after this is aborted (the engine stays usable); None: 0.9 of
+    # the ROLLOUT command's deadline, which it runs inside.
+    generate_timeout_s: Seconds | None = None
 
     def trained_model(self) -> TrainedModel:
         """The model the reference trainer trains: the local checkpoint's config, else `model`.
@@ -59,8 +60,7 @@ def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
             f"its completion ({spec.task.sequence_tokens} tokens: engine.task.completion_tokens "
             f"= {spec.task.completion_tokens})"
         )
-    trained = spec.trained_model()
-    assert trained is not None, "a causal_lm trainer trains a model"
+    trained = spec.served_model()
     if trained.directory:
         servable(Path(trained.directory))
     if own.kv_cache_len > trained.config.max_position_embeddings:

@@ -36,11 +36,10 @@ class _Check(msgspec.Struct, frozen=True):
     model: ModelConfig
 
 
-def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
-    """The registry's check (registry.py): vLLM accepts the engine's arguments for the model
+def probe(spec: EngineChoice, roles: frozenset[Role]) -> None:
+    """The registry's probe (registry.py): vLLM accepts the engine's arguments for the model
     the trainer trains."""
-    trained = spec.trained_model()
-    assert trained is not None, "a causal_lm trainer trains a model"
+    trained = spec.served_model()
     check_engine_args(spec.settings("vllm", VllmSpec).starting_from(trained), trained.config)
 
 
@@ -52,9 +51,8 @@ def check_engine_args(spec: VllmSpec, model: ModelConfig) -> None:
 
 def _verdict(check: _Check) -> dict[str, Any]:
     # Imported here, in the checking child only: the config is read without vLLM.
-    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
-
     from timeshare.engines.vllm.engine import engine_args, write_model_dir  # noqa: PLC0415
+    from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="timeshare-vllm-check-") as scratch:
         model_dir = check.spec.model_dir or str(write_model_dir(check.model, Path(scratch)))

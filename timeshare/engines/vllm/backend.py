@@ -38,6 +38,11 @@ from typing import Any
 import msgspec
 import structlog
 import torch
+
+from timeshare.engines.base import WeightsDigest
+from timeshare.engines.vllm.report import LOADER_REFUSED, BackendReport, LoadSeconds
+from timeshare.errors import LoaderFailed, SessionClosed, TimeshareError
+from timeshare.protocols.weights import TransferConfig, WeightReceiver
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -47,11 +52,6 @@ from vllm.model_executor.model_loader.reload.layerwise import (
     finalize_layerwise_reload,
     initialize_layerwise_reload,
 )
-
-from timeshare.engines.base import WeightsDigest
-from timeshare.engines.vllm.report import LOADER_REFUSED, BackendReport, LoadSeconds
-from timeshare.errors import LoaderFailed, SessionClosed, TimeshareError
-from timeshare.protocols.weights import TransferConfig, WeightReceiver
 
 log = structlog.get_logger(__name__)
 

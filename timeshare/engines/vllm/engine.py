@@ -33,10 +33,6 @@ from typing import Any, TypeVar
 
 import msgspec
 import structlog
-from vllm import LLM
-from vllm import SamplingParams as VllmSampling
-from vllm.inputs import TokensPrompt
-from vllm.platforms import current_platform
 
 from timeshare.engines.base import (
     RolloutEngine,
@@ -68,6 +64,10 @@ from timeshare.runtime import (
     release_foreign_segments,
 )
 from timeshare.units import MIB
+from vllm import LLM
+from vllm import SamplingParams as VllmSampling
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -127,8 +127,7 @@ def engine_args(spec: VllmSpec, model_dir: str, *, sleep_mode: bool) -> dict[str
 
 def build(context: EngineContext) -> VllmRollout:
     """The registry's builder (registry.py): vLLM serving the model the trainer trains."""
-    trained = context.spec.trained_model()
-    assert trained is not None, "a causal_lm trainer trains a model"
+    trained = context.spec.served_model()
     return VllmRollout(
         context.rank,
         context.spec.settings("vllm", VllmSpec).starting_from(trained),
@@ -346,20 +345,15 @@ class VllmInlet:
     def receive(self, progress: Callable[[], None], *, digest: bool = True) -> TransferReport:
         llm = self.engine.llm
         update = {"begin_timeout_s": self.transfer.begin_timeout_s, "digest": digest}
-        self.engine.call("start_weight_update", llm.start_weight_update)
-        try:
-            self.engine.call("update_weights", lambda: llm.update_weights({"update_info": update}))
-        except TimeshareError:
-            raise  # (EngineBroken: the call did not return)
-        except Exception as exc:  # vLLM's RPC: the backend's exception, as a plain Exception
-            raise _update_failed(self.engine.rank, exc) from exc
+        self._transfer_call("start_weight_update", llm.start_weight_update)
+        self._transfer_call("update_weights", lambda: llm.update_weights({"update_info": update}))
         progress()
         reports = self.engine.call("timeshare_report", lambda: llm.collective_rpc(EXTENSION_REPORT))
         if reports[0] is None:
             raise TimeshareError("vLLM's worker has no report of the version it just received")
         received = BackendReport.decode(reports[0])
         version = received.transfer.version
-        self.engine.call(
+        self._transfer_call(
             "finish_weight_update", lambda: llm.finish_weight_update(weight_version=str(version))
         )
         self.engine.digest_of_version = received.digest
@@ -368,6 +362,16 @@ class VllmInlet:
         # vLLM's worker is a process of this machine: its spans' monotonic clock is this one's.
         return received.transfer
 
+    def _transfer_call(self, what: str, fn: Callable[[], object]) -> None:
+        """One of vLLM's weight-transfer calls; what the backend raised in vLLM's worker comes
+        back through vLLM's RPC as a plain Exception holding its message: typed again here."""
+        try:
+            self.engine.call(what, fn)
+        except TimeshareError:
+            raise  # (EngineBroken: the call did not return)
+        except Exception as exc:
+            raise _transfer_failed(self.engine.rank, what, exc) from exc
+
     def close(self) -> None:
         if self.engine.broken is None:
             self.engine.call(
@@ -375,10 +379,10 @@ class VllmInlet:
             )
 
 
-def _update_failed(rank: int, exc: Exception) -> TransferError | LoaderFailed:
-    """What the backend raised receiving a version, typed again from its message (all that
-    vLLM's RPC brings back): the model's loader refusing a weight, or the transfer failing."""
-    message = f"vLLM rollout rank {rank}: update_weights failed: {exc}"
+def _transfer_failed(rank: int, what: str, exc: Exception) -> TransferError | LoaderFailed:
+    """What the backend raised in a weight-transfer call, typed again from its message (all
+    that vLLM's RPC brings back): the model's loader refusing a weight, or the transfer failing."""
+    message = f"vLLM rollout rank {rank}: {what} failed: {type(exc).__name__}: {exc}"
     return LoaderFailed(message) if LOADER_REFUSED in str(exc) else TransferError(message)
 
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import os
 
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
 from timeshare.runtime import die_with_parent
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 BACKEND = "timeshare"
 # Not TIMESHARE_*: those are the job config's overrides.
