@@ -72,6 +72,7 @@ def test_the_fsdp_trainer_needs_a_rollout_that_serves_its_model(tmp_path: Path) 
     path.write_text('[engine]\nrollout = "simulated"\ntrainer = "fsdp"\n')
     with pytest.raises(
         ConfigError,
-        match=r"engine\.trainer = 'fsdp' and engine\.rollout = 'simulated' do not pair",
+        match=r"engine\.trainer = 'fsdp' \(from file .*\) and engine\.rollout = 'simulated' "
+        r"\(from file .*\) do not pair",
     ):
         load_config(path, environ={})

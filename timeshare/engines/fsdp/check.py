@@ -34,10 +34,11 @@ SHOWN = 5  # names listed in an error before "and N more"
 
 
 def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
-    """The registry's check (registry.py): a model directory with its config, and
-    micro-batches that divide a minibatch."""
+    """The registry's check (registry.py): a model directory named, and micro-batches that
+    divide a minibatch. (What the directory holds is read by `trained_model`, which names
+    what is missing, and asked of transformers by the probe.)"""
     fsdp = spec.settings("fsdp", FsdpSpec)
-    fsdp.trained_model()  # names what is missing: the directory, or its config.json
+    fsdp.check_named()
     micro = fsdp.micro_batch_size
     minibatch = spec.task.batch_size // spec.grpo.minibatches
     if micro and minibatch % micro:

@@ -45,14 +45,18 @@ class FsdpSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # backward (one all-gather less per layer).
     reshard_after_forward: bool = True
 
-    def trained_model(self) -> TrainedModel:
-        """The model directory's model: every rollout engine starts from it."""
-        where = f"engine.fsdp.model_dir: {self.model_dir}"
+    def check_named(self) -> None:
+        """A `ConfigError` if no model directory is named."""
         if not self.model_dir:
             raise ConfigError(
                 'engine.fsdp.model_dir: trainer = "fsdp" trains a transformers model '
                 "directory; name one (`timeshare model init DIR` makes a small one)"
             )
+
+    def trained_model(self) -> TrainedModel:
+        """The model directory's model: every rollout engine starts from it."""
+        where = f"engine.fsdp.model_dir: {self.model_dir}"
+        self.check_named()
         if not Path(self.model_dir).is_dir():
             raise ConfigError(f"{where} is not a directory")
         if not (Path(self.model_dir) / "config.json").is_file():
