@@ -75,6 +75,7 @@ ENGINES: dict[str, EngineEntry] = {
         trainer="timeshare.engines.torch_ref.trainer:build",
         rollout="timeshare.engines.torch_ref.rollout:build",
         check="timeshare.engines.torch_ref.spec:check",
+        probe="timeshare.engines.torch_ref.spec:probe",
     ),
     "vllm": EngineEntry(
         spec="timeshare.engines.vllm.spec:VllmSpec",

@@ -141,8 +141,9 @@ Sources = Callable[[str], str]  # where a key's value came from ("file job.toml"
 def check_engines(spec: EngineChoice, source_of: Sources = lambda key: "default") -> None:
     """What the job's engines must accept, before any worker starts, quickest first: the
     choice itself, each engine's own check, the task against the model, and last each engine's
-    probe (its library asked in a child process, seconds). `source_of` names where a key's
-    value came from, for the error."""
+    probe (what needs its library, in a child process, or the model's files), the trainer's
+    first: its library names a directory it cannot read more precisely than a rollout would.
+    `source_of` names where a key's value came from, for the error."""
     check_choice(spec, source_of)
     for name, roles in spec.roles().items():
         if check := registry.ENGINES[name].check:

@@ -61,14 +61,21 @@ def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
             f"= {spec.task.completion_tokens})"
         )
     trained = spec.served_model()
-    if trained.directory:
-        servable(Path(trained.directory))
     if own.kv_cache_len > trained.config.max_position_embeddings:
         raise ConfigError(
             f"engine.torch_ref.kv_cache_len ({own.kv_cache_len}) exceeds "
             f"max_position_embeddings ({trained.config.max_position_embeddings}) of "
             f"{trained.where}"
         )
+
+
+def probe(spec: EngineChoice, roles: frozenset[Role]) -> None:
+    """The registry's probe (registry.py): the reference rollout can compute the model of the
+    trainer's directory. After the trainer's own probe, which names a directory transformers
+    cannot read at all more precisely than this would."""
+    trained = spec.served_model()
+    if "rollout" in roles and trained.directory:
+        servable(Path(trained.directory))
 
 
 def servable(directory: Path) -> ModelConfig:
