@@ -245,6 +245,12 @@ class UnsupportedInput(TimeshareError):
     silently)."""
 
 
+class PatchRefused(TimeshareError):
+    """Raised when a patch to an engine we do not own meets a target it was not written for (a
+    version or a source it does not know): nothing is patched, and the error names the target,
+    what was found and what the patch knows."""
+
+
 class PromptTooLong(UnsupportedInput):
     """Raised by a rollout engine given a request whose prompt and completion do not fit the
     sequence it can hold (its context length or KV cache), naming the request and the lengths."""
