@@ -69,6 +69,7 @@ def test_operated_killed_and_resumed_from_the_committed_step(runtime_dir: Path) 
     finally:
         reap_if_alive(first)
     killed_at = max(e["step"] for e in committed(runtime_dir))
+    first_bootstraps = len(bootstraps(runtime_dir))
 
     second = spawn_daemon(runtime_dir, config)  # the same socket path, state and checkpoints
     try:
@@ -76,9 +77,9 @@ def test_operated_killed_and_resumed_from_the_committed_step(runtime_dir: Path) 
         # What the killed daemon left is reaped: its workers, its staging, its socket file.
         assert not any(psutil.pid_exists(pid) and _alive(pid) for pid in orphans)
         assert status["pid"] == second.process.pid
-        bootstrapped = [
-            e["step"] for e in read_journal(runtime_dir / "state") if e["kind"] == "bootstrapped"
-        ]
+        # The journal is written as it comes, off the event loop: "running" may be told first.
+        second.wait_for(lambda s: len(bootstraps(runtime_dir)) > first_bootstraps, timeout=30)
+        bootstrapped = bootstraps(runtime_dir)
         assert bootstrapped[-1] >= killed_at  # resumed from the last committed step
         second.wait_for(lambda s: (s["committed_step"] or 0) >= bootstrapped[-1] + 2, timeout=120)
         drained = second.ctl("drain", "--wait")
@@ -105,6 +106,11 @@ def hung_in(phase: str, step: int, status: dict[str, Any]) -> bool:
 
 def journaled_commit(root: Path, step: int) -> bool:
     return step in [e["step"] for e in committed(root)]
+
+
+def bootstraps(root: Path) -> list[int]:
+    """The step each bootstrap of the job started from, as journaled."""
+    return [e["step"] for e in read_journal(root / "state") if e["kind"] == "bootstrapped"]
 
 
 def committed(root: Path) -> list[dict[str, int]]:
