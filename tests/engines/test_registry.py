@@ -57,6 +57,13 @@ def defined_names(target: str) -> tuple[Path, set[str]]:
         for node in tree.body
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
     }
+    names |= {  # a builder may be a name bound to a class's constructor (`build = X.from_...`)
+        target.id
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
     return path, names
 
 

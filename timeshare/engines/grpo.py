@@ -11,16 +11,18 @@ from __future__ import annotations
 import math
 import time
 from abc import abstractmethod
-from typing import NamedTuple
+from typing import NamedTuple, Self
 
 import msgspec
 import structlog
 import torch
 
 from timeshare.engines.base import RolloutSample, TrainerEngine
-from timeshare.engines.spec import GrpoSpec, TaskSpec
+from timeshare.engines.context import EngineContext
+from timeshare.engines.spec import EngineChoice, GrpoSpec, TaskSpec
 from timeshare.errors import OffPolicy, TimeshareError
 from timeshare.protocols.commands.results import TrainFigures
+from timeshare.protocols.store import JobStore
 
 log = structlog.get_logger(__name__)
 
@@ -127,6 +129,28 @@ class GrpoTrainer(TrainerEngine):
     rank: int
     task: TaskSpec
     grpo: GrpoSpec
+
+    @abstractmethod
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        engine: EngineChoice,
+        *,
+        store: JobStore | None = None,
+        collective_timeout_s: float = 30.0,
+    ) -> None: ...
+
+    @classmethod
+    def from_context(cls, context: EngineContext) -> Self:
+        """The registry's builder (registry.py): this trainer of `context`'s rank."""
+        return cls(
+            context.rank,
+            context.world_size,
+            context.spec,
+            store=context.store,
+            collective_timeout_s=context.collective_timeout_s,
+        )
 
     def train_step(self, batch: list[RolloutSample]) -> TrainFigures:
         started = time.perf_counter()

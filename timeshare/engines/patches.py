@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from timeshare.engines.registry import load
 from timeshare.errors import PatchRefused
 
 log = structlog.get_logger(__name__)
@@ -133,10 +134,7 @@ def _switched_off(environ: dict[str, str] | os._Environ[str]) -> set[str]:
 
 def resolve(target: str) -> Callable[..., object]:
     """The function `"package.module:Qual.name"` names."""
-    module, _, qualname = target.partition(":")
-    value: object = importlib.import_module(module)
-    for part in qualname.split("."):
-        value = getattr(value, part)
+    value: object = load(target)
     if not callable(value):
         raise TypeError(f"{target} is not a function")
     return value
@@ -149,8 +147,3 @@ def source_fingerprint(function: Callable[..., object]) -> str:
 
     source = re.sub(r"\s+", "", inspect.getsource(function))
     return hashlib.sha256(source.encode()).hexdigest()[:16]
-
-
-def applied() -> frozenset[str]:
-    """The patches applied in this process."""
-    return frozenset(_applied)

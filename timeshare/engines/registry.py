@@ -123,6 +123,9 @@ def described() -> list[str]:
 
 
 def load(target: str) -> Any:
-    """The object `"package.module:name"` names, importing its module now."""
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+    """The object `"package.module:Qual.name"` names, importing its module now."""
+    module, _, qualname = target.partition(":")
+    value: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value

@@ -174,10 +174,11 @@ def check_choice(spec: EngineChoice, source_of: Sources) -> None:
             f"{source_of('engine.grpo.minibatches')}) does not divide a rank's batch of "
             f"{spec.task.batch_size} samples (engine.task: prompts_per_rank x group_size)"
         )
-    for name in registry.ENGINES:
-        if name in (spec.trainer, spec.rollout) or spec.section(name) == _default(name):
+    for name in [n for n in registry.ENGINES if n not in (spec.trainer, spec.rollout)]:
+        default = _default(name)
+        if spec.section(name) == default:
             continue
-        key = _first_set(spec.section(name), _default(name), f"engine.{name}")
+        key = _first_set(spec.section(name), default, f"engine.{name}")
         raise ConfigError(
             f"{key} is set (from {source_of(key)}), but this job runs no {name} engine "
             f"(engine.trainer = {spec.trainer!r}, engine.rollout = {spec.rollout!r})"

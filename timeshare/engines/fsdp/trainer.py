@@ -28,7 +28,6 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from timeshare.engines.base import RolloutSample
-from timeshare.engines.context import EngineContext
 from timeshare.engines.fsdp import checkpoint
 from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
 from timeshare.engines.fsdp.memory import HostStore, resident_bytes
@@ -104,17 +103,6 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             "keeps its blocks there)"
         )
     return list(layers)
-
-
-def build(context: EngineContext) -> FsdpTrainer:
-    """The registry's builder (registry.py)."""
-    return FsdpTrainer(
-        context.rank,
-        context.world_size,
-        context.spec,
-        store=context.store,
-        collective_timeout_s=context.collective_timeout_s,
-    )
 
 
 class FsdpTrainer(GrpoTrainer):
@@ -390,3 +378,6 @@ class FsdpTrainer(GrpoTrainer):
     def commit(self) -> None:
         if self.checkpoint_root is not None:
             self.save_checkpoint(self.checkpoint_root / f"rank{self.rank}")
+
+
+build = FsdpTrainer.from_context  # the registry's builder (registry.py)

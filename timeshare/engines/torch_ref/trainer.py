@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from timeshare.engines.base import RolloutSample, weights_digest
-from timeshare.engines.context import EngineContext
 from timeshare.engines.grpo import (
     GrpoBatch,
     GrpoTrainer,
@@ -42,17 +41,6 @@ def initial_model(spec: TorchRefSpec) -> CausalLM:
     if spec.model_dir:
         return load_pretrained(Path(spec.model_dir))
     return init_model(spec.model, spec.seed)
-
-
-def build(context: EngineContext) -> TorchRefTrainer:
-    """The registry's builder (registry.py)."""
-    return TorchRefTrainer(
-        context.rank,
-        context.world_size,
-        context.spec,
-        store=context.store,
-        collective_timeout_s=context.collective_timeout_s,
-    )
 
 
 class TorchRefTrainer(GrpoTrainer):
@@ -252,3 +240,6 @@ class TorchRefTrainer(GrpoTrainer):
 
 def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+build = TorchRefTrainer.from_context  # the registry's builder (registry.py)
