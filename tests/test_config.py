@@ -191,7 +191,7 @@ def test_config_show_imports_neither_torch_nor_zmq() -> None:
             '[engine]\ntrainer = "torch_ref"\nrollout = "torch_ref"\n[engine.vllm]\nseed = 3\n',
             r"engine.vllm.seed is set \(from file .*\), but this job runs no vllm engine",
         ),
-        ("[engine.sglang]\nseed = 3\n", r"engine.sglang: Object contains unknown field"),
+        ("[engine.megatron]\nseed = 3\n", r"engine.megatron: Object contains unknown field"),
     ],
 )
 def test_engines_come_from_the_registry_and_a_bad_choice_is_named(

@@ -10,10 +10,14 @@ the model the examples and tests start from; a user points the engines at their 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import msgspec
+
+from timeshare.engines.model_config import ModelConfig
 from timeshare.errors import ConfigError
 
 Arch = Literal["llama", "qwen2"]
@@ -84,4 +88,22 @@ def init_model_dir(directory: Path, shape: ModelShape, seed: int) -> Path:
         model = model_class(config)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def write_config_dir(config: ModelConfig, directory: Path) -> Path:
+    """A transformers config.json for the trainer's model and no weights: an engine reads the
+    architecture from it and starts from dummy weights, which the first SYNC replaces."""
+    directory.mkdir(parents=True, exist_ok=True)
+    values = msgspec.to_builtins(config)
+    values.update(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        hidden_act="silu",
+        head_dim=config.head_dim,
+        torch_dtype="float32",
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    (directory / "config.json").write_text(json.dumps(values, indent=2))
     return directory

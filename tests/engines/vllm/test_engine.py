@@ -10,8 +10,9 @@ import torch
 
 from tests.engines.vllm.conftest import Engine, Named, named_weights
 from timeshare.engines.base import RolloutRequest, SamplingParams, weights_digest
+from timeshare.engines.load_report import LoadReport
 from timeshare.engines.torch_ref.model import CausalLM, init_model
-from timeshare.engines.vllm.report import BackendReport
+from timeshare.engines.vllm.report import REPORT_SOURCE
 from timeshare.errors import GenerateTimeout, PeerError, UnsupportedInput, WeightsTorn
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,9 @@ def test_what_arrived_is_the_trainers_weights_bit_for_bit(
     assert engine.rollout.digest() == weights_digest(weights)
     assert engine.rollout.weight_version == sent.version
     # The backend's own report, as it crossed vLLM's RPC (msgpack bytes, typed on arrival).
-    inside = BackendReport.decode(engine.rollout.llm.collective_rpc("timeshare_report")[0])
+    inside = LoadReport.decode(
+        engine.rollout.llm.collective_rpc("timeshare_report")[0], REPORT_SOURCE
+    )
     assert inside.transfer == received and inside.digest == weights_digest(weights)
     assert inside.call_s >= inside.spent.load_s > 0
 

@@ -51,11 +51,12 @@ def check_engine_args(spec: VllmSpec, model: ModelConfig) -> None:
 
 def _verdict(check: _Check) -> dict[str, Any]:
     # Imported here, in the checking child only: the config is read without vLLM.
-    from timeshare.engines.vllm.engine import engine_args, write_model_dir  # noqa: PLC0415
+    from timeshare.engines.model_dir import write_config_dir  # noqa: PLC0415
+    from timeshare.engines.vllm.engine import engine_args  # noqa: PLC0415
     from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory(prefix="timeshare-vllm-check-") as scratch:
-        model_dir = check.spec.model_dir or str(write_model_dir(check.model, Path(scratch)))
+        model_dir = check.spec.model_dir or str(write_config_dir(check.model, Path(scratch)))
         args = engine_args(check.spec, model_dir, sleep_mode=False)
         try:
             engine = EngineArgs(**args)

@@ -24,7 +24,8 @@ given, and the loader's own failures are errors, never silent.
 
 `TimeshareWorkerExtension` is mixed into vLLM's worker (`worker_extension_cls`) so the rollout
 worker can read the last transfer's report by method name (`collective_rpc("timeshare_report")`):
-no function objects, so no pickle. The report is a `BackendReport` (report.py), as msgpack bytes.
+no function objects, so no pickle. The report is a `LoadReport` (engines/load_report.py), as
+msgpack bytes.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import structlog
 import torch
 
 from timeshare.engines.base import WeightsDigest
-from timeshare.engines.vllm.report import LOADER_REFUSED, BackendReport, LoadSeconds
+from timeshare.engines.load_report import LoadReport, LoadSeconds
+from timeshare.engines.vllm.report import LOADER_REFUSED
 from timeshare.errors import LoaderFailed, SessionClosed, TimeshareError
 from timeshare.protocols.weights import TransferConfig, WeightReceiver
 from vllm.distributed.weight_transfer.base import (
@@ -79,7 +81,7 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
         self.transfer = TransferConfig()
         self.receiver: WeightReceiver | None = None
 
-        self.report: BackendReport | None = None  # the last whole version, None while torn
+        self.report: LoadReport | None = None  # the last whole version, None while torn
 
     def init_transfer_engine(self, init_info: TimeshareInitInfo) -> None:
         if not init_info.endpoint:
@@ -139,7 +141,7 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
         except BaseException:
             self._abandon_reload()
             raise
-        self.report = BackendReport(
+        self.report = LoadReport(
             transfer=report,
             digest="" if digest is None else digest.hexdigest(),
             call_s=time.perf_counter() - started,
@@ -190,7 +192,7 @@ class TimeshareWorkerExtension:
     weight_transfer_engine: WeightTransferEngine[Any, Any] | None
 
     def timeshare_report(self) -> bytes | None:
-        """The last whole version this worker received, a `BackendReport` as msgpack (None:
+        """The last whole version this worker received, a `LoadReport` as msgpack (None:
         none, or the last one failed)."""
         engine = self.weight_transfer_engine
         if not isinstance(engine, TimeshareWeightTransfer):

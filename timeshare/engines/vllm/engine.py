@@ -19,15 +19,12 @@ what it keeps is `resident_mb`, which the log and the summary show.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import json
 import os
 import shutil
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,10 +39,13 @@ from timeshare.engines.base import (
     refuse_unsupported,
 )
 from timeshare.engines.context import EngineContext
+from timeshare.engines.foreign import CallTimedOut, bounded, host_pid_in_environment
+from timeshare.engines.load_report import LoadReport
 from timeshare.engines.model_config import ModelConfig
+from timeshare.engines.model_dir import write_config_dir
 from timeshare.engines.task import mix
 from timeshare.engines.vllm.plugin import BACKEND, HOST_PID_ENV
-from timeshare.engines.vllm.report import LOADER_REFUSED, BackendReport
+from timeshare.engines.vllm.report import LOADER_REFUSED, REPORT_SOURCE
 from timeshare.engines.vllm.spec import VllmSpec
 from timeshare.errors import (
     EngineBroken,
@@ -75,38 +75,6 @@ EXTENSION = "timeshare.engines.vllm.backend.TimeshareWorkerExtension"
 EXTENSION_REPORT = "timeshare_report"  # its method that returns the last version's report
 REAP_S = 10.0  # for vLLM's processes to exit once shut down
 VLLM_SEGMENT_PREFIX = "psm_"  # Python's SharedMemory names, as vLLM's message queues use them
-
-
-@contextlib.contextmanager
-def _host_pid_in_environment() -> Iterator[None]:
-    """This process's pid in the environment of the processes vLLM starts meanwhile (they
-    inherit it), and only then: other children of this process are not vLLM's."""
-    before = os.environ.get(HOST_PID_ENV)
-    os.environ[HOST_PID_ENV] = str(os.getpid())
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[HOST_PID_ENV]
-        else:
-            os.environ[HOST_PID_ENV] = before
-
-
-def write_model_dir(config: ModelConfig, directory: Path) -> Path:
-    """A transformers config.json for the trainer's model (vLLM loads the architecture from it)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    values = msgspec.to_builtins(config)
-    values.update(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        hidden_act="silu",
-        head_dim=config.head_dim,
-        torch_dtype="float32",
-        attention_bias=False,
-        mlp_bias=False,
-    )
-    (directory / "config.json").write_text(json.dumps(values, indent=2))
-    return directory
 
 
 def engine_args(spec: VllmSpec, model_dir: str, *, sleep_mode: bool) -> dict[str, Any]:
@@ -165,10 +133,12 @@ class VllmRollout(RolloutEngine):
         model_dir = spec.model_dir
         if not model_dir:
             self._scratch = Path(tempfile.mkdtemp(prefix=f"timeshare-vllm-{rank}-"))
-            model_dir = str(write_model_dir(trainer_model, self._scratch))
+            model_dir = str(write_config_dir(trainer_model, self._scratch))
         started = time.perf_counter()
         try:
-            with _host_pid_in_environment():  # plugin.py: vLLM's processes die with this one
+            with host_pid_in_environment(
+                HOST_PID_ENV
+            ):  # plugin.py: vLLM's processes die with this one
                 self.llm = LLM(**engine_args(spec, model_dir, sleep_mode=self.sleeps))
         except BaseException:
             self._remove_scratch()
@@ -195,26 +165,13 @@ class VllmRollout(RolloutEngine):
     def call(self, what: str, fn: Callable[[], T], timeout_s: float | None = None) -> T:
         """`fn` (a call into vLLM) within the deadline; past it, the engine is broken."""
         self.check_usable()
-        bound = self.call_timeout_s if timeout_s is None else timeout_s
-        outcome: list[Any] = []
-        failure: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                outcome.append(fn())
-            except BaseException as exc:
-                failure.append(exc)
-
-        thread = threading.Thread(target=run, name=f"vllm-{what}", daemon=True)
-        thread.start()
-        thread.join(bound)
-        if thread.is_alive():
-            self.broken = f"{what} did not return within {bound:g} s"
-            raise EngineBroken(f"vLLM rollout rank {self.rank}: {self.broken}")
-        if failure:
-            raise failure[0]
-        result: T = outcome[0]
-        return result
+        try:
+            return bounded(
+                f"vllm-{what}", fn, self.call_timeout_s if timeout_s is None else timeout_s
+            )
+        except CallTimedOut as exc:
+            self.broken = str(exc)
+            raise EngineBroken(f"vLLM rollout rank {self.rank}: {self.broken}") from exc
 
     def check_usable(self) -> None:
         if self.broken is not None:
@@ -351,7 +308,7 @@ class VllmInlet:
         reports = self.engine.call("timeshare_report", lambda: llm.collective_rpc(EXTENSION_REPORT))
         if reports[0] is None:
             raise TimeshareError("vLLM's worker has no report of the version it just received")
-        received = BackendReport.decode(reports[0])
+        received = LoadReport.decode(reports[0], REPORT_SOURCE)
         version = received.transfer.version
         self._transfer_call(
             "finish_weight_update", lambda: llm.finish_weight_update(weight_version=str(version))

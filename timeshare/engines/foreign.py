@@ -1,0 +1,60 @@
+"""Driving an inference engine we do not own from the rollout worker: every call bounded by a
+deadline, and the processes it starts marked as ours.
+
+Both vLLM and SGLang run their own processes and answer calls that can block without an end.
+`bounded` runs one such call in a thread and gives up after its deadline (the engine is then
+unusable: its caller says so). `host_pid_in_environment` names the rollout worker in the
+environment of the processes the engine starts meanwhile (they inherit it): their plugins read
+it to arm the parent-death signal and apply timeshare's patches there, and only there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class CallTimedOut(Exception):
+    """`bounded`'s call did not return within its deadline (it may still be running)."""
+
+
+def bounded(what: str, fn: Callable[[], T], timeout_s: float) -> T:
+    """`fn()` within `timeout_s`, or `CallTimedOut`; what it raised, raised here."""
+    outcome: list[Any] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(fn())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name=what, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise CallTimedOut(f"{what} did not return within {timeout_s:g} s")
+    if failure:
+        raise failure[0]
+    result: T = outcome[0]
+    return result
+
+
+@contextlib.contextmanager
+def host_pid_in_environment(name: str) -> Iterator[None]:
+    """This process's pid as `name` in the environment while the block runs (and only then:
+    other children of this process are not the engine's)."""
+    before = os.environ.get(name)
+    os.environ[name] = str(os.getpid())
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before

@@ -1,0 +1,54 @@
+"""What an engine's own process, where weights load, tells the rollout worker about a version.
+
+vLLM's workers and SGLang's scheduler each receive a version through the weight channel inside
+the engine (engines/vllm/backend.py, engines/sglang/loader.py) and keep a `LoadReport` of it;
+the rollout worker reads it back (vLLM: through its RPC, by method name; SGLang: from a file
+the loader writes) as msgpack bytes, checked on arrival. No dict read by string keys.
+
+No engine and no torch here: both ends import it.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from timeshare.errors import TimeshareError
+from timeshare.protocols.weights.config import TransferReport
+
+
+class LoadSeconds(msgspec.Struct, kw_only=True):
+    """Where a version's time went inside the engine, summed over its buckets (seconds):
+    hashing what arrived (`digest_s`), copying it out of staging (`copy_s`), the model's
+    `load_weights` (`load_s`) and the engine's post-load processing (`finalize_s`).
+
+    Mutable: the loader adds to it bucket by bucket."""
+
+    digest_s: float = 0.0
+    copy_s: float = 0.0
+    load_s: float = 0.0
+    finalize_s: float = 0.0
+
+
+class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
+    """One whole version as the engine's process received it: the channel's report
+    (`transfer`), the digest of what arrived at the model's loader ("" when not asked for), the
+    whole receiving call (`call_s`) and where its time went (`spent`)."""
+
+    transfer: TransferReport
+    digest: str
+    call_s: float
+    spent: LoadSeconds
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, data: object, source: str) -> LoadReport:
+        """What `encode` made; anything else is a TimeshareError naming `source` (the engine's
+        answer, not ours)."""
+        if not isinstance(data, bytes):
+            raise TimeshareError(f"{source} answered a {type(data).__name__}, not bytes")
+        try:
+            return msgspec.msgpack.decode(data, type=cls)
+        except msgspec.DecodeError as exc:  # ValidationError included
+            raise TimeshareError(f"{source} answered no LoadReport: {exc}") from exc

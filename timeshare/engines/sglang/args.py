@@ -1,0 +1,105 @@
+"""Ask SGLang whether it accepts `[engine.sglang]`, before any worker starts.
+
+`probe` runs this module in a child process (importing SGLang takes seconds and sets up
+process-wide state that a daemon should not carry):
+
+    python -m timeshare.engines.sglang.args '<{"spec": SglangSpec, "model": ModelConfig} as JSON>'
+
+The child builds SGLang's `ServerArgs` from what the engine would pass (an unknown key is a
+`TypeError` there), resolves and validates them as SGLang's `Engine` does (a value SGLang
+rejects fails there), without starting an engine, and prints one JSON line: `{"ok": true}` or
+`{"ok": false, "error": ...}`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from timeshare.engines.child_check import answer, ask_child
+from timeshare.engines.model_config import ModelConfig
+from timeshare.engines.sglang.spec import SglangSpec
+from timeshare.errors import ConfigError
+
+if TYPE_CHECKING:
+    from timeshare.engines.registry import Role
+    from timeshare.engines.spec import EngineChoice
+
+CHECK_TIMEOUT_S = 120.0  # the import of SGLang and its argument resolution, on a loaded machine
+INSTALL = "make .venv-sglang/.installed, then run timeshare from .venv-sglang/bin/python"
+
+
+class _Check(msgspec.Struct, frozen=True):
+    spec: SglangSpec
+    model: ModelConfig
+
+
+def probe(spec: EngineChoice, roles: frozenset[Role]) -> None:
+    """The registry's probe (registry.py): SGLang is installed here and accepts the engine's
+    arguments for the model the trainer trains."""
+    if importlib.util.find_spec("sglang") is None:
+        raise ConfigError(
+            f"engine.rollout = 'sglang': SGLang is not installed for {sys.executable} ({INSTALL})"
+        )
+    trained = spec.served_model()
+    check = _Check(spec.settings("sglang", SglangSpec).starting_from(trained), trained.config)
+    payload = msgspec.json.encode(check).decode()
+    ask_child(
+        "timeshare.engines.sglang.args", payload, "engine.sglang: SGLang's check", CHECK_TIMEOUT_S
+    )
+
+
+def _verdict(check: _Check) -> dict[str, Any]:
+    # Imported here, in the checking child only: the config is read without SGLang.
+    from timeshare.engines.model_dir import write_config_dir  # noqa: PLC0415
+    from timeshare.engines.sglang.engine import resolve_device, server_args  # noqa: PLC0415
+
+    device = resolve_device(check.spec)
+    if device == "cpu":
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # before SGLang is imported: it reads it then
+    from sglang.srt.arg_groups.pipeline import run_resolution_pipeline  # noqa: PLC0415
+    from sglang.srt.server_args import ServerArgs  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory(prefix="timeshare-sglang-check-") as scratch:
+        model_dir = check.spec.model_dir or str(write_config_dir(check.model, Path(scratch)))
+        args = server_args(check.spec, model_dir, device, dummy=not check.spec.model_dir)
+        try:
+            resolved = ServerArgs(**args)
+        except TypeError as exc:
+            return {"ok": False, "error": _unknown_key(str(exc))}
+        try:
+            run_resolution_pipeline(resolved)
+            resolved.check_server_args()
+        except Exception as exc:
+            return {"ok": False, "error": _rejected(check.spec, exc)}
+    return {"ok": True}
+
+
+def _unknown_key(message: str) -> str:
+    match = re.search(r"(?:unexpected )?keyword argument '([^']+)'", message, re.IGNORECASE)
+    if match:
+        return f"engine.sglang.server_args.{match.group(1)}: SGLang has no such server argument"
+    return f"engine.sglang.server_args: SGLang refused them: {message}"
+
+
+def _rejected(spec: SglangSpec, exc: Exception) -> str:
+    message = f"{type(exc).__name__}: {exc}"
+    named = [key for key in spec.server_args if key in message]
+    where = f"engine.sglang.server_args.{named[0]}" if named else "engine.sglang"
+    return f"{where}: SGLang rejected the server arguments: {message[:1500]}"
+
+
+def main() -> None:
+    check = msgspec.json.decode(sys.argv[1], type=_Check)
+    answer(_verdict(check))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,467 @@
+"""The SGLang rollout engine: SGLang's `Engine` inside the rollout worker process of one rank.
+
+The worker process makes the `Engine`; SGLang starts its scheduler (which holds the model) and
+detokenizer processes. Weights arrive in the scheduler through timeshare's loader (loader.py):
+`SglangInlet` opens SGLang's weight-update session, has SGLang run the loader with a small order
+(order.py), reads the loader's answer and closes the session. Every call into SGLang is bounded
+by a deadline (a call past it leaves the engine unusable, and says so).
+
+Generation: token-id prompts, each request with its own seed (the batch's seed and its index;
+SGLang honours it through seeded_sampling.py), the logprobs of the sampled tokens (SGLang's
+default: of the processed distribution, after temperature and top-p), and the weight version on
+every sample. A generate past its deadline is aborted inside SGLang, which is then waited idle:
+the engine stays usable. Images and videos reach SGLang's `image_data` and `video_data` where the
+model takes them; elsewhere the request is refused naming the field, never dropped.
+
+Memory: `sleep()` waits for SGLang to be idle (its cache flushes only then: a release that races
+a generate kills its scheduler) and releases weights and KV cache; `wake(tags)` brings back the
+ones asked for (weights before SYNC, KV cache after BARRIER). Where torch_memory_saver cannot
+free them (CPU) the engine says so: `held_mb` is 0 and `resident_mb` shows what stays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import structlog
+import torch
+
+from timeshare.engines.base import (
+    RolloutEngine,
+    RolloutRequest,
+    RolloutSample,
+    RolloutTraits,
+    refuse_unsupported,
+)
+from timeshare.engines.context import EngineContext
+from timeshare.engines.foreign import CallTimedOut, bounded, host_pid_in_environment
+from timeshare.engines.model_config import ModelConfig
+from timeshare.engines.model_dir import write_config_dir
+from timeshare.engines.sglang import loader
+from timeshare.engines.sglang.boot import HOST_PID_ENV
+from timeshare.engines.sglang.order import LoadOrder, LoadOutcome
+from timeshare.engines.sglang.spec import SglangSpec
+from timeshare.engines.task import mix
+from timeshare.errors import (
+    EngineBroken,
+    GenerateTimeout,
+    LoaderFailed,
+    TimeshareError,
+    TransferError,
+)
+from timeshare.protocols.weights import TransferConfig, TransferReport
+from timeshare.runtime import (
+    mapped_segments,
+    parent_of,
+    process_tree,
+    reap,
+    record_foreign_segments,
+    release_foreign_segments,
+)
+from timeshare.units import MIB
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+REAP_S = 10.0  # for SGLang's processes to exit once shut down
+IDLE_POLL_S = 0.05  # between SGLang's flush_cache tries while it finishes what it runs
+PROGRESS_S = 0.5  # the heartbeat while a generate runs
+SEGMENT_PREFIXES = ("psm_", "sglang")  # shared memory SGLang's processes may map
+RELEASED = ("weights", "kv_cache")  # SGLang's memory tags that OFFLOAD releases
+CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+
+
+def resolve_device(spec: SglangSpec) -> str:
+    if spec.device != "auto":
+        return spec.device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def server_args(spec: SglangSpec, model_dir: str, device: str, *, dummy: bool) -> dict[str, Any]:
+    """What `Engine(...)` gets: the typed keys, then server_args, then what timeshare sets."""
+    args: dict[str, Any] = {**spec.typed_args(device), **spec.server_args}
+    if dummy:
+        args.setdefault("load_format", "dummy")  # the first SYNC brings the trainer's weights
+    if device == "cpu":
+        # SGLang's CPU engine: no overlap scheduler (it needs a device stream).
+        args.setdefault("disable_overlap_schedule", True)
+    args.update(
+        model_path=model_dir,
+        skip_tokenizer_init=True,
+        custom_weight_loader=[loader.NAME],
+        enable_memory_saver=spec.release_memory and device == "cuda",
+        log_level="error",
+    )
+    return args
+
+
+def build(context: EngineContext) -> SglangRollout:
+    """The registry's builder (registry.py): SGLang serving the model the trainer trains."""
+    trained = context.spec.served_model()
+    return SglangRollout(
+        context.rank,
+        context.spec.settings("sglang", SglangSpec).starting_from(trained),
+        trained.config,
+        context.call_timeout_s,
+        context.runtime_dir,
+    )
+
+
+def start_engine(args: dict[str, Any]) -> Any:
+    """SGLang's `Engine`, imported only now: SGLang reads its platform at import."""
+    if args["device"] == "cpu":
+        os.environ[CPU_ENGINE_ENV] = "1"
+    from sglang.srt.entrypoints.engine import Engine  # noqa: PLC0415
+
+    return Engine(**args)
+
+
+class SglangRollout(RolloutEngine):
+    """One rank's rollout engine over SGLang's `Engine`."""
+
+    def __init__(
+        self,
+        rank: int,
+        spec: SglangSpec,
+        trainer_model: ModelConfig,
+        call_timeout_s: float,
+        runtime_dir: Path,
+    ) -> None:
+        super().__init__(spec.generate_timeout_s)
+        self.rank = rank
+        self.runtime_dir = runtime_dir
+        self.owner = f"sglang-rank{rank}"
+        self.spec = spec
+        self.model = trainer_model
+        self.call_timeout_s = call_timeout_s
+        self.device = resolve_device(spec)
+        # torch_memory_saver frees memory on CUDA only; elsewhere release/resume free nothing.
+        self.releases = spec.release_memory and self.device == "cuda"
+        self.broken: str | None = None  # why the engine can no longer be used
+        self.digest_of_version = ""
+        self.weights_bytes = 0
+        self.asleep: set[str] = set()
+        self._ids = itertools.count()
+        self._scratch = Path(tempfile.mkdtemp(prefix=f"timeshare-sglang-{rank}-"))
+        self._children: list[int] = []
+        model_dir = spec.model_dir or str(write_config_dir(trainer_model, self._scratch / "model"))
+        args = server_args(spec, model_dir, self.device, dummy=not spec.model_dir)
+        # SGLang's own handler of a child's SIGQUIT (sent as its scheduler or detokenizer fails)
+        # SIGKILLs this whole process: the worker would die without a word of why.
+        args["custom_sigquit_handler"] = self._sglang_failed
+        started = time.perf_counter()
+        try:
+            # boot.py and plugin.py: SGLang's processes die with this one, and are patched.
+            with host_pid_in_environment(HOST_PID_ENV):
+                self.sgl = start_engine(args)
+        except BaseException:
+            self._remove_scratch()
+            raise
+        self.multimodal = _takes_images(self.sgl)
+        # SGLang takes a prompt of at most max_req_input_len tokens (its context_length less 6):
+        # one more is what a prompt and a completion of at least one token may hold, always.
+        self.max_tokens = int(self.sgl.tokenizer_manager.max_req_input_len) + 1
+        self.record_segments()
+        log.info(
+            "sglang.started",
+            rank=rank,
+            seconds=round(time.perf_counter() - started, 1),
+            device=self.device,
+            releases_memory=self.releases,
+            multimodal=self.multimodal,
+        )
+
+    # -- calls into SGLang ----------------------------------------------------------------------
+
+    def call(self, what: str, fn: Callable[[], T], timeout_s: float | None = None) -> T:
+        """`fn` (a call into SGLang) within the deadline; past it, the engine is broken."""
+        self.check_usable()
+        try:
+            bound = self.call_timeout_s if timeout_s is None else timeout_s
+            return bounded(f"sglang-{what}", fn, bound)
+        except CallTimedOut as exc:
+            self.broken = str(exc)
+            raise EngineBroken(f"SGLang rollout rank {self.rank}: {self.broken}") from exc
+
+    def checked(self, what: str, fn: Callable[[], Any]) -> None:
+        """A call whose answer is SGLang's (success, message) pair or an output with them."""
+        answer = self.call(what, fn)
+        success, message = _success_of(answer)
+        if not success:
+            raise TimeshareError(f"SGLang rollout rank {self.rank}: {what} refused: {message}")
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise EngineBroken(f"SGLang rollout rank {self.rank} is unusable: {self.broken}")
+
+    def _sglang_failed(self, signum: int, frame: object) -> None:
+        """SIGQUIT from one of SGLang's processes: it failed (its log says how). The engine is
+        unusable; this raises in the worker's main thread, whatever it was waiting on."""
+        self.broken = "one of SGLang's processes failed (it sent SIGQUIT; see its log)"
+        raise EngineBroken(f"SGLang rollout rank {self.rank}: {self.broken}")
+
+    def wait_idle(self, timeout_s: float | None = None) -> None:
+        """Until SGLang runs nothing: its cache flushes only when idle."""
+        bound = self.call_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + bound
+        while True:
+            answer = self.call("flush_cache", self.sgl.flush_cache)
+            if _success_of(answer)[0]:
+                return
+            if time.monotonic() > deadline:
+                self.broken = f"not idle within {bound:g} s"
+                raise EngineBroken(f"SGLang rollout rank {self.rank}: {self.broken}")
+            time.sleep(IDLE_POLL_S)
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def open_inlet(self, endpoint: str, transfer: TransferConfig) -> SglangInlet:
+        return SglangInlet(self, endpoint, transfer)
+
+    def digest(self) -> str:
+        """What arrived at SGLang's loader for the last whole version (see loader.py)."""
+        if self.torn or not self.digest_of_version:
+            raise TimeshareError("digest: no whole weight version has been loaded")
+        return self.digest_of_version
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        if self.spec.release_memory:
+            self.wait_idle()  # a release while SGLang still runs a request kills its scheduler
+            self.checked(
+                "release_memory_occupation",
+                lambda: self.sgl.release_memory_occupation(tags=list(RELEASED)),
+            )
+            self.asleep = set(RELEASED)
+        log.info(
+            "rollout.sleep",
+            rank=self.rank,
+            engine="sglang",
+            released=sorted(self.asleep) if self.releases else [],
+            resident_mb=round(self.resident_mb(), 3),
+            why=None
+            if self.releases
+            else "torch_memory_saver frees nothing on this platform: paused only",
+        )
+
+    def wake(self, tags: set[str]) -> None:
+        waking = sorted(tags & self.asleep)
+        if waking:
+            self.checked(
+                "resume_memory_occupation",
+                lambda: self.sgl.resume_memory_occupation(tags=waking),
+            )
+            self.asleep -= set(waking)
+
+    def _mb(self) -> float:
+        return (self.weights_bytes + self._kv_bytes()) / MIB
+
+    def _kv_bytes(self) -> int:
+        """SGLang's KV cache: K and V of every layer for `max_total_tokens` tokens."""
+        model = self.model
+        element = torch.finfo(_DTYPES.get(self.spec.dtype, torch.float32)).bits // 8
+        per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
+        return self.spec.max_total_tokens * per_token * element
+
+    def held_mb(self) -> float:
+        """What sleep could release and still holds (0 where it can release nothing)."""
+        if not self.releases or self.asleep >= set(RELEASED):
+            return 0.0
+        return self._mb()
+
+    def resident_mb(self) -> float:
+        """Weights and KV cache that stay in memory because the platform cannot free them."""
+        return 0.0 if self.releases else self._mb()
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def traits(self) -> RolloutTraits:
+        """Images and videos where the model takes them; sleep frees memory only where
+        torch_memory_saver can (CUDA); a sequence fits what SGLang takes (`max_tokens`)."""
+        inputs = frozenset({"images", "videos"}) if self.multimodal else frozenset()
+        return RolloutTraits(
+            inputs=inputs, releases_memory=self.releases, max_tokens=self.max_tokens
+        )
+
+    def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
+        version = self.check_whole()
+        self.check_usable()
+        traits = self.traits()
+        for request in requests:
+            refuse_unsupported(request, traits, "SGLang rollout")
+        if not requests:
+            return []
+        batch = f"g{next(self._ids)}-r{self.rank}"
+        rids = [f"{batch}-{index}" for index in range(len(requests))]
+        arguments: dict[str, Any] = {
+            "input_ids": [list(request.prompt_tokens) for request in requests],
+            "sampling_params": [
+                _sampling(request, index) for index, request in enumerate(requests)
+            ],
+            "return_logprob": True,
+            "rid": rids,
+        }
+        if any(request.images for request in requests):
+            arguments["image_data"] = [list(request.images) for request in requests]
+        if any(request.videos for request in requests):
+            arguments["video_data"] = [list(request.videos) for request in requests]
+        deadline = self.generate_deadline()
+        outputs = self.sgl.loop.run_until_complete(self._generate(arguments, rids, deadline))
+        if outputs is None:
+            self.wait_idle()  # the aborted requests leave SGLang's scheduler
+            raise GenerateTimeout(
+                f"SGLang rollout rank {self.rank}: generate of {len(rids)} requests still "
+                f"running after {self.generate_timeout_s:g} s (aborted)"
+            )
+        return [
+            _sample(request, output, version)
+            for request, output in zip(requests, outputs, strict=True)
+        ]
+
+    async def _generate(
+        self, arguments: dict[str, Any], rids: list[str], deadline: float
+    ) -> list[dict[str, Any]] | None:
+        """SGLang's generate, with the worker's heartbeat while it runs; past `deadline` its
+        requests are aborted inside SGLang (None)."""
+        task = asyncio.ensure_future(self.sgl.async_generate(**arguments))
+        while not task.done():
+            await asyncio.wait({task}, timeout=PROGRESS_S)
+            self.progress()
+            if not task.done() and time.monotonic() > deadline:
+                task.cancel()
+                for rid in rids:
+                    self.sgl.tokenizer_manager.abort_request(rid=rid)
+                await asyncio.wait({task}, timeout=self.call_timeout_s)
+                return None
+        outputs = task.result()
+        return list(outputs) if isinstance(outputs, list) else [outputs]
+
+    # -- processes ------------------------------------------------------------------------------
+
+    def record_segments(self) -> None:
+        """Record SGLang's processes and the shared memory they map, so that a sweep of the
+        runtime directory removes it once they are gone, even if SIGKILL ended them."""
+        tree = process_tree(os.getpid())
+        self._children = [
+            pid for pid in tree if parent_of(pid) == os.getpid() and _is_sglang_process(pid)
+        ]
+        names = [
+            name
+            for pid in tree
+            for prefix in SEGMENT_PREFIXES
+            for name in mapped_segments(pid, prefix)
+        ]
+        record_foreign_segments(self.runtime_dir, self.owner, tree, names)
+
+    def close(self) -> None:
+        try:
+            self.sgl.shutdown()
+        finally:
+            reap(self._children, REAP_S)
+            release_foreign_segments(self.runtime_dir, self.owner)
+            self._remove_scratch()
+
+    def _remove_scratch(self) -> None:
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+
+class SglangInlet:
+    """The rollout worker's end of a SYNC into SGLang: one weight-update session per version,
+    in which SGLang's scheduler runs timeshare's loader."""
+
+    def __init__(self, engine: SglangRollout, endpoint: str, transfer: TransferConfig) -> None:
+        self.engine = engine
+        self.endpoint = endpoint
+        self.transfer = transfer
+        self.answer_path = str(engine._scratch / "load-answer.msgpack")
+
+    def receive(self, progress: Callable[[], None], *, digest: bool = True) -> TransferReport:
+        engine = self.engine
+        order = LoadOrder(
+            endpoint=self.endpoint,
+            transfer=self.transfer,
+            begin_timeout_s=self.transfer.begin_timeout_s,
+            digest=digest,
+            answer_path=self.answer_path,
+        )
+        engine.begin_weight_update()
+        engine.checked("begin_weight_update", engine.sgl.begin_weight_update)
+        try:
+            engine.checked(
+                "update_weights_from_tensor",
+                lambda: engine.sgl.update_weights_from_tensor(
+                    [(order.as_name(), torch.empty(0))], load_format=loader.NAME
+                ),
+            )
+        finally:
+            engine.checked("end_weight_update", engine.sgl.end_weight_update)
+        progress()
+        outcome = LoadOutcome.read(self.answer_path)
+        if outcome.report is None:
+            message = f"SGLang rollout rank {engine.rank}: {outcome.error}"
+            raise LoaderFailed(message) if outcome.failure == "loader" else TransferError(message)
+        engine.digest_of_version = outcome.report.digest
+        engine.weights_bytes = outcome.report.transfer.bytes
+        engine.mark_whole(outcome.report.transfer.version)
+        # SGLang's scheduler is a process of this machine: its spans' clock is this one's.
+        return outcome.report.transfer
+
+    def close(self) -> None:
+        """The receiver lives in SGLang's scheduler, until it exits (plugin.py)."""
+
+
+def _is_sglang_process(pid: int) -> bool:
+    """SGLang names its processes `sglang::scheduler...`, `sglang::detokenizer`, ... (not
+    Python's resource tracker, which is the worker's own child)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sglang::")
+    except OSError:
+        return False
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _success_of(answer: Any) -> tuple[bool, str]:
+    """SGLang answers (success, message), or an output object carrying them."""
+    if isinstance(answer, tuple):
+        return bool(answer[0]), str(answer[1])
+    return bool(getattr(answer, "success", True)), str(getattr(answer, "message", ""))
+
+
+def _takes_images(sgl: Any) -> bool:
+    """Whether SGLang runs the model as a multimodal one."""
+    config = getattr(sgl.tokenizer_manager, "model_config", None)
+    return bool(getattr(config, "is_multimodal", False))
+
+
+def _sampling(request: RolloutRequest, index: int) -> dict[str, Any]:
+    sampling = request.sampling
+    seed = secrets.randbits(63) if sampling.seed is None else mix(sampling.seed, index)
+    return {
+        "max_new_tokens": sampling.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "sampling_seed": seed,
+        "ignore_eos": True,
+    }
+
+
+def _sample(request: RolloutRequest, output: dict[str, Any], version: int) -> RolloutSample:
+    tokens = tuple(int(t) for t in output["output_ids"])
+    logprobs: tuple[float, ...] = ()
+    if request.sampling.logprobs:
+        steps = output["meta_info"]["output_token_logprobs"]
+        logprobs = tuple(float(logprob) for logprob, _, _ in steps)
+    return RolloutSample(
+        request.request_id, tokens, logprobs, version, prompt_tokens=request.prompt_tokens
+    )

@@ -1,0 +1,169 @@
+"""timeshare's weight loader inside SGLang's scheduler: the receiving end of the weight channel.
+
+SGLang calls a loader named in `custom_weight_loader` with its model, inside the scheduler
+process, when `update_weights_from_tensor(..., load_format=<that name>)` arrives there
+(engine.py sends one whose only entry names a `LoadOrder`, order.py). `receive_version` then
+receives ONE WHOLE VERSION through the channel with its deadlines (begin, per bucket,
+finalize):
+
+- each bucket goes through the model's own `load_weights` by HF names: SGLang stacks q/k/v and
+  gate/up itself, as when it loads a checkpoint;
+- SGLang's post-load step (`DefaultModelLoader.postprocess_weights`: repacking, quantising) runs
+  inside the channel's finalize, so the trainer sees FINALIZED only once the model is ready;
+- what arrived at the loader is hashed by the trainer's names (`weights_match`): SGLang's
+  stacked parameters cannot be read back by those names;
+- each weight is checked against the checkpoint the model's config describes (its names and
+  shapes, from transformers' class of that architecture built on the meta device): SGLang's
+  `load_weights` skips a name it does not know without a word, and a refusal must be loud.
+
+It never raises into SGLang: an exception there ends SGLang's scheduler (and signals its
+parent). Whatever happens, it writes a `LoadOutcome` where the order says, and the rollout
+worker raises the typed error from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import structlog
+import torch
+
+from timeshare.engines.base import WeightsDigest
+from timeshare.engines.load_report import LoadReport, LoadSeconds
+from timeshare.engines.sglang.order import LoadOrder, LoadOutcome
+from timeshare.errors import LoaderFailed, SessionClosed
+from timeshare.protocols.weights import WeightReceiver
+
+log = structlog.get_logger(__name__)
+
+NAME = "timeshare.engines.sglang.loader.receive_version"  # as SGLang imports it (dotted)
+_receivers: dict[str, WeightReceiver] = {}  # by endpoint: one session per rank, kept open
+_checkpoints: dict[int, dict[str, tuple[int, ...]] | None] = {}  # by id(model): name -> shape
+
+
+def receive_version(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """SGLang's custom loader: the order in `named_tensors`, the weights through the channel."""
+    order: LoadOrder | None = None
+    try:
+        (name, _), *rest = named_tensors
+        if rest:
+            raise LoaderFailed("timeshare's SGLang loader takes one order, not weights")
+        order = LoadOrder.from_name(name)
+        outcome = LoadOutcome(report=_receive(model, order))
+    except LoaderFailed as exc:
+        outcome = LoadOutcome(failure="loader", error=str(exc))
+    except Exception as exc:  # never into SGLang's scheduler (module docstring)
+        outcome = LoadOutcome(failure="transfer", error=f"{type(exc).__name__}: {exc}")
+    if order is None:
+        log.error("sglang.loader.no_order", error=outcome.error)
+        return
+    if outcome.failure:
+        _close(order.endpoint)  # a failure ends the session: the next version opens a new one
+    outcome.write(order.answer_path)
+
+
+def _receive(model: Any, order: LoadOrder) -> LoadReport:
+    device = next(model.parameters()).device
+    receiver = _receiver(order, str(device))
+    digest = WeightsDigest() if order.digest else None
+    spent = LoadSeconds()
+    load_weights = model.load_weights
+    shapes = _checkpoint_shapes(model)
+
+    def load(named: list[tuple[str, torch.Tensor]]) -> None:
+        if shapes is not None:
+            _check_against(model, shapes, named)
+        mark = time.perf_counter()
+        if digest is not None:
+            for name, tensor in named:
+                digest.add(name, tensor)
+        spent.digest_s += (now := time.perf_counter()) - mark
+        try:
+            # SGLang's weight loaders copy into its parameters: views of staging are enough.
+            load_weights(named)
+        except Exception as exc:  # the trainer sees this as PeerError: say whose loader
+            raise LoaderFailed(
+                f"SGLang's loader of {type(model).__name__} refused "
+                f"{[name for name, _ in named][:4]}...: {type(exc).__name__}: {exc}"
+            ) from exc
+        finally:
+            spent.load_s += time.perf_counter() - now
+
+    def post_process() -> None:
+        from sglang.srt.model_loader.loader import DefaultModelLoader  # noqa: PLC0415
+
+        mark = time.perf_counter()
+        DefaultModelLoader.postprocess_weights(model, device)
+        spent.finalize_s += time.perf_counter() - mark
+
+    started = time.perf_counter()
+    report = receiver.receive(load, post_process, timeout_s=order.begin_timeout_s)
+    return LoadReport(
+        transfer=report,
+        digest="" if digest is None else digest.hexdigest(),
+        call_s=time.perf_counter() - started,
+        spent=spent,
+    )
+
+
+def _checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]] | None:
+    """The names and shapes of the checkpoint `model`'s config describes (None: transformers
+    has no class of its architecture, and names are not checked: logged)."""
+    key = id(model)
+    if key not in _checkpoints:
+        _checkpoints[key] = _shapes_of(model)
+    return _checkpoints[key]
+
+
+def _shapes_of(model: Any) -> dict[str, tuple[int, ...]] | None:
+    import transformers  # noqa: PLC0415 - the scheduler's process has it; the rest need not
+
+    config = model.config
+    architecture = (getattr(config, "architectures", None) or [""])[0]
+    model_class = getattr(transformers, architecture, None)
+    if model_class is None:
+        log.warning("sglang.loader.names_unchecked", architecture=architecture)
+        return None
+    with torch.device("meta"):
+        reference = model_class(config)
+    return {name: tuple(tensor.shape) for name, tensor in reference.state_dict().items()}
+
+
+def _check_against(
+    model: Any, shapes: dict[str, tuple[int, ...]], named: list[tuple[str, torch.Tensor]]
+) -> None:
+    for name, tensor in named:
+        expected = shapes.get(name)
+        if expected is None:
+            problem = "no weight of its checkpoint has this name"
+        elif tuple(tensor.shape) != expected:
+            problem = f"shape {tuple(tensor.shape)}, its checkpoint's is {expected}"
+        else:
+            continue
+        raise LoaderFailed(f"SGLang's loader of {type(model).__name__} refused {name!r}: {problem}")
+
+
+def _receiver(order: LoadOrder, device: str) -> WeightReceiver:
+    """The rank's receiver, or a new one (a first order, or the last session failed)."""
+    receiver = _receivers.get(order.endpoint)
+    if receiver is None or receiver.closed:
+        _close(order.endpoint)
+        receiver = _receivers[order.endpoint] = WeightReceiver(
+            order.endpoint, order.transfer, device=device
+        )
+    return receiver
+
+
+def _close(endpoint: str) -> None:
+    receiver = _receivers.pop(endpoint, None)
+    if receiver is not None:
+        with contextlib.suppress(SessionClosed):
+            receiver.close()
+
+
+def close_all() -> None:
+    """The scheduler is ending (SGLang's plugin registers this at exit)."""
+    for endpoint in list(_receivers):
+        _close(endpoint)

@@ -1,0 +1,26 @@
+"""SGLang's entry point into timeshare (`sglang.srt.plugins`), run in every process SGLang starts.
+
+SGLang loads its general plugins early in its engine, scheduler and detokenizer processes. In
+those of a timeshare rollout worker (their environment names it, boot.HOST_PID_ENV) this applies
+`SEEDED_SAMPLING` (seeded_sampling.py: a request's seed is honoured whatever the attention
+backend) and closes timeshare's weight receivers when the process exits. Elsewhere it does
+nothing: an SGLang of the same venv that timeshare did not start is left as it is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+
+from timeshare.engines.sglang.boot import HOST_PID_ENV
+
+
+def register() -> None:
+    if os.environ.get(HOST_PID_ENV) is None:
+        return
+    from timeshare.engines.patches import apply_patches  # noqa: PLC0415
+    from timeshare.engines.sglang.loader import close_all  # noqa: PLC0415
+    from timeshare.engines.sglang.seeded_sampling import SEEDED_SAMPLING  # noqa: PLC0415
+
+    apply_patches([SEEDED_SAMPLING])
+    atexit.register(close_all)

@@ -1,0 +1,98 @@
+"""`[engine.sglang]`: the settings of the SGLang rollout engine, typed, plus `server_args` for the
+rest, passed to SGLang's `Engine` whole.
+
+No SGLang and no torch here: the job config is read without them. Whether SGLang accepts the
+keys and values of `server_args` is asked of SGLang itself, once, before any worker starts
+(`probe` in args.py, called by `timeshare run` and `timeshared` at load time).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from timeshare.engines.model_config import TrainedModel
+from timeshare.errors import ConfigError
+from timeshare.units import Seconds
+
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+
+# What the engine sets itself, whatever server_args says: the weights arrive through timeshare's
+# loader inside SGLang's scheduler (never a tokenizer, never tensors through SGLang's pickle).
+RESERVED_ARGS = frozenset(
+    {
+        "model_path",
+        "custom_weight_loader",
+        "skip_tokenizer_init",
+        "enable_memory_saver",
+        "log_level",
+    }
+)
+# server_args keys that have a typed key of their own in [engine.sglang].
+TYPED_ARGS = {
+    "dtype": "dtype",
+    "context_length": "context_length",
+    "max_total_tokens": "max_total_tokens",
+    "tp_size": "tp_size",
+    "attention_backend": "attention_backend",
+    "random_seed": "seed",
+    "device": "device",
+}
+
+
+class SglangSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything the SGLang rollout engine of a job needs; its worker gets it as JSON."""
+
+    # A transformers model directory SGLang loads. Empty: the trainer's own model directory
+    # (SGLang reads its architecture there; the first SYNC brings the trainer's weights).
+    model_dir: str = ""
+    # "auto": cuda where torch has a device, else SGLang's CPU engine.
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    context_length: PositiveInt = 64
+    # The KV cache, in tokens (SGLang's max_total_tokens): what a CPU or a shared device needs.
+    max_total_tokens: PositiveInt = 4096
+    # One scheduler receives the weights: timeshare's loader does not yet split a version
+    # across SGLang's tensor-parallel ranks.
+    tp_size: Literal[1] = 1
+    # torch_native: the backend SGLang's CPU engine runs; on GPUs flashinfer, triton or fa3.
+    attention_backend: str = "torch_native"
+    seed: int = 0
+    # OFFLOAD releases SGLang's weights and KV cache (release_memory_occupation), RESUME brings
+    # them back (weights before SYNC, KV cache after BARRIER). Where torch_memory_saver cannot
+    # free them (CPU) they stay resident, and the engine says so.
+    release_memory: bool = True
+    # A generate still running after this is aborted inside SGLang (the engine stays usable).
+    generate_timeout_s: Seconds = 20.0
+    server_args: dict[str, Any] = {}
+
+    def __post_init__(self) -> None:
+        for key in self.server_args:
+            if key in RESERVED_ARGS:
+                raise ConfigError(
+                    f"engine.sglang.server_args.{key}: set by timeshare itself; leave it out"
+                )
+            if key in TYPED_ARGS:
+                raise ConfigError(
+                    f"engine.sglang.server_args.{key}: use engine.sglang.{TYPED_ARGS[key]} instead"
+                )
+
+    def typed_args(self, device: str) -> dict[str, Any]:
+        """The typed keys as SGLang's server arguments, on `device` (what "auto" resolved to)."""
+        return {
+            "device": device,
+            "dtype": self.dtype,
+            "context_length": self.context_length,
+            "max_total_tokens": self.max_total_tokens,
+            "tp_size": self.tp_size,
+            "attention_backend": self.attention_backend,
+            "random_seed": self.seed,
+        }
+
+    def starting_from(self, trained: TrainedModel) -> SglangSpec:
+        """As the engine starts: from the trained model's directory unless `model_dir` names
+        its own."""
+        if self.model_dir or not trained.directory:
+            return self
+        return msgspec.structs.replace(self, model_dir=trained.directory)
