@@ -10,8 +10,11 @@ Generation: token-id prompts, each request with its own seed (the batch's seed a
 SGLang honours it through seeded_sampling.py), the logprobs of the sampled tokens (SGLang's
 default: of the processed distribution, after temperature and top-p), and the weight version on
 every sample. A generate past its deadline is aborted inside SGLang, which is then waited idle:
-the engine stays usable. Images and videos reach SGLang's `image_data` and `video_data` where the
-model takes them; elsewhere the request is refused naming the field, never dropped.
+the engine stays usable. Videos reach SGLang's `video_data` where the model takes them; images
+are refused naming the field, as is any medium on a text model: SGLang 0.5.23 drops an image
+given with a token-id prompt without a word (its placeholder is not expanded; found here, on a
+tiny Qwen2-VL). Whatever SGLang did with a medium, each sample is checked: a prompt SGLang did
+not expand is `UnsupportedInput` naming the request, never a sample made without its medium.
 
 Memory: `sleep()` waits for SGLang to be idle (its cache flushes only then: a release that races
 a generate kills its scheduler) and releases weights and KV cache; `wake(tags)` brings back the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import secrets
 import shutil
@@ -57,6 +61,7 @@ from timeshare.errors import (
     LoaderFailed,
     TimeshareError,
     TransferError,
+    UnsupportedInput,
 )
 from timeshare.protocols.weights import TransferConfig, TransferReport
 from timeshare.runtime import (
@@ -95,12 +100,25 @@ def server_args(spec: SglangSpec, model_dir: str, device: str, *, dummy: bool) -
         args.setdefault("disable_overlap_schedule", True)
     args.update(
         model_path=model_dir,
-        skip_tokenizer_init=True,
+        # Prompts are token ids; a multimodal model's processor (which expands each image or
+        # video placeholder into its tokens) comes with its tokenizer.
+        skip_tokenizer_init=not takes_media(model_dir),
         custom_weight_loader=[loader.NAME],
         enable_memory_saver=spec.release_memory and device == "cuda",
         log_level="error",
     )
     return args
+
+
+def takes_media(model_dir: str) -> bool:
+    """Whether SGLang runs the model of `model_dir` as a multimodal one (its architecture)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # SGLang itself says what is wrong with the directory
+    from sglang.srt.configs.model_config import is_multimodal_model  # noqa: PLC0415
+
+    return bool(is_multimodal_model(config.get("architectures") or []))
 
 
 def build(context: EngineContext) -> SglangRollout:
@@ -153,6 +171,7 @@ class SglangRollout(RolloutEngine):
         self._scratch = Path(tempfile.mkdtemp(prefix=f"timeshare-sglang-{rank}-"))
         self._children: list[int] = []
         model_dir = spec.model_dir or str(write_config_dir(trainer_model, self._scratch / "model"))
+        self.model_dir = model_dir
         args = server_args(spec, model_dir, self.device, dummy=not spec.model_dir)
         # SGLang's own handler of a child's SIGQUIT (sent as its scheduler or detokenizer fails)
         # SIGKILLs this whole process: the worker would die without a word of why.
@@ -285,9 +304,10 @@ class SglangRollout(RolloutEngine):
     # -- generation -----------------------------------------------------------------------------
 
     def traits(self) -> RolloutTraits:
-        """Images and videos where the model takes them; sleep frees memory only where
-        torch_memory_saver can (CUDA); a sequence fits what SGLang takes (`max_tokens`)."""
-        inputs = frozenset({"images", "videos"}) if self.multimodal else frozenset()
+        """Videos where the model takes them (not images: see the module's docstring); sleep
+        frees memory only where torch_memory_saver can (CUDA); a sequence fits what SGLang takes
+        (`max_tokens`)."""
+        inputs = frozenset({"videos"}) if self.multimodal else frozenset()
         return RolloutTraits(
             inputs=inputs, releases_memory=self.releases, max_tokens=self.max_tokens
         )
@@ -322,6 +342,8 @@ class SglangRollout(RolloutEngine):
                 f"SGLang rollout rank {self.rank}: generate of {len(rids)} requests still "
                 f"running after {self.generate_timeout_s:g} s (aborted)"
             )
+        for request, output in zip(requests, outputs, strict=True):
+            _check_media_used(request, output)
         return [
             _sample(request, output, version)
             for request, output in zip(requests, outputs, strict=True)
@@ -392,6 +414,7 @@ class SglangInlet:
             begin_timeout_s=self.transfer.begin_timeout_s,
             digest=digest,
             answer_path=self.answer_path,
+            model_dir=engine.model_dir,
         )
         engine.begin_weight_update()
         engine.checked("begin_weight_update", engine.sgl.begin_weight_update)
@@ -454,6 +477,18 @@ def _sampling(request: RolloutRequest, index: int) -> dict[str, Any]:
         "sampling_seed": seed,
         "ignore_eos": True,
     }
+
+
+def _check_media_used(request: RolloutRequest, output: dict[str, Any]) -> None:
+    """A request with media whose prompt SGLang did not expand was sampled without them."""
+    media = request.fields_in_use() & {"images", "videos"}
+    used = int(output["meta_info"].get("prompt_tokens", 0))
+    if media and used <= len(request.prompt_tokens):
+        raise UnsupportedInput(
+            f"SGLang sampled request {request.request_id!r} without its "
+            f"{', '.join(sorted(media))}: its prompt of {len(request.prompt_tokens)} tokens was "
+            f"not expanded ({used} tokens used)"
+        )
 
 
 def _sample(request: RolloutRequest, output: dict[str, Any], version: int) -> RolloutSample:

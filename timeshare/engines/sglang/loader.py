@@ -12,9 +12,10 @@ finalize):
   inside the channel's finalize, so the trainer sees FINALIZED only once the model is ready;
 - what arrived at the loader is hashed by the trainer's names (`weights_match`): SGLang's
   stacked parameters cannot be read back by those names;
-- each weight is checked against the checkpoint the model's config describes (its names and
-  shapes, from transformers' class of that architecture built on the meta device): SGLang's
-  `load_weights` skips a name it does not know without a word, and a refusal must be loud.
+- each weight is checked against the model's checkpoint, by name and shape: the safetensors
+  SGLang started from (their headers), or, where it started from dummy weights, the checkpoint
+  the model's config describes (transformers' class of its architecture, on the meta device).
+  SGLang's `load_weights` skips a name it does not know without a word; a refusal must be loud.
 
 It never raises into SGLang: an exception there ends SGLang's scheduler (and signals its
 parent). Whatever happens, it writes a `LoadOutcome` where the order says, and the rollout
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -40,7 +42,7 @@ log = structlog.get_logger(__name__)
 
 NAME = "timeshare.engines.sglang.loader.receive_version"  # as SGLang imports it (dotted)
 _receivers: dict[str, WeightReceiver] = {}  # by endpoint: one session per rank, kept open
-_checkpoints: dict[int, dict[str, tuple[int, ...]] | None] = {}  # by id(model): name -> shape
+_checkpoints: dict[str, dict[str, tuple[int, ...]] | None] = {}  # by model dir: name -> shape
 
 
 def receive_version(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -70,7 +72,7 @@ def _receive(model: Any, order: LoadOrder) -> LoadReport:
     digest = WeightsDigest() if order.digest else None
     spent = LoadSeconds()
     load_weights = model.load_weights
-    shapes = _checkpoint_shapes(model)
+    shapes = _checkpoint_shapes(model, order.model_dir)
 
     def load(named: list[tuple[str, torch.Tensor]]) -> None:
         if shapes is not None:
@@ -108,16 +110,29 @@ def _receive(model: Any, order: LoadOrder) -> LoadReport:
     )
 
 
-def _checkpoint_shapes(model: Any) -> dict[str, tuple[int, ...]] | None:
-    """The names and shapes of the checkpoint `model`'s config describes (None: transformers
-    has no class of its architecture, and names are not checked: logged)."""
-    key = id(model)
-    if key not in _checkpoints:
-        _checkpoints[key] = _shapes_of(model)
-    return _checkpoints[key]
+def _checkpoint_shapes(model: Any, model_dir: str) -> dict[str, tuple[int, ...]] | None:
+    """The names and shapes of `model`'s checkpoint (None: not known, and names are not
+    checked: logged)."""
+    if model_dir not in _checkpoints:
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        _checkpoints[model_dir] = _shapes_in(files) if files else _shapes_of(model)
+    return _checkpoints[model_dir]
+
+
+def _shapes_in(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Names and shapes from safetensors headers (no tensor is read)."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as checkpoint:
+            for name in checkpoint.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shapes[name] = tuple(checkpoint.get_slice(name).get_shape())
+    return shapes
 
 
 def _shapes_of(model: Any) -> dict[str, tuple[int, ...]] | None:
+    """The checkpoint the model's config describes: transformers' class of its architecture."""
     import transformers  # noqa: PLC0415 - the scheduler's process has it; the rest need not
 
     config = model.config

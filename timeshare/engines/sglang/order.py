@@ -32,6 +32,7 @@ class LoadOrder(msgspec.Struct, frozen=True, kw_only=True):
     begin_timeout_s: float  # the wait for the trainer to begin sending
     digest: bool  # hash what arrives (weights_match); off only to measure the channel
     answer_path: str  # where the loader writes its LoadOutcome
+    model_dir: str  # the directory SGLang started from (its checkpoint's names, if it has one)
 
     def as_name(self) -> str:
         return PREFIX + msgspec.json.encode(self).decode()

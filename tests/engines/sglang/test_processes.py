@@ -1,0 +1,147 @@
+"""SGLang's own processes under faults, for real: its scheduler SIGKILLed in the middle of a
+transfer, and the process that hosts SGLang SIGKILLed. Each test starts its own engine (host.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import psutil
+import pytest
+
+from tests.engines.sglang.conftest import MODEL, TRANSFER
+from timeshare.engines.torch_ref.model import init_model
+from timeshare.errors import AckTimeout
+from timeshare.protocols.weights import WeightSender, sweep_stale
+from timeshare.protocols.weights.segments import SEGMENT_PREFIX
+from timeshare.runtime import mapped_segments, wait_gone
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[3]
+EVENT_TIMEOUT_S = 300.0  # SGLang's start-up on a loaded machine, with room
+# The trainer gives up soon, in the handshake as in the buckets.
+SENDER = msgspec.structs.replace(TRANSFER, ack_timeout_s=3.0, handshake_timeout_s=3.0)
+
+
+class Host:
+    """host.py in a process of its own, and its events."""
+
+    def __init__(self, runtime_dir: Path) -> None:
+        self.endpoint = f"ipc://{runtime_dir}/w-rank0.sock"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.engines.sglang.host", str(runtime_dir), self.endpoint],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, name="host-stdout", daemon=True).start()
+
+    def next_event(self) -> dict[str, Any]:
+        """The host's next event within EVENT_TIMEOUT_S (other lines are skipped)."""
+        deadline = time.monotonic() + EVENT_TIMEOUT_S
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"host said nothing within {EVENT_TIMEOUT_S:g} s") from None
+            assert line, f"host exited with {self.proc.wait(timeout=30)} and said nothing"
+            if line.startswith('{"event"'):
+                event: dict[str, Any] = json.loads(line)
+                return event
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+
+@pytest.fixture
+def host(runtime_dir: Path) -> Iterator[Host]:
+    started = Host(runtime_dir)
+    try:
+        yield started
+    finally:
+        if started.proc.poll() is None:
+            started.proc.kill()
+        started.proc.wait(timeout=30)
+
+
+def scheduler(processes: list[int]) -> int:
+    for pid in processes:
+        if " ".join(psutil.Process(pid).cmdline()).startswith("sglang::scheduler"):
+            return pid
+    raise AssertionError(f"no sglang::scheduler among {processes}")
+
+
+def assert_nothing_left(runtime_dir: Path) -> None:
+    """SGLang's shared memory is on record in the runtime dir, and a sweep removes it (what the
+    driver does once its workers are gone); then nothing is left there or in /dev/shm."""
+    recorded = [
+        name
+        for record in runtime_dir.glob("*.segments.json")
+        for name in json.loads(record.read_text())["segments"]
+    ]
+    sweep_stale(runtime_dir, owners_gone=True)
+    assert [name for name in recorded if (Path("/dev/shm") / name).exists()] == []
+    assert [p.name for p in runtime_dir.iterdir()] == []
+
+
+def test_a_scheduler_killed_mid_transfer_is_an_ack_timeout_and_the_engine_says_it_broke(
+    runtime_dir: Path, host: Host
+) -> None:
+    ready = host.next_event()
+    tree = [int(pid) for pid in ready["tree"]]
+    receiving = scheduler([int(pid) for pid in ready["sglang"]])
+    weights = [(n, p.detach()) for n, p in init_model(MODEL, seed=0).named_parameters()]
+    with ThreadPoolExecutor(1) as trainer:
+        sender = trainer.submit(WeightSender, host.endpoint, SENDER).result()
+        sending = trainer.submit(anyio.run, partial(sender.send, weights, version=1))
+        # Mid-transfer: SGLang's scheduler, where timeshare's loader runs, mapped the staging.
+        deadline = time.monotonic() + 60
+        while not mapped_segments(receiving, SEGMENT_PREFIX):
+            assert time.monotonic() < deadline, "SGLang's scheduler never mapped the staging"
+            time.sleep(0.005)
+        os.kill(receiving, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(AckTimeout) as timed_out:
+            sending.result(timeout=120)
+        waited = time.monotonic() - started
+        trainer.submit(sender.close).result(timeout=30)
+    assert timed_out.value.phase in ("mapped", "bucket", "released", "finalized")
+    assert waited < max(SENDER.ack_timeout_s, SENDER.handshake_timeout_s) + 10
+    event = host.next_event()
+    assert event["event"] == "error", event  # the engine says it cannot go on, and why
+    assert event["type"] == "EngineBroken", event
+    assert host.proc.wait(timeout=60) == 1
+    assert wait_gone(tree, 30) == []
+    assert_nothing_left(runtime_dir)
+
+
+def test_sglang_processes_die_with_the_process_that_hosts_them(
+    runtime_dir: Path, host: Host
+) -> None:
+    ready = host.next_event()
+    processes = [int(pid) for pid in ready["sglang"]]
+    tree = [int(pid) for pid in ready["tree"]]
+    assert len(processes) >= 2  # sglang::scheduler and sglang::detokenizer
+    host.proc.send_signal(signal.SIGKILL)
+    host.proc.wait(timeout=10)
+    assert wait_gone(tree, 10) == []  # the parent-death signal, not a sweep
+    assert_nothing_left(runtime_dir)

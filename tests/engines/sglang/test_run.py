@@ -1,0 +1,153 @@
+"""`timeshare run` with SGLang as the rollout engine: real workers, real SGLang, end to end.
+
+A run's every step has weights_match and the logprob difference; SGLang's scheduler SIGKILLed
+in the middle of a SYNC fails the cycle naming rank, role and phase, with nothing left behind;
+a run SIGKILLed leaves no SGLang process; a key SGLang rejects is exit 2 before any process
+starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.configs import TINY, merged, toml_file
+from tests.cycle.jobs import assert_nothing_left
+from tests.daemon.test_run import steps_of, timeshare_run
+from timeshare.protocols.weights import sweep_stale
+from timeshare.protocols.weights.segments import SEGMENT_PREFIX
+from timeshare.protocols.weights.segments import SHM_DIR as SHM
+from timeshare.runtime import mapped_segments, wait_gone
+
+pytestmark = pytest.mark.slow
+
+SGLANG_JOB: dict[str, Any] = merged(
+    TINY,
+    {
+        "job": {"ranks": 1, "steps": 3},
+        "deadlines": {"phase_s": 120.0, "stall_s": 60.0, "barrier_s": 60.0, "ready_s": 240.0},
+        "engine": {
+            "rollout": "sglang",
+            "sglang": {"context_length": 32, "max_total_tokens": 1024, "generate_timeout_s": 90.0},
+        },
+    },
+)
+
+
+def write_config(root: Path, **sections: Any) -> Path:
+    return toml_file(root, SGLANG_JOB, log={"file": f"{root}/log.jsonl"}, **sections)
+
+
+def sglang_processes(root: Path) -> list[int]:
+    """The processes of the run's SGLang engines (rollout workers included), from their records
+    in the runtime dir."""
+    found = []
+    for record in (root / "run").glob("*.segments.json"):
+        found += [pid for pid, _ in json.loads(record.read_text())["owners"]]
+    return found
+
+
+def wait_for(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[str]) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
+        time.sleep(0.01)
+    return found
+
+
+def start_run(root: Path, config: Path) -> subprocess.Popen[str]:
+    argv = [sys.executable, "-m", "timeshare", "run", str(config)]
+    return subprocess.Popen(
+        [*argv, "--summary", str(root / "summary.json")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def is_scheduler(pid: int) -> bool:
+    try:
+        return " ".join(psutil.Process(pid).cmdline()).startswith("sglang::scheduler")
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_an_sglang_run_matches_weights_and_logprobs_every_step(runtime_dir: Path) -> None:
+    summary = runtime_dir / "summary.json"
+    done = timeshare_run(write_config(runtime_dir, job={"ranks": 2}), summary, timeout_s=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = steps_of(summary)
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["weights_match"] and s["ranks_agree"] for s in steps)
+    assert all(s["logprob_max_abs_diff"] < 1e-4 for s in steps)
+    # SGLang on CPU releases nothing: the summary says what stays resident (two engines)
+    assert all(s["rollout_resident_mb"] > 0 for s in steps)
+    assert_nothing_left(runtime_dir)
+
+
+def test_an_sglang_scheduler_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Path) -> None:
+    run = start_run(runtime_dir, write_config(runtime_dir))
+    try:
+        processes = wait_for("SGLang", lambda: sglang_processes(runtime_dir), 240, run)
+        scheduler = next(pid for pid in processes if is_scheduler(pid))
+        # The first SYNC: the scheduler maps the trainer's staging, buckets are on their way.
+        wait_for("staging", lambda: mapped_segments(scheduler, SEGMENT_PREFIX), 240, run)
+        killed = time.monotonic()
+        os.kill(scheduler, signal.SIGKILL)
+        _, stderr = run.communicate(timeout=240)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 1, stderr[-3000:]
+    assert time.monotonic() - killed < 120  # within SYNC's deadline (phase_s)
+    # The kill lands in the first SYNC while its buckets still flow, or, when that transfer of
+    # a tiny model ends first, in the ROLLOUT that follows.
+    assert re.search(r"rollout rank 0 failed in phase (sync|rollout)", stderr), stderr[-3000:]
+    assert wait_gone(processes, 10) == []
+    assert_nothing_left(runtime_dir)
+
+
+def test_no_sglang_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -> None:
+    before = set(os.listdir(SHM))  # (make test runs the SGLang tests one at a time)
+    run = start_run(runtime_dir, write_config(runtime_dir, job={"steps": 1000}))
+    try:
+        wait_for("a step", lambda: steps_of(runtime_dir / "summary.json"), 300, run)
+        processes = sglang_processes(runtime_dir)
+        assert sum(is_scheduler(pid) for pid in processes) == 1
+        run.send_signal(signal.SIGKILL)
+        run.wait(timeout=10)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert wait_gone(processes, 10) == []  # the rollout worker and SGLang's processes
+    sweep_stale(runtime_dir / "run")  # what the next run does first
+    assert sorted(set(os.listdir(SHM)) - before) == []
+
+
+def test_a_key_sglang_rejects_is_exit_2_before_any_process(runtime_dir: Path) -> None:
+    config = write_config(runtime_dir, engine={"sglang": {"server_args": {"max_runing": 4}}})
+    done = timeshare_run(config, runtime_dir / "summary.json", timeout_s=200)
+    assert done.returncode == 2, done.stderr
+    assert "engine.sglang.server_args.max_runing" in done.stderr
+    assert not (runtime_dir / "run").exists()
+    bad_value = write_config(runtime_dir, engine={"sglang": {"server_args": {"load_format": "x"}}})
+    done = timeshare_run(bad_value, runtime_dir / "summary.json", timeout_s=200)
+    assert done.returncode == 2 and "engine.sglang.server_args.load_format" in done.stderr, (
+        done.stderr
+    )
+    typed = write_config(runtime_dir, engine={"sglang": {"dtype": "float64"}})
+    done = timeshare_run(typed, runtime_dir / "summary.json", timeout_s=200)
+    assert done.returncode == 2 and "engine.sglang.dtype" in done.stderr, done.stderr
