@@ -308,7 +308,7 @@ class VllmHarness(RolloutHarness):
 class SglangHarness(RolloutHarness):
     kind = "sglang"
     most_requests = 64
-    longest = 56  # what SGLang takes of a context_length of 64 (59), less the prompt
+    longest = 56  # what SGLang takes of the model's 64 positions (59), less the prompt
     loader_name = "SGLang's loader of LlamaForCausalLM"
 
     def __init__(self) -> None:

@@ -38,7 +38,7 @@ SGLANG_JOB: dict[str, Any] = merged(
         "deadlines": {"phase_s": 120.0, "stall_s": 60.0, "barrier_s": 60.0, "ready_s": 240.0},
         "engine": {
             "rollout": "sglang",
-            "sglang": {"context_length": 32, "max_total_tokens": 1024, "generate_timeout_s": 90.0},
+            "sglang": {"max_total_tokens": 1024, "generate_timeout_s": 90.0},
         },
     },
 )

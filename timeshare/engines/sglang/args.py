@@ -5,9 +5,11 @@ process-wide state that a daemon should not carry):
 
     python -m timeshare.engines.sglang.args '<{"spec": SglangSpec, "model": ModelConfig} as JSON>'
 
-The child builds SGLang's `ServerArgs` from what the engine would pass (an unknown key is a
-`TypeError` there), resolves and validates them as SGLang's `Engine` does (a value SGLang
-rejects fails there), without starting an engine, and prints one JSON line: `{"ok": true}` or
+The child checks each value that has choices in SGLang's own command line (its `argparse`
+parser: `ServerArgs` itself takes `load_format="x"` and fails only as the engine starts), then
+builds SGLang's `ServerArgs` from what the engine would pass (an unknown key is a `TypeError`
+there), resolves and validates them as SGLang's `Engine` does (a value SGLang rejects fails
+there), without starting an engine, and prints one JSON line: `{"ok": true}` or
 `{"ok": false, "error": ...}`.
 """
 
@@ -25,7 +27,7 @@ import msgspec
 
 from timeshare.engines.child_check import answer, ask_child
 from timeshare.engines.model_config import ModelConfig
-from timeshare.engines.sglang.spec import SglangSpec
+from timeshare.engines.sglang.spec import TYPED_ARGS, SglangSpec
 from timeshare.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -70,6 +72,9 @@ def _verdict(check: _Check) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="timeshare-sglang-check-") as scratch:
         model_dir = check.spec.model_dir or str(write_config_dir(check.model, Path(scratch)))
         args = server_args(check.spec, model_dir, device, dummy=not check.spec.model_dir)
+        problem = _outside_choices(check.spec, args)
+        if problem:
+            return {"ok": False, "error": problem}
         try:
             resolved = ServerArgs(**args)
         except TypeError as exc:
@@ -80,6 +85,28 @@ def _verdict(check: _Check) -> dict[str, Any]:
         except Exception as exc:
             return {"ok": False, "error": _rejected(check.spec, exc)}
     return {"ok": True}
+
+
+def _outside_choices(spec: SglangSpec, args: dict[str, Any]) -> str:
+    """The first value the user set that SGLang's command line would refuse ("": none)."""
+    import argparse  # noqa: PLC0415
+
+    from sglang.srt.server_args import ServerArgs  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    choices = {action.dest: action.choices for action in parser._actions if action.choices}
+    for key in [*TYPED_ARGS, *spec.server_args]:
+        allowed = choices.get(key)
+        value = args.get(key)
+        if allowed is None or value is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            if item not in allowed:
+                named = TYPED_ARGS.get(key)
+                where = f"engine.sglang.{named}" if named else f"engine.sglang.server_args.{key}"
+                return f"{where}: SGLang takes one of {sorted(map(str, allowed))}, not {item!r}"
+    return ""
 
 
 def _unknown_key(message: str) -> str:

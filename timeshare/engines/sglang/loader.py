@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ log = structlog.get_logger(__name__)
 NAME = "timeshare.engines.sglang.loader.receive_version"  # as SGLang imports it (dotted)
 _receivers: dict[str, WeightReceiver] = {}  # by endpoint: one session per rank, kept open
 _checkpoints: dict[str, dict[str, tuple[int, ...]] | None] = {}  # by model dir: name -> shape
+_hashing = ThreadPoolExecutor(1, thread_name_prefix="timeshare-digest")  # started on first use
 
 
 def receive_version(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -77,11 +79,10 @@ def _receive(model: Any, order: LoadOrder) -> LoadReport:
     def load(named: list[tuple[str, torch.Tensor]]) -> None:
         if shapes is not None:
             _check_against(model, shapes, named)
+        # The digest hashes the bucket in a thread while SGLang loads it (hashlib and torch's
+        # copies release the GIL): both read staging, which is reused once this returns.
+        hashing = _hashing.submit(_add_to, digest, named, spent) if digest is not None else None
         mark = time.perf_counter()
-        if digest is not None:
-            for name, tensor in named:
-                digest.add(name, tensor)
-        spent.digest_s += (now := time.perf_counter()) - mark
         try:
             # SGLang's weight loaders copy into its parameters: views of staging are enough.
             load_weights(named)
@@ -91,7 +92,9 @@ def _receive(model: Any, order: LoadOrder) -> LoadReport:
                 f"{[name for name, _ in named][:4]}...: {type(exc).__name__}: {exc}"
             ) from exc
         finally:
-            spent.load_s += time.perf_counter() - now
+            spent.load_s += time.perf_counter() - mark
+            if hashing is not None:
+                hashing.result()
 
     def post_process() -> None:
         from sglang.srt.model_loader.loader import DefaultModelLoader  # noqa: PLC0415
@@ -108,6 +111,15 @@ def _receive(model: Any, order: LoadOrder) -> LoadReport:
         call_s=time.perf_counter() - started,
         spent=spent,
     )
+
+
+def _add_to(
+    digest: WeightsDigest, named: list[tuple[str, torch.Tensor]], spent: LoadSeconds
+) -> None:
+    mark = time.perf_counter()
+    for name, tensor in named:
+        digest.add(name, tensor)
+    spent.digest_s += time.perf_counter() - mark
 
 
 def _checkpoint_shapes(model: Any, model_dir: str) -> dict[str, tuple[int, ...]] | None:

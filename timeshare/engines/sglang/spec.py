@@ -50,7 +50,8 @@ class SglangSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # "auto": cuda where torch has a device, else SGLang's CPU engine.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    context_length: PositiveInt = 64
+    # The longest sequence SGLang holds; None: the model's own (its max_position_embeddings).
+    context_length: PositiveInt | None = None
     # The KV cache, in tokens (SGLang's max_total_tokens): what a CPU or a shared device needs.
     max_total_tokens: PositiveInt = 4096
     # One scheduler receives the weights: timeshare's loader does not yet split a version
@@ -80,15 +81,17 @@ class SglangSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
 
     def typed_args(self, device: str) -> dict[str, Any]:
         """The typed keys as SGLang's server arguments, on `device` (what "auto" resolved to)."""
-        return {
+        args: dict[str, Any] = {
             "device": device,
             "dtype": self.dtype,
-            "context_length": self.context_length,
             "max_total_tokens": self.max_total_tokens,
             "tp_size": self.tp_size,
             "attention_backend": self.attention_backend,
             "random_seed": self.seed,
         }
+        if self.context_length is not None:
+            args["context_length"] = self.context_length
+        return args
 
     def starting_from(self, trained: TrainedModel) -> SglangSpec:
         """As the engine starts: from the trained model's directory unless `model_dir` names
