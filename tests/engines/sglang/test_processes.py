@@ -28,6 +28,7 @@ from timeshare.engines.torch_ref.model import init_model
 from timeshare.errors import AckTimeout
 from timeshare.protocols.weights import WeightSender, sweep_stale
 from timeshare.protocols.weights.segments import SEGMENT_PREFIX
+from timeshare.protocols.weights.segments import SHM_DIR as SHM
 from timeshare.runtime import mapped_segments, wait_gone
 
 pytestmark = pytest.mark.slow
@@ -74,6 +75,7 @@ class Host:
 
 @pytest.fixture
 def host(runtime_dir: Path) -> Iterator[Host]:
+    before = set(os.listdir(SHM))  # (make test runs the SGLang tests one at a time)
     started = Host(runtime_dir)
     try:
         yield started
@@ -81,6 +83,12 @@ def host(runtime_dir: Path) -> Iterator[Host]:
         if started.proc.poll() is None:
             started.proc.kill()
         started.proc.wait(timeout=30)
+    # Nothing of SGLang's stays in /dev/shm: its semaphores (sem.mp-*) go with Python's
+    # resource tracker, which outlives SGLang's processes by moments to unlink them.
+    deadline = time.monotonic() + 10
+    while (left := sorted(set(os.listdir(SHM)) - before)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert left == []
 
 
 def scheduler(processes: list[int]) -> int:

@@ -12,7 +12,9 @@ them. The SGLang venv (the Makefile's .venv-sglang) carries `timeshare-sglang.pt
   and the probes in that venv need its shim as much as SGLang does.)
 - in the processes SGLang starts for a timeshare rollout worker (their environment names the
   worker, `HOST_PID_ENV`, set by engine.py while SGLang starts them), it arms the parent-death
-  signal (`DIE_WITH_HOST`, die_with_host.py).
+  signal (`DIE_WITH_HOST`, die_with_host.py). Not in Python's resource tracker, which starts
+  then too: it must outlive them all, to unlink the semaphores SGLang's processes shared
+  (/dev/shm/sem.mp-*), and it exits once they are gone.
 
 Processes of other venvs never load any of it.
 """
@@ -63,11 +65,19 @@ class ShimOnImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         """The stand-in was executed when the shim imported it."""
 
 
+def _is_resource_tracker() -> bool:
+    try:
+        with open("/proc/self/cmdline", "rb") as cmdline:
+            return b"multiprocessing.resource_tracker" in cmdline.read()
+    except OSError:
+        return False
+
+
 def boot() -> None:
     if not any(isinstance(finder, ShimOnImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, ShimOnImport())
     host = os.environ.get(HOST_PID_ENV)
-    if host is not None and host != str(os.getpid()):
+    if host is not None and host != str(os.getpid()) and not _is_resource_tracker():
         from timeshare.engines.patches import apply_patches  # noqa: PLC0415
         from timeshare.engines.sglang.die_with_host import DIE_WITH_HOST  # noqa: PLC0415
 
