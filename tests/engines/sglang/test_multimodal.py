@@ -11,6 +11,7 @@ naming the field; what SGLang itself drops is caught (test_engine_catches...).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -28,6 +29,7 @@ from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.sglang.engine import SglangRollout
 from timeshare.errors import UnsupportedInput
 from timeshare.protocols.weights import WeightSender
+from timeshare.protocols.weights.segments import SHM_DIR as SHM
 
 pytestmark = pytest.mark.slow
 SAMPLING = SamplingParams(max_tokens=5, temperature=1.0, seed=3)
@@ -39,6 +41,7 @@ def vl_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangRollou
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
+    shm_before = set(os.listdir(SHM))  # (make test runs the SGLang tests one at a time)
     root = tmp_path_factory.mktemp("sglang-vl")
     model_dir = tiny_vl.build(root / "model")
     runtime_dir = root / "run"
@@ -65,6 +68,8 @@ def vl_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangRollou
         yield engine
     finally:
         engine.close()
+    # A multimodal model's start leaves a semaphore nobody maps: the engine released it.
+    assert sorted(set(os.listdir(SHM)) - shm_before) == []
 
 
 def request(engine: SglangRollout, media: str, value: object) -> RolloutRequest:

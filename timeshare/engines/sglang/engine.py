@@ -64,6 +64,7 @@ from timeshare.errors import (
     UnsupportedInput,
 )
 from timeshare.protocols.weights import TransferConfig, TransferReport
+from timeshare.protocols.weights.segments import SHM_DIR
 from timeshare.runtime import (
     mapped_segments,
     parent_of,
@@ -80,6 +81,7 @@ REAP_S = 10.0  # for SGLang's processes to exit once shut down
 IDLE_POLL_S = 0.05  # between SGLang's flush_cache tries while it finishes what it runs
 PROGRESS_S = 0.5  # the heartbeat while a generate runs
 SEGMENT_PREFIXES = ("psm_", "sglang")  # shared memory SGLang's processes may map
+SEMAPHORE_PREFIX = "sem.mp-"  # Python's named semaphores (multiprocessing), in /dev/shm
 RELEASED = ("weights", "kv_cache")  # SGLang's memory tags that OFFLOAD releases
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 
@@ -177,6 +179,7 @@ class SglangRollout(RolloutEngine):
         # SIGKILLs this whole process: the worker would die without a word of why.
         args["custom_sigquit_handler"] = self._sglang_failed
         started = time.perf_counter()
+        semaphores = _semaphores()
         try:
             # boot.py and plugin.py: SGLang's processes die with this one, and are patched.
             with host_pid_in_environment(HOST_PID_ENV):
@@ -184,6 +187,9 @@ class SglangRollout(RolloutEngine):
         except BaseException:
             self._remove_scratch()
             raise
+        # A semaphore that a process of SGLang's start-up made and left (a multimodal model's
+        # start leaves one): nobody maps it, so nobody would ever unlink it.
+        self._orphans = sorted(_semaphores() - semaphores - _mapped_anywhere(SEMAPHORE_PREFIX))
         self.multimodal = _takes_images(self.sgl)
         # SGLang takes a prompt of at most max_req_input_len tokens (its context_length less 6):
         # one more is what a prompt and a completion of at least one token may hold, always.
@@ -382,7 +388,7 @@ class SglangRollout(RolloutEngine):
             for prefix in SEGMENT_PREFIXES
             for name in mapped_segments(pid, prefix)
         ]
-        record_foreign_segments(self.runtime_dir, self.owner, tree, names)
+        record_foreign_segments(self.runtime_dir, self.owner, tree, names + self._orphans)
 
     def close(self) -> None:
         try:
@@ -440,6 +446,19 @@ class SglangInlet:
 
     def close(self) -> None:
         """The receiver lives in SGLang's scheduler, until it exits (plugin.py)."""
+
+
+def _semaphores() -> set[str]:
+    return {path.name for path in SHM_DIR.glob(f"{SEMAPHORE_PREFIX}*")}
+
+
+def _mapped_anywhere(prefix: str) -> set[str]:
+    """The /dev/shm names starting with `prefix` that any process of this machine maps."""
+    mapped: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            mapped.update(mapped_segments(int(proc.name), prefix))
+    return mapped
 
 
 def _is_sglang_process(pid: int) -> bool:
