@@ -4,85 +4,41 @@ transfer, and the process that hosts SGLang SIGKILLed. Each test starts its own 
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import anyio
 import msgspec
 import psutil
 import pytest
 
+from tests.engines.foreign_hosts import Host, assert_nothing_left
 from tests.engines.sglang.conftest import MODEL, TRANSFER
 from timeshare.engines.torch_ref.model import init_model
 from timeshare.errors import AckTimeout
-from timeshare.protocols.weights import WeightSender, sweep_stale
+from timeshare.protocols.weights import WeightSender
 from timeshare.protocols.weights.segments import SEGMENT_PREFIX
 from timeshare.protocols.weights.segments import SHM_DIR as SHM
 from timeshare.runtime import mapped_segments, wait_gone
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[3]
-EVENT_TIMEOUT_S = 300.0  # SGLang's start-up on a loaded machine, with room
 # The trainer gives up soon, in the handshake as in the buckets.
 SENDER = msgspec.structs.replace(TRANSFER, ack_timeout_s=3.0, handshake_timeout_s=3.0)
-
-
-class Host:
-    """host.py in a process of its own, and its events."""
-
-    def __init__(self, runtime_dir: Path) -> None:
-        self.endpoint = f"ipc://{runtime_dir}/w-rank0.sock"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.engines.sglang.host", str(runtime_dir), self.endpoint],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, name="host-stdout", daemon=True).start()
-
-    def next_event(self) -> dict[str, Any]:
-        """The host's next event within EVENT_TIMEOUT_S (other lines are skipped)."""
-        deadline = time.monotonic() + EVENT_TIMEOUT_S
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"host said nothing within {EVENT_TIMEOUT_S:g} s") from None
-            assert line, f"host exited with {self.proc.wait(timeout=30)} and said nothing"
-            if line.startswith('{"event"'):
-                event: dict[str, Any] = json.loads(line)
-                return event
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put("")
 
 
 @pytest.fixture
 def host(runtime_dir: Path) -> Iterator[Host]:
     before = set(os.listdir(SHM))  # (make test runs the SGLang tests one at a time)
-    started = Host(runtime_dir)
+    started = Host("tests.engines.sglang.host", runtime_dir)
     try:
         yield started
     finally:
-        if started.proc.poll() is None:
-            started.proc.kill()
-        started.proc.wait(timeout=30)
+        started.stop()
     # Nothing of SGLang's stays in /dev/shm: its semaphores (sem.mp-*) go with Python's
     # resource tracker, which outlives SGLang's processes by moments to unlink them.
     deadline = time.monotonic() + 10
@@ -96,19 +52,6 @@ def scheduler(processes: list[int]) -> int:
         if " ".join(psutil.Process(pid).cmdline()).startswith("sglang::scheduler"):
             return pid
     raise AssertionError(f"no sglang::scheduler among {processes}")
-
-
-def assert_nothing_left(runtime_dir: Path) -> None:
-    """SGLang's shared memory is on record in the runtime dir, and a sweep removes it (what the
-    driver does once its workers are gone); then nothing is left there or in /dev/shm."""
-    recorded = [
-        name
-        for record in runtime_dir.glob("*.segments.json")
-        for name in json.loads(record.read_text())["segments"]
-    ]
-    sweep_stale(runtime_dir, owners_gone=True)
-    assert [name for name in recorded if (Path("/dev/shm") / name).exists()] == []
-    assert [p.name for p in runtime_dir.iterdir()] == []
 
 
 def test_a_scheduler_killed_mid_transfer_is_an_ack_timeout_and_the_engine_says_it_broke(

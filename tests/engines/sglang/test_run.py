@@ -8,12 +8,9 @@ starts.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,11 @@ import pytest
 from tests.configs import TINY, merged, toml_file
 from tests.cycle.jobs import assert_nothing_left
 from tests.daemon.test_run import steps_of, timeshare_run
+from tests.engines.foreign_hosts import (
+    recorded_processes,
+    start_run,
+    wait_for,
+)
 from timeshare.protocols.weights import sweep_stale
 from timeshare.protocols.weights.segments import SEGMENT_PREFIX
 from timeshare.protocols.weights.segments import SHM_DIR as SHM
@@ -46,34 +48,6 @@ SGLANG_JOB: dict[str, Any] = merged(
 
 def write_config(root: Path, **sections: Any) -> Path:
     return toml_file(root, SGLANG_JOB, log={"file": f"{root}/log.jsonl"}, **sections)
-
-
-def sglang_processes(root: Path) -> list[int]:
-    """The processes of the run's SGLang engines (rollout workers included), from their records
-    in the runtime dir."""
-    found = []
-    for record in (root / "run").glob("*.segments.json"):
-        found += [pid for pid, _ in json.loads(record.read_text())["owners"]]
-    return found
-
-
-def wait_for(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[str]) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (found := check()):
-        assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
-        time.sleep(0.01)
-    return found
-
-
-def start_run(root: Path, config: Path) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "timeshare", "run", str(config)]
-    return subprocess.Popen(
-        [*argv, "--summary", str(root / "summary.json")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
 
 
 def is_scheduler(pid: int) -> bool:
@@ -99,7 +73,7 @@ def test_an_sglang_run_matches_weights_and_logprobs_every_step(runtime_dir: Path
 def test_an_sglang_scheduler_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Path) -> None:
     run = start_run(runtime_dir, write_config(runtime_dir))
     try:
-        processes = wait_for("SGLang", lambda: sglang_processes(runtime_dir), 240, run)
+        processes = wait_for("SGLang", lambda: recorded_processes(runtime_dir / "run"), 240, run)
         scheduler = next(pid for pid in processes if is_scheduler(pid))
         # The first SYNC: the scheduler maps the trainer's staging, buckets are on their way.
         wait_for("staging", lambda: mapped_segments(scheduler, SEGMENT_PREFIX), 240, run)
@@ -124,7 +98,7 @@ def test_no_sglang_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path)
     run = start_run(runtime_dir, write_config(runtime_dir, job={"steps": 1000}))
     try:
         wait_for("a step", lambda: steps_of(runtime_dir / "summary.json"), 300, run)
-        processes = sglang_processes(runtime_dir)
+        processes = recorded_processes(runtime_dir / "run")
         assert sum(is_scheduler(pid) for pid in processes) == 1
         run.send_signal(signal.SIGKILL)
         run.wait(timeout=10)

@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,69 +18,30 @@ import msgspec
 import psutil
 import pytest
 
+from tests.engines.foreign_hosts import Host, assert_nothing_left
 from tests.engines.vllm.conftest import MODEL, TRANSFER
 from timeshare.engines.torch_ref.model import init_model
 from timeshare.errors import AckTimeout
-from timeshare.protocols.weights import WeightSender, sweep_stale
+from timeshare.protocols.weights import WeightSender
 from timeshare.protocols.weights.segments import SEGMENT_PREFIX
 from timeshare.runtime import mapped_segments, wait_gone
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parents[3]
-EVENT_TIMEOUT_S = 300.0  # vLLM's start-up on a loaded machine, with room
 # The trainer gives up soon, in the handshake as in the buckets.
 SENDER = msgspec.structs.replace(TRANSFER, ack_timeout_s=3.0, handshake_timeout_s=3.0)
 
 
-class Host:
-    """host.py in a process of its own, and its events."""
-
-    def __init__(self, runtime_dir: Path) -> None:
-        self.endpoint = f"ipc://{runtime_dir}/w-rank0.sock"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.engines.vllm.host", str(runtime_dir), self.endpoint],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, name="host-stdout", daemon=True).start()
-
-    def next_event(self) -> dict[str, Any]:
-        """The host's next event within EVENT_TIMEOUT_S (vLLM logs to stdout too: its lines
-        are skipped)."""
-        deadline = time.monotonic() + EVENT_TIMEOUT_S
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise AssertionError(f"host said nothing within {EVENT_TIMEOUT_S:g} s") from None
-            assert line, f"host exited with {self.proc.wait(timeout=30)} and said nothing"
-            if line.startswith('{"event"'):
-                event: dict[str, Any] = json.loads(line)
-                return event
-
-    def _read(self) -> None:
-        """Every line of the host's stdout into `lines`, then "" at its end."""
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-        self.lines.put("")
-
-    def vllm_processes(self, event: dict[str, Any]) -> list[int]:
-        return [int(pid) for pid in event["vllm"]]
-
-
 @pytest.fixture
 def host(runtime_dir: Path) -> Iterator[Host]:
-    started = Host(runtime_dir)
+    started = Host("tests.engines.vllm.host", runtime_dir)
     try:
         yield started
     finally:
-        if started.proc.poll() is None:
-            started.proc.kill()
-        started.proc.wait(timeout=30)
+        started.stop()
+
+
+def vllm_processes(event: dict[str, Any]) -> list[int]:
+    return [int(pid) for pid in event["vllm"]]
 
 
 def vllm_worker(processes: list[int]) -> int:
@@ -94,24 +51,11 @@ def vllm_worker(processes: list[int]) -> int:
     raise AssertionError(f"no VLLM::Worker among {processes}")
 
 
-def assert_nothing_left(runtime_dir: Path) -> None:
-    """vLLM's shared memory is on record in the runtime dir, and a sweep removes it (what the
-    driver does once its workers are gone); then nothing is left there or in /dev/shm."""
-    recorded = [
-        name
-        for record in runtime_dir.glob("*.segments.json")
-        for name in json.loads(record.read_text())["segments"]
-    ]
-    sweep_stale(runtime_dir, owners_gone=True)
-    assert [name for name in recorded if (Path("/dev/shm") / name).exists()] == []
-    assert [p.name for p in runtime_dir.iterdir()] == []
-
-
 def test_a_vllm_worker_killed_mid_transfer_is_an_ack_timeout_on_the_trainer(
     runtime_dir: Path, host: Host
 ) -> None:
     ready = host.next_event()
-    processes = host.vllm_processes(ready)
+    processes = vllm_processes(ready)
     worker = vllm_worker(processes)
     weights = [(n, p.detach()) for n, p in init_model(MODEL, seed=0).named_parameters()]
     with ThreadPoolExecutor(1) as trainer:
@@ -141,7 +85,7 @@ def test_a_vllm_worker_killed_mid_transfer_is_an_ack_timeout_on_the_trainer(
 
 
 def test_vllm_processes_die_with_the_process_that_hosts_them(runtime_dir: Path, host: Host) -> None:
-    processes = host.vllm_processes(host.next_event())
+    processes = vllm_processes(host.next_event())
     assert len(processes) >= 2  # VLLM::EngineCore and its VLLM::Worker
     records = list(runtime_dir.glob("*.segments.json"))
     assert records and json.loads(records[0].read_text())["segments"]  # their memory is on record

@@ -7,12 +7,9 @@ SIGKILLed leaves no vLLM process; a key vLLM rejects is exit 2 before any proces
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,12 @@ import pytest
 from tests.configs import TINY, merged, toml_file
 from tests.cycle.jobs import assert_nothing_left
 from tests.daemon.test_run import steps_of, timeshare_run
+from tests.engines.foreign_hosts import (
+    recorded_processes,
+    recorded_segments,
+    start_run,
+    wait_for,
+)
 from timeshare.protocols.weights import sweep_stale
 from timeshare.protocols.weights.segments import SEGMENT_PREFIX
 from timeshare.protocols.weights.segments import SHM_DIR as SHM
@@ -56,41 +59,6 @@ def write_config(root: Path, **sections: Any) -> Path:
     return toml_file(root, VLLM_JOB, log={"file": f"{root}/log.jsonl"}, **sections)
 
 
-def vllm_processes(root: Path) -> list[int]:
-    """The processes of the run's vLLM engines, from their records in the runtime dir."""
-    found = []
-    for record in (root / "run").glob("*.segments.json"):
-        found += [pid for pid, _ in json.loads(record.read_text())["owners"]]
-    return found
-
-
-def recorded_segments(root: Path) -> list[str]:
-    """vLLM's shared memory, as the run's records name it."""
-    names = []
-    for record in (root / "run").glob("*.segments.json"):
-        names += json.loads(record.read_text())["segments"]
-    return names
-
-
-def wait_for(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[str]) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not (found := check()):
-        assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
-        time.sleep(0.01)
-    return found
-
-
-def start_run(root: Path, config: Path) -> subprocess.Popen[str]:
-    argv = [sys.executable, "-m", "timeshare", "run", str(config)]
-    return subprocess.Popen(
-        [*argv, "--summary", str(root / "summary.json")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def test_a_vllm_run_matches_weights_and_logprobs_every_step(runtime_dir: Path) -> None:
     summary = runtime_dir / "summary.json"
     done = timeshare_run(write_config(runtime_dir, job={"ranks": 2}), summary, timeout_s=600)
@@ -107,11 +75,11 @@ def test_a_vllm_run_matches_weights_and_logprobs_every_step(runtime_dir: Path) -
 def test_a_vllm_worker_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Path) -> None:
     run = start_run(runtime_dir, write_config(runtime_dir))
     try:
-        processes = wait_for("vLLM", lambda: vllm_processes(runtime_dir), 240, run)
+        processes = wait_for("vLLM", lambda: recorded_processes(runtime_dir / "run"), 240, run)
         worker = next(pid for pid in processes if "VLLM::Worker" in psutil.Process(pid).name())
         # The first SYNC: the vLLM worker maps the trainer's staging, buckets are on their way.
         wait_for("staging", lambda: mapped_segments(worker, SEGMENT_PREFIX), 240, run)
-        segments = recorded_segments(runtime_dir)
+        segments = recorded_segments(runtime_dir / "run")
         assert segments  # vLLM's message queues
         killed = time.monotonic()
         os.kill(worker, signal.SIGKILL)
@@ -136,8 +104,8 @@ def test_no_vllm_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -
     run = start_run(runtime_dir, write_config(runtime_dir, job={"steps": 1000}))
     try:
         wait_for("a step", lambda: steps_of(runtime_dir / "summary.json"), 300, run)
-        processes = vllm_processes(runtime_dir)
-        segments = recorded_segments(runtime_dir)
+        processes = recorded_processes(runtime_dir / "run")
+        segments = recorded_segments(runtime_dir / "run")
         assert len(processes) >= 3  # the rollout worker, VLLM::EngineCore, VLLM::Worker
         run.send_signal(signal.SIGKILL)
         run.wait(timeout=10)

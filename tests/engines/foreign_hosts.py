@@ -1,0 +1,108 @@
+"""What the tests of an engine we do not own (vLLM, SGLang) share to kill parts of it: the host
+process that runs one engine and says what happens (each engine's host.py), a `timeshare run`
+in a process of its own, and what the runtime directory's records say of the engine's
+processes and shared memory.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from timeshare.protocols.weights import sweep_stale
+
+ROOT = Path(__file__).resolve().parents[2]
+EVENT_TIMEOUT_S = 300.0  # an engine's start-up on a loaded machine, with room
+
+
+class Host:
+    """`python -m <module> RUNTIME_DIR ENDPOINT` (an engine's host.py), and its events."""
+
+    def __init__(self, module: str, runtime_dir: Path) -> None:
+        self.endpoint = f"ipc://{runtime_dir}/w-rank0.sock"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, str(runtime_dir), self.endpoint],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, name="host-stdout", daemon=True).start()
+
+    def next_event(self) -> dict[str, Any]:
+        """The host's next event within EVENT_TIMEOUT_S (the engine logs to stdout too: its
+        lines are skipped)."""
+        deadline = time.monotonic() + EVENT_TIMEOUT_S
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"host said nothing within {EVENT_TIMEOUT_S:g} s") from None
+            assert line, f"host exited with {self.proc.wait(timeout=30)} and said nothing"
+            if line.startswith('{"event"'):
+                event: dict[str, Any] = json.loads(line)
+                return event
+
+    def _read(self) -> None:
+        """Every line of the host's stdout into `lines`, then "" at its end."""
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def assert_nothing_left(runtime_dir: Path) -> None:
+    """The engine's shared memory is on record in the runtime dir, and a sweep removes it (what
+    the driver does once its workers are gone); then nothing is left there or in /dev/shm."""
+    recorded = recorded_segments(runtime_dir)
+    sweep_stale(runtime_dir, owners_gone=True)
+    assert [name for name in recorded if (Path("/dev/shm") / name).exists()] == []
+    assert [p.name for p in runtime_dir.iterdir()] == []
+
+
+def recorded_processes(runtime_dir: Path) -> list[int]:
+    """The engines' processes (their rollout workers included), from their records."""
+    found = []
+    for record in runtime_dir.glob("*.segments.json"):
+        found += [pid for pid, _ in json.loads(record.read_text())["owners"]]
+    return found
+
+
+def recorded_segments(runtime_dir: Path) -> list[str]:
+    """The engines' shared memory, as the records name it."""
+    names = []
+    for record in runtime_dir.glob("*.segments.json"):
+        names += json.loads(record.read_text())["segments"]
+    return names
+
+
+def wait_for(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[str]) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (found := check()):
+        assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
+        time.sleep(0.01)
+    return found
+
+
+def start_run(root: Path, config: Path) -> subprocess.Popen[str]:
+    """`timeshare run config` in a process of its own, its summary in `root`."""
+    argv = [sys.executable, "-m", "timeshare", "run", str(config)]
+    return subprocess.Popen(
+        [*argv, "--summary", str(root / "summary.json")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
