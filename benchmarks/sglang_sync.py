@@ -50,7 +50,8 @@ import structlog
 import torch
 from safetensors.torch import save_file
 
-from timeshare.engines.base import RolloutRequest, SamplingParams, weights_digest
+from timeshare.engines.base import RolloutRequest, SamplingParams
+from timeshare.engines.digest import weights_digest
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.sglang.engine import SglangInlet, SglangRollout
 from timeshare.engines.sglang.spec import SglangSpec

@@ -26,8 +26,8 @@ import torch
 from tests.engines import echo
 from timeshare.engines import registry
 from timeshare.engines import spec as engine_spec_module
-from timeshare.engines.base import weights_digest
 from timeshare.engines.context import EngineContext
+from timeshare.engines.digest import weights_digest
 from timeshare.engines.pairs import build_rollout, build_trainer, workload_of
 from timeshare.engines.spec import EngineChoice, check_engines
 from timeshare.errors import ConfigError

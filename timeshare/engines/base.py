@@ -9,51 +9,18 @@ carries the weight version that produced it.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from timeshare.engines.inlet import WeightInlet
 from timeshare.errors import GenerateTimeout, PromptTooLong, UnsupportedInput, WeightsTorn
 from timeshare.protocols.commands.results import TrainFigures
 from timeshare.protocols.weights import TransferConfig
 from timeshare.protocols.weights.layout import Weight
-
-
-class WeightsDigest:
-    """A digest of named weights fed one tensor at a time, in any order (as buckets arrive).
-
-    Each tensor is hashed as it comes; the digest is sha256 over the sorted lines
-    "name|dtype|shape|sha256 of the bytes". Equal iff every name, dtype, shape and byte agrees.
-    """
-
-    def __init__(self) -> None:
-        self._lines: dict[str, str] = {}
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        data = tensor.detach().contiguous().cpu()
-        payload = hashlib.sha256(data.reshape(-1).view(torch.uint8).numpy().data)
-        self._lines[name] = f"{name}|{data.dtype}|{tuple(data.shape)}|{payload.hexdigest()}"
-
-    def hexdigest(self) -> str:
-        digest = hashlib.sha256()
-        for name in sorted(self._lines):
-            digest.update(self._lines[name].encode() + b"\n")
-        return digest.hexdigest()
-
-
-def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """The `WeightsDigest` of all of `named`: equal iff the weights are equal."""
-    digest = WeightsDigest()
-    for name, tensor in named:
-        digest.add(name, tensor)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

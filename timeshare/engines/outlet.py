@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 import anyio
 import torch
 
-from timeshare.engines.base import WeightsDigest
+from timeshare.engines.digest import WeightsDigest
 from timeshare.protocols.weights.layout import Weight
 from timeshare.protocols.weights.lent import LentTensor
 

@@ -28,8 +28,9 @@ import structlog
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from timeshare import logs
-from timeshare.engines.base import RolloutEngine, RolloutSample, TrainerEngine, WeightsDigest
+from timeshare.engines.base import RolloutEngine, RolloutSample, TrainerEngine
 from timeshare.engines.context import EngineContext
+from timeshare.engines.digest import WeightsDigest
 from timeshare.engines.faults import Fault
 from timeshare.engines.outlet import digested
 from timeshare.engines.pairs import build_rollout, build_trainer, workload_of

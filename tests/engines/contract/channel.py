@@ -19,7 +19,7 @@ from pathlib import Path
 import anyio
 
 from tests.conftest import socket_files, staging_segments
-from timeshare.engines.base import WeightsDigest
+from timeshare.engines.digest import WeightsDigest
 from timeshare.engines.outlet import digested
 from timeshare.protocols.weights import TransferConfig, TransferReport, WeightSender
 from timeshare.protocols.weights.layout import Weight

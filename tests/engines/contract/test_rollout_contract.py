@@ -20,7 +20,8 @@ import torch
 from tests.engines.contract.conftest import ROLLOUTS, kinds
 from tests.engines.contract.rollouts import COMPLETION, RolloutHarness, sampling
 from timeshare.engines import registry
-from timeshare.engines.base import RolloutEngine, RolloutRequest, RolloutSample, weights_digest
+from timeshare.engines.base import RolloutEngine, RolloutRequest, RolloutSample
+from timeshare.engines.digest import weights_digest
 from timeshare.errors import (
     GenerateTimeout,
     LoaderFailed,

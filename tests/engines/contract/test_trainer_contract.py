@@ -14,7 +14,8 @@ import pytest
 from tests.engines.contract.conftest import TRAINERS, kinds
 from tests.engines.contract.trainers import TrainerHarness, same_bytes
 from timeshare.engines import registry
-from timeshare.engines.base import TrainerEngine, weights_digest
+from timeshare.engines.base import TrainerEngine
+from timeshare.engines.digest import weights_digest
 from timeshare.errors import OffPolicy
 from timeshare.protocols.commands.results import TrainFigures
 

@@ -24,7 +24,8 @@ import torch
 
 from tests.engines.sglang import tiny_vl
 from tests.engines.sglang.conftest import TRANSFER, spec
-from timeshare.engines.base import RolloutRequest, SamplingParams, weights_digest
+from timeshare.engines.base import RolloutRequest, SamplingParams
+from timeshare.engines.digest import weights_digest
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.sglang.engine import SglangRollout
 from timeshare.errors import UnsupportedInput

@@ -10,12 +10,8 @@ import msgspec
 import pytest
 import torch
 
-from timeshare.engines.base import (
-    RolloutRequest,
-    RolloutSample,
-    SamplingParams,
-    weights_digest,
-)
+from timeshare.engines.base import RolloutRequest, RolloutSample, SamplingParams
+from timeshare.engines.digest import weights_digest
 from timeshare.engines.grpo import clipped_loss, figures_kept, group_advantages
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.spec import EngineChoice, check_engines, engine_spec

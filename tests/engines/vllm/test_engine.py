@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.engines.vllm.conftest import Engine, Named, named_weights
-from timeshare.engines.base import RolloutRequest, SamplingParams, weights_digest
+from timeshare.engines.base import RolloutRequest, SamplingParams
+from timeshare.engines.digest import weights_digest
 from timeshare.engines.load_report import LoadReport
 from timeshare.engines.torch_ref.model import CausalLM, init_model
 from timeshare.engines.vllm.report import REPORT_SOURCE

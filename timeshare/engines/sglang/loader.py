@@ -33,7 +33,7 @@ from typing import Any
 import structlog
 import torch
 
-from timeshare.engines.base import WeightsDigest
+from timeshare.engines.digest import WeightsDigest
 from timeshare.engines.load_report import LoadReport, LoadSeconds
 from timeshare.engines.sglang.order import LoadOrder, LoadOutcome
 from timeshare.errors import LoaderFailed, SessionClosed

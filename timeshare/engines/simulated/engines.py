@@ -27,9 +27,9 @@ from timeshare.engines.base import (
     RolloutTraits,
     TrainerEngine,
     refuse_unsupported,
-    weights_digest,
 )
 from timeshare.engines.context import EngineContext
+from timeshare.engines.digest import weights_digest
 from timeshare.engines.inlet import LocalInlet
 from timeshare.engines.simulated.spec import SimulatedSpec
 from timeshare.errors import LoaderFailed, SimulatedOOM

@@ -19,9 +19,9 @@ from timeshare.engines.base import (
     RolloutSample,
     RolloutTraits,
     refuse_unsupported,
-    weights_digest,
 )
 from timeshare.engines.context import EngineContext
+from timeshare.engines.digest import weights_digest
 from timeshare.engines.grpo import token_logprobs
 from timeshare.engines.inlet import LocalInlet
 from timeshare.engines.model_config import ModelConfig

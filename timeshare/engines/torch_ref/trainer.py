@@ -19,7 +19,8 @@ import structlog
 import torch
 import torch.distributed as dist
 
-from timeshare.engines.base import RolloutSample, weights_digest
+from timeshare.engines.base import RolloutSample
+from timeshare.engines.digest import weights_digest
 from timeshare.engines.grpo import (
     GrpoBatch,
     GrpoTrainer,

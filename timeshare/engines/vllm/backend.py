@@ -40,7 +40,7 @@ import msgspec
 import structlog
 import torch
 
-from timeshare.engines.base import WeightsDigest
+from timeshare.engines.digest import WeightsDigest
 from timeshare.engines.load_report import LoadReport, LoadSeconds
 from timeshare.engines.vllm.report import LOADER_REFUSED
 from timeshare.errors import LoaderFailed, SessionClosed, TimeshareError
