@@ -1,19 +1,19 @@
-"""Videos reach SGLang (verl #7802: its SGLang path dropped video silently), end to end on a
-tiny random Qwen2-VL that SGLang's CPU engine runs here; images, which SGLang 0.5.23 drops
-without a word when the prompt is token ids, are refused by name instead.
+"""Images and videos reach SGLang (verl #7802: its SGLang path dropped video silently), end to
+end on a tiny random Qwen2-VL that SGLang's CPU engine runs here, with token-id prompts.
 
 The engine starts from the model's directory, gets a whole version of its weights through the
-channel (the loader checks each against the checkpoint's names and shapes), and samples with a
-video or another one: the same seed with another video gives other logprobs (the video reached
-the model), the same video gives the same sample. What the engine cannot honour is refused
-naming the field; what SGLang itself drops is caught (test_engine_catches...).
+channel (the loader checks each against the checkpoint's names and shapes), and samples with an
+image or a video or another one: the same seed with another medium gives other logprobs (it
+reached the model), the same medium gives the same sample. A medium SGLang would drop (no
+placeholder of its own in the prompt) is refused naming the request; one SGLang drops anyway is
+caught after the fact; what the engine cannot honour at all is refused naming the field.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 
@@ -28,6 +28,7 @@ from timeshare.engines.base import RolloutRequest, SamplingParams
 from timeshare.engines.digest import weights_digest
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.sglang.engine import SglangRollout
+from timeshare.engines.sglang.media import MediaPlaceholders
 from timeshare.errors import UnsupportedInput
 from timeshare.protocols.weights import WeightSender
 from timeshare.protocols.weights.segments import SHM_DIR as SHM
@@ -90,45 +91,80 @@ def picture(seed: int) -> object:
     return Image.fromarray(frames(seed)[0])
 
 
-def test_a_multimodal_model_declares_videos(vl_engine: SglangRollout) -> None:
-    assert vl_engine.traits().inputs == {"videos"}
+def test_a_multimodal_model_declares_images_and_videos(vl_engine: SglangRollout) -> None:
+    assert vl_engine.traits().inputs == {"images", "videos"}
 
 
-def test_a_video_reaches_the_model(vl_engine: SglangRollout) -> None:
-    [first] = vl_engine.generate([request(vl_engine, "video", frames(1))])
-    [again] = vl_engine.generate([request(vl_engine, "video", frames(1))])
-    [other] = vl_engine.generate([request(vl_engine, "video", frames(2))])
+@pytest.mark.parametrize(
+    ("media", "make"), [("image", picture), ("video", frames)], ids=["image", "video"]
+)
+def test_a_medium_reaches_the_model(
+    vl_engine: SglangRollout, media: str, make: Callable[[int], object]
+) -> None:
+    [first] = vl_engine.generate([request(vl_engine, media, make(1))])
+    [again] = vl_engine.generate([request(vl_engine, media, make(1))])
+    [other] = vl_engine.generate([request(vl_engine, media, make(2))])
     assert len(first.tokens) == SAMPLING.max_tokens and first.weight_version == 1
-    assert first == again  # seeded: the same video gives the same sample
-    # The same seed and prompt with another video: the model saw it (not dropped).
+    assert first == again  # seeded: the same medium gives the same sample
+    # The same seed and prompt with another medium: the model saw it (not dropped).
     assert not torch.allclose(torch.tensor(first.logprobs), torch.tensor(other.logprobs))
+
+
+def test_images_videos_and_plain_prompts_share_a_batch(vl_engine: SglangRollout) -> None:
+    """Each request of a batch gets its own media and only its own: another image changes the
+    image's sample, not its neighbours' (the seeds are the batch's, by position)."""
+    video = request(vl_engine, "video", frames(1))
+    plain_prompt = tuple(vl_engine.tokenizer(tiny_vl.prompt(None))["input_ids"])  # type: ignore[attr-defined]
+    plain = RolloutRequest("plain", plain_prompt, SAMPLING)
+    first = vl_engine.generate([request(vl_engine, "image", picture(1)), video, plain])
+    other = vl_engine.generate([request(vl_engine, "image", picture(2)), video, plain])
+    assert [len(sample.tokens) for sample in first] == [SAMPLING.max_tokens] * 3
+    assert not torch.allclose(torch.tensor(first[0].logprobs), torch.tensor(other[0].logprobs))
+    assert first[1:] == other[1:]
+
+
+def test_what_sglang_would_drop_is_refused_naming_the_request(vl_engine: SglangRollout) -> None:
+    image = request(vl_engine, "image", picture(1))
+    two_images = replace(image, request_id="two-images", images=(picture(1), picture(2)))
+    with pytest.raises(UnsupportedInput, match=r"'two-images' has 2 images and 1 placeholders"):
+        vl_engine.generate([image, two_images])
+    unplaced = replace(
+        image,
+        request_id="no-placeholder",
+        prompt_tokens=tuple(vl_engine.tokenizer(tiny_vl.prompt(None))["input_ids"]),  # type: ignore[attr-defined]
+    )
+    with pytest.raises(UnsupportedInput, match=r"'no-placeholder' has 1 images and 0 placeholders"):
+        vl_engine.generate([unplaced])
+    assert len(vl_engine.generate([image])) == 1
 
 
 def test_what_it_cannot_honour_is_refused_by_name(vl_engine: SglangRollout) -> None:
     plain = request(vl_engine, "video", frames(1))
-    for refused in (
-        request(vl_engine, "image", picture(1)),
-        RolloutRequest(
-            "with-processor-output",
-            plain.prompt_tokens,
-            SAMPLING,
-            processor_output={"pixel_values_videos": [[0.0]]},
-        ),
-    ):
-        field = next(iter(refused.fields_in_use()))
-        with pytest.raises(UnsupportedInput, match=rf"{field} .*{refused.request_id!r}"):
-            vl_engine.generate([plain, refused])
+    refused = RolloutRequest(
+        "with-processor-output",
+        plain.prompt_tokens,
+        SAMPLING,
+        processor_output={"pixel_values_videos": [[0.0]]},
+    )
+    with pytest.raises(UnsupportedInput, match=rf"processor_output .*{refused.request_id!r}"):
+        vl_engine.generate([plain, refused])
     assert len(vl_engine.generate([plain])) == 1
 
 
 def test_a_medium_sglang_drops_is_caught_naming_the_request(vl_engine: SglangRollout) -> None:
-    """An image let through to SGLang (as if declared) comes back unused: caught, not sampled."""
-    images = request(vl_engine, "image", picture(1))
-    declared = vl_engine.traits
-    vl_engine.traits = lambda: replace(declared(), inputs=frozenset({"images", "videos"}))  # type: ignore[method-assign]
+    """An image whose prompt has no placeholder, let through to SGLang (as if the check before
+    had counted another token), comes back unused: caught, not sampled."""
+    unplaced = replace(
+        request(vl_engine, "image", picture(1)),
+        request_id="dropped",
+        prompt_tokens=tuple(vl_engine.tokenizer(tiny_vl.prompt(None))["input_ids"]),  # type: ignore[attr-defined]
+    )
+    checked = vl_engine.media
+    describe = vl_engine.tokenizer.convert_tokens_to_ids(tiny_vl.SPACE + "describe")  # type: ignore[attr-defined]
+    vl_engine.media = MediaPlaceholders({**checked.ids, "images": describe})
     try:
-        with pytest.raises(UnsupportedInput, match=r"'with-image' without its images"):
-            vl_engine.generate([images])
+        with pytest.raises(UnsupportedInput, match=r"'dropped' without its images"):
+            vl_engine.generate([unplaced])
     finally:
-        del vl_engine.traits
-    assert len(vl_engine.generate([request(vl_engine, "video", frames(1))])) == 1
+        vl_engine.media = checked
+    assert len(vl_engine.generate([request(vl_engine, "image", picture(1))])) == 1

@@ -20,20 +20,27 @@ SPECIAL_TOKENS = [
     "<|video_pad|>",
 ]
 WORDS = ["user", "assistant", "describe", "the", "image", "video"]
+# Words carry their leading space ("▁user"), as in SentencePiece vocabularies: decoding ids
+# gives back the prompt's text exactly, as a real tokenizer's does. SGLang's processor decodes
+# token-id prompts and finds each image's placeholder in that text; a decoder that put spaces
+# between tokens would hide the placeholder from it (and the image would be dropped).
+SPACE = "▁"
 VOCAB = 64  # what the model's embedding holds (more than the tokenizer's words)
 PIXELS = 56 * 56  # the processors' smallest picture: a few patches per frame
 
 
-def prompt(media: str) -> str:
-    """A user turn with one image or video placeholder, and the assistant's turn opened."""
+def prompt(media: str | None) -> str:
+    """A user turn with one image or video placeholder (None: with none), and the assistant's
+    turn opened."""
+    placeholder = f"<|vision_start|><|{media}_pad|><|vision_end|>" if media else ""
     return (
-        f"<|im_start|>user <|vision_start|><|{media}_pad|><|vision_end|> describe the {media}"
-        "<|im_end|><|im_start|>assistant "
+        f"<|im_start|> user{placeholder} describe the {media or 'image'}"
+        "<|im_end|><|im_start|> assistant"
     )
 
 
 def build(directory: Path) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import (
         PreTrainedTokenizerFast,
         Qwen2VLConfig,
@@ -45,9 +52,11 @@ def build(directory: Path) -> Path:
 
     directory.mkdir(parents=True, exist_ok=True)
     unknown, end, pad = "[UNK]", "<|im_end|>", "<|endoftext|>"
-    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *WORDS, unknown])}
+    spaced = [SPACE + word for word in WORDS]
+    vocab = {token: index for index, token in enumerate([*SPECIAL_TOKENS, *spaced, unknown])}
     words = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unknown))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPACE, prepend_scheme="never")
+    words.decoder = decoders.Metaspace(replacement=SPACE, prepend_scheme="never")
     tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=words,
         unk_token=unknown,

@@ -10,11 +10,10 @@ Generation: token-id prompts, each request with its own seed (the batch's seed a
 SGLang honours it through seeded_sampling.py), the logprobs of the sampled tokens (SGLang's
 default: of the processed distribution, after temperature and top-p), and the weight version on
 every sample. A generate past its deadline is aborted inside SGLang, which is then waited idle:
-the engine stays usable. Videos reach SGLang's `video_data` where the model takes them; images
-are refused naming the field, as is any medium on a text model: SGLang 0.5.23 drops an image
-given with a token-id prompt without a word (its placeholder is not expanded; found here, on a
-tiny Qwen2-VL). Whatever SGLang did with a medium, each sample is checked: a prompt SGLang did
-not expand is `UnsupportedInput` naming the request, never a sample made without its medium.
+the engine stays usable. Images and videos reach SGLang's `image_data`/`video_data` where the
+model takes them, each checked to have a placeholder of its own in the prompt and to have been
+expanded by SGLang (media.py: what SGLang would drop is refused naming the request); any medium
+is refused naming the field on a text model.
 
 Memory: `sleep()` waits for SGLang to be idle (its cache flushes only then: a release that races
 a generate kills its scheduler) and releases weights and KV cache; `wake(tags)` brings back the
@@ -52,6 +51,7 @@ from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import write_config_dir
 from timeshare.engines.sglang import loader
 from timeshare.engines.sglang.boot import HOST_PID_ENV
+from timeshare.engines.sglang.media import MediaPlaceholders
 from timeshare.engines.sglang.order import LoadOrder, LoadOutcome
 from timeshare.engines.sglang.spec import SglangSpec
 from timeshare.engines.task import mix
@@ -61,7 +61,6 @@ from timeshare.errors import (
     LoaderFailed,
     TimeshareError,
     TransferError,
-    UnsupportedInput,
 )
 from timeshare.protocols.weights import TransferConfig, TransferReport
 from timeshare.protocols.weights.segments import SHM_DIR
@@ -190,7 +189,7 @@ class SglangRollout(RolloutEngine):
         # A semaphore that a process of SGLang's start-up made and left (a multimodal model's
         # start leaves one): nobody maps it, so nobody would ever unlink it.
         self._orphans = sorted(_semaphores() - semaphores - _mapped_anywhere(SEMAPHORE_PREFIX))
-        self.multimodal = _takes_images(self.sgl)
+        self.media = MediaPlaceholders.of_model(self.sgl.tokenizer_manager.model_config)
         # SGLang takes a prompt of at most max_req_input_len tokens (its context_length less 6):
         # one more is what a prompt and a completion of at least one token may hold, always.
         self.max_tokens = int(self.sgl.tokenizer_manager.max_req_input_len) + 1
@@ -201,7 +200,7 @@ class SglangRollout(RolloutEngine):
             seconds=round(time.perf_counter() - started, 1),
             device=self.device,
             releases_memory=self.releases,
-            multimodal=self.multimodal,
+            media=sorted(self.media.fields),
         )
 
     # -- calls into SGLang ----------------------------------------------------------------------
@@ -310,12 +309,10 @@ class SglangRollout(RolloutEngine):
     # -- generation -----------------------------------------------------------------------------
 
     def traits(self) -> RolloutTraits:
-        """Videos where the model takes them (not images: see the module's docstring); sleep
-        frees memory only where torch_memory_saver can (CUDA); a sequence fits what SGLang takes
-        (`max_tokens`)."""
-        inputs = frozenset({"videos"}) if self.multimodal else frozenset()
+        """Images and videos where the model takes them (media.py); sleep frees memory only
+        where torch_memory_saver can (CUDA); a sequence fits what SGLang takes (`max_tokens`)."""
         return RolloutTraits(
-            inputs=inputs, releases_memory=self.releases, max_tokens=self.max_tokens
+            inputs=self.media.fields, releases_memory=self.releases, max_tokens=self.max_tokens
         )
 
     def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
@@ -324,6 +321,7 @@ class SglangRollout(RolloutEngine):
         traits = self.traits()
         for request in requests:
             refuse_unsupported(request, traits, "SGLang rollout")
+            self.media.check_request(request)
         if not requests:
             return []
         batch = f"g{next(self._ids)}-r{self.rank}"
@@ -349,7 +347,7 @@ class SglangRollout(RolloutEngine):
                 f"running after {self.generate_timeout_s:g} s (aborted)"
             )
         for request, output in zip(requests, outputs, strict=True):
-            _check_media_used(request, output)
+            self.media.check_used(request, output)
         return [
             _sample(request, output, version)
             for request, output in zip(requests, outputs, strict=True)
@@ -480,12 +478,6 @@ def _success_of(answer: Any) -> tuple[bool, str]:
     return bool(getattr(answer, "success", True)), str(getattr(answer, "message", ""))
 
 
-def _takes_images(sgl: Any) -> bool:
-    """Whether SGLang runs the model as a multimodal one."""
-    config = getattr(sgl.tokenizer_manager, "model_config", None)
-    return bool(getattr(config, "is_multimodal", False))
-
-
 def _sampling(request: RolloutRequest, index: int) -> dict[str, Any]:
     sampling = request.sampling
     seed = secrets.randbits(63) if sampling.seed is None else mix(sampling.seed, index)
@@ -496,18 +488,6 @@ def _sampling(request: RolloutRequest, index: int) -> dict[str, Any]:
         "sampling_seed": seed,
         "ignore_eos": True,
     }
-
-
-def _check_media_used(request: RolloutRequest, output: dict[str, Any]) -> None:
-    """A request with media whose prompt SGLang did not expand was sampled without them."""
-    media = request.fields_in_use() & {"images", "videos"}
-    used = int(output["meta_info"].get("prompt_tokens", 0))
-    if media and used <= len(request.prompt_tokens):
-        raise UnsupportedInput(
-            f"SGLang sampled request {request.request_id!r} without its "
-            f"{', '.join(sorted(media))}: its prompt of {len(request.prompt_tokens)} tokens was "
-            f"not expanded ({used} tokens used)"
-        )
 
 
 def _sample(request: RolloutRequest, output: dict[str, Any], version: int) -> RolloutSample:
