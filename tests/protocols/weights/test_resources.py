@@ -1,110 +1,66 @@
-"""Many transfers leave nothing behind: fds, staging, socket files, threads and RSS stay flat."""
+"""Many transfers leave nothing behind: fds, staging, socket files, threads and RSS stay flat.
+
+Each scenario runs in a fresh interpreter (churn.py), so that RSS is the channel's alone.
+"""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import os
-import threading
-from dataclasses import dataclass
+import subprocess
+import sys
 from pathlib import Path
 
-import anyio
-import psutil
+import msgspec
 import pytest
-import torch
 
-from tests.conftest import socket_files, staging_segments
-from timeshare.protocols.weights import TransferConfig, WeightReceiver, WeightSender
+from tests.protocols.weights.churn import Usage
 
-CFG = TransferConfig(bucket_mb=1, pipeline_depth=2, ack_timeout_s=20.0)
-WEIGHTS = {f"w{i}": torch.randn(300_000) for i in range(4)}  # 4.6 MiB, split over 1 MiB buckets
 RSS_TOLERANCE = 24 * 2**20
-LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
+ROOT = Path(__file__).resolve().parents[3]
 
 
-@dataclass(frozen=True)
-class Usage:
-    fds: int
-    segments: int
-    sockets: int
-    threads: int
-    rss: int
+class Report(msgspec.Struct):
+    versions: list[int]
+    before: Usage
+    after: Usage
+    during: Usage | None = None
 
-    @classmethod
-    def now(cls, runtime_dir: Path) -> Usage:
-        # Memory freed but kept by glibc's allocator is not a leak: return it to the system
-        # first, so that what RSS still holds is held by live objects. (A pytest worker that
-        # ran an engine in-process before, vLLM's or FSDP's threads, keeps many arenas whose
-        # free pages would otherwise count.)
-        LIBC.malloc_trim(0)
-        return cls(
-            fds=len(os.listdir("/proc/self/fd")),
-            segments=len(staging_segments(runtime_dir)),
-            sockets=len(socket_files(runtime_dir)),
-            threads=threading.active_count(),
-            rss=psutil.Process().memory_info().rss,
-        )
+
+def churn(scenario: str, runtime_dir: Path) -> Report:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.protocols.weights.churn", scenario, str(runtime_dir)],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return msgspec.json.decode(done.stdout.splitlines()[-1], type=Report)
 
 
 def assert_flat(before: Usage, after: Usage) -> None:
     assert after.fds <= before.fds + 2, (before, after)
     assert after.segments <= before.segments, (before, after)
     assert after.sockets == 0, (before, after)
+    assert after.shm_maps <= before.shm_maps, (before, after)
     assert after.threads <= before.threads + 2, (before, after)
     assert after.rss - before.rss < RSS_TOLERANCE, (before, after)
 
 
-def receiving(url: str, transfers: int, versions: list[int]) -> threading.Thread:
-    def run() -> None:
-        with WeightReceiver(url, CFG) as receiver:
-            for _ in range(transfers):
-                versions.append(receiver.receive(lambda items: None).version)
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread
-
-
-async def transfer(url: str, versions: range, receiver_versions: list[int]) -> None:
-    thread = receiving(url, len(versions), receiver_versions)
-    with WeightSender(url, CFG) as sender:
-        for version in versions:
-            await sender.send(WEIGHTS, version=version)
-    await anyio.to_thread.run_sync(thread.join, 30)
-    assert not thread.is_alive()
-
-
 @pytest.mark.slow
-@pytest.mark.asyncio
-async def test_200_transfers_on_one_session(runtime_dir: Path) -> None:
-    url = f"ipc://{runtime_dir}/w.sock"
-    versions: list[int] = []
-    thread = receiving(url, 210, versions)
-    with WeightSender(url, CFG) as sender:
-        for version in range(10):
-            await sender.send(WEIGHTS, version=version)
-        before = Usage.now(runtime_dir)
-        for version in range(10, 210):
-            await sender.send(WEIGHTS, version=version)
-        during = Usage.now(runtime_dir)
-    await anyio.to_thread.run_sync(thread.join, 30)
-    assert versions == list(range(210))
+def test_200_transfers_on_one_session(runtime_dir: Path) -> None:
+    report = churn("one-session", runtime_dir)
+    before, during = report.before, report.during
+    assert report.versions == list(range(210)) and during is not None
     # The open session holds its socket file; everything else must not have grown.
     assert during.fds <= before.fds + 2 and during.segments == before.segments, (before, during)
+    assert during.shm_maps <= before.shm_maps, (before, during)
     assert during.rss - before.rss < RSS_TOLERANCE, (before, during)
-    assert_flat(before, Usage.now(runtime_dir))
+    assert_flat(before, report.after)
 
 
 @pytest.mark.slow
-@pytest.mark.asyncio
-async def test_50_transfers_with_a_fresh_pair_each(runtime_dir: Path) -> None:
-    url = f"ipc://{runtime_dir}/w.sock"
-    versions: list[int] = []
-    for version in range(5):
-        await transfer(url, range(version, version + 1), versions)
-    before = Usage.now(runtime_dir)
-    for version in range(5, 55):
-        await transfer(url, range(version, version + 1), versions)
-    assert versions == list(range(55))
-    assert_flat(before, Usage.now(runtime_dir))
+def test_50_transfers_with_a_fresh_pair_each(runtime_dir: Path) -> None:
+    report = churn("fresh-pairs", runtime_dir)
+    assert report.versions == list(range(55))
+    assert_flat(report.before, report.after)
