@@ -24,7 +24,6 @@ from typing import NamedTuple
 
 import anyio
 import structlog
-import torch
 import zmq
 
 from timeshare.errors import AckTimeout, PeerError, ProtocolError, SessionClosed, TransferError
@@ -259,7 +258,7 @@ class WeightSender:
             in_flight = None
         buffer = free.popleft()
         with self._spans.span(f"pack {index}"):
-            checksum = await self._pack(bucket, self._staging.buffers[buffer])
+            checksum = await self._pack(bucket, buffer)
         self._checksummed += checksum is not None
         pieces = [p.piece for p in bucket.pieces]
         # Packed: the sources may go now (a trainer gathering its weights one at a time frees
@@ -274,24 +273,30 @@ class WeightSender:
         await self._socket.send(header, "bucket", seq, bucket=index)
         return InFlight(seq, buffer, index, time.perf_counter())
 
-    async def _pack(self, bucket: PlannedBucket, buffer: torch.Tensor) -> int | None:
+    async def _pack(self, bucket: PlannedBucket, index: int) -> int | None:
+        staging = self._staging
+        assert staging is not None
+        buffer = staging.buffers[index]
+
         def work() -> int | None:
+            staging.ready(index)  # a cold session's buffer may still be faulting in
             pack(bucket, buffer)
             fence(written_devices(bucket, buffer))
             if self.config.checksum:  # after every write, a LentTensor's padding included
                 return crc32(buffer[: bucket.extent])
             return None
 
-        # A LentTensor's write may wait on a collective: never on the event loop, however small.
-        if bucket.payload <= INLINE_PACK_BYTES and not bucket.lends:
+        # A LentTensor's write may wait on a collective, and a buffer may still be faulting in:
+        # never on the event loop, however small.
+        if bucket.payload <= INLINE_PACK_BYTES and not bucket.lends and staging.is_ready(index):
             return work()
         # Not abandoned on cancel: staging must not be freed while a thread still writes it.
         return await anyio.to_thread.run_sync(work)
 
     async def _handshake(self) -> Staging:
-        # Creating staging touches every page once (shm.py's `fault_in`: torch writes the buffers
-        # and releases the GIL meanwhile; no MAP_POPULATE, which would hold it through the whole
-        # mmap call): tens of ms per buffer, so in a worker thread, off the event loop.
+        # Staging's pages are faulted in after the handshake, in the background (hundreds of ms
+        # per 512 MiB buffer): each bucket's pack waits only for its own buffer. Creating it
+        # (segments, mappings) is file system calls: in a worker thread, off the event loop.
         staging = await anyio.to_thread.run_sync(
             partial(
                 create_staging,
@@ -309,6 +314,7 @@ class WeightSender:
             await self._socket.invite(self.config.handshake_timeout_s)
             offer = frames.Offer(PROTOCOL_VERSION, self._session, staging.describe())
             await self._socket.request(offer, "mapped", self.config.handshake_timeout_s, seq=0)
+            staging.start_fault_in()
         finally:
             # Named only until the receiver has mapped it (or failed to): nothing to sweep later.
             staging.unlink_names()

@@ -40,6 +40,20 @@ class Staging(ABC):
         """A fresh tensor over buffer `index` and its storage (see `views_alive`)."""
 
     @abstractmethod
+    def start_fault_in(self) -> None:
+        """The sender, once the handshake is over: start setting every buffer up for use (its
+        pages faulted in) in the background; `ready` waits for one."""
+
+    @abstractmethod
+    def is_ready(self, index: int) -> bool:
+        """Whether buffer `index` can be used without waiting (see `ready`)."""
+
+    @abstractmethod
+    def ready(self, index: int) -> None:
+        """Wait (bounded) until buffer `index` is set up for use (`start_fault_in`). Blocking:
+        call it off the event loop."""
+
+    @abstractmethod
     def close(self) -> None:
         """Release the mappings; never unmaps memory a live tensor still views."""
 
