@@ -26,7 +26,9 @@ import torch
 from tests.conftest import socket_files, staging_segments
 from timeshare.protocols.weights import TransferConfig, WeightReceiver, WeightSender
 
-CFG = TransferConfig(bucket_mb=1, pipeline_depth=2, ack_timeout_s=20.0)
+# linger_s: a fresh pair's sender says goodbye to a receiver that has often closed already, and
+# waits linger_s for an answer that will not come (1 s by default: 55 s over these pairs).
+CFG = TransferConfig(bucket_mb=1, pipeline_depth=2, ack_timeout_s=20.0, linger_s=0.2)
 WEIGHTS = {f"w{i}": torch.randn(300_000) for i in range(4)}  # 4.6 MiB, split over 1 MiB buckets
 LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
 
