@@ -21,6 +21,7 @@ Target (issue 26): timeshare's cold time <= verl-style's at 64 MiB and 512 MiB b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,19 @@ def spawn(role: str, **args: Any) -> subprocess.Popen[str]:
         peer.kill()
         raise RuntimeError(f"{role} receiver did not start")
     return peer
+
+
+@contextlib.contextmanager
+def running(role: str, **args: Any) -> Iterator[None]:
+    """A receiver process for the block: waited for after it, killed if the block failed."""
+    peer = spawn(role, **args)
+    try:
+        yield
+    except BaseException:
+        peer.kill()
+        raise
+    finally:
+        peer.wait(timeout=120)
 
 
 def destination(total_mb: int) -> dict[str, torch.Tensor]:
@@ -114,13 +129,11 @@ def timeshare_cold(
         "finalize_timeout_s": 120.0,
     }
     endpoint = f"ipc://{runtime_dir}/cold.sock"
-    with WeightSender(endpoint, TransferConfig(**config)) as sender:
-        peer = spawn("timeshare", endpoint=endpoint, config=config, total_mb=total_mb)
+    receiver = running("timeshare", endpoint=endpoint, config=config, total_mb=total_mb)
+    with WeightSender(endpoint, TransferConfig(**config)) as sender, receiver:
         started = time.perf_counter()
         anyio.run(lambda: sender.send(weights, version=1))
-        seconds = time.perf_counter() - started
-    peer.wait(timeout=120)
-    return seconds
+        return time.perf_counter() - started
 
 
 def verl_cold(
@@ -131,16 +144,33 @@ def verl_cold(
     socket = context.socket(zmq.REQ)
     socket.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
     socket.bind(endpoint)
-    peer = spawn("verl", endpoint=endpoint, total_mb=total_mb)
-    bucket_bytes = bucket_mb * MIB
+    try:
+        with running("verl", endpoint=endpoint, total_mb=total_mb):
+            return verl_send(socket, weights, bucket_mb * MIB)
+    finally:
+        socket.close(linger=0)
+        context.term()
+
+
+def verl_send(
+    socket: zmq.Socket[bytes], weights: dict[str, torch.Tensor], bucket_bytes: int
+) -> float:
+    """One version through one shared buffer made now, as verl sends it; the seconds it took."""
+    if any(tensor.nbytes > bucket_bytes for tensor in weights.values()):
+        raise ValueError("verl-style sends whole tensors: each must fit in a bucket")
     segment = str(SHM_DIR / f"ts-bench-verl-{os.getpid()}")
     started = time.perf_counter()
     fd = os.open(segment, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, bucket_bytes)
         mapped = mmap.mmap(fd, bucket_bytes, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.unlink(segment)
+        raise
+    finally:
         os.close(fd)
-        buffer = torch.frombuffer(mapped, dtype=torch.uint8)
+    buffer = torch.frombuffer(mapped, dtype=torch.uint8)
+    try:
         items = list(weights.items())
         while items:
             tensors, offset = [], 0
@@ -154,14 +184,11 @@ def verl_cold(
             socket.recv()  # the receiver copied the bucket out: the buffer is free again
         socket.send(pickle.dumps(None))
         socket.recv()
-        seconds = time.perf_counter() - started
+        return time.perf_counter() - started
     finally:
-        os.unlink(segment)
-        socket.close(linger=0)
-        context.term()
-    peer.wait(timeout=120)
-    del buffer
-    return seconds
+        os.unlink(segment)  # (the receiver opens it by name at the first bucket)
+        del buffer
+        mapped.close()
 
 
 def main() -> None:

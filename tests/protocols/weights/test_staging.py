@@ -69,7 +69,7 @@ def test_populate_faults_in_a_fresh_mapping() -> None:
         path.unlink()
     buffer = torch.frombuffer(mapped, dtype=torch.uint8)
     assert resident_bytes(buffer) == 0
-    populate(buffer, write=True)
+    populate(buffer)
     assert resident_bytes(buffer) == BUFFER_BYTES
     del buffer
     mapped.close()

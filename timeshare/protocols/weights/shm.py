@@ -12,7 +12,7 @@ import contextlib
 import ctypes
 import mmap
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import structlog
 import torch
@@ -25,7 +25,6 @@ from timeshare.protocols.weights.staging import Staging
 log = structlog.get_logger(__name__)
 
 # madvise(2) advice that populates a range in one call (Linux 5.14); not in Python 3.11's mmap.
-MADV_POPULATE_READ = 22
 MADV_POPULATE_WRITE = 23
 _LIBC = ctypes.CDLL(None, use_errno=True)
 # The least a buffer's fault-in is waited for, however small (a loaded machine).
@@ -46,7 +45,7 @@ class SharedMemoryStaging(Staging):
         self.buffer_bytes = buffer_bytes
         self.buffers = [torch.frombuffer(memoryview(m), dtype=torch.uint8) for m in maps]
         self._faulting: ThreadPoolExecutor | None = None
-        self._faulted: list[Future[None]] = []  # each buffer's fault-in
+        self._faulted: list[Future[None]] = []  # each buffer's fault-in, once started
 
     @classmethod
     def create(
@@ -91,13 +90,13 @@ class SharedMemoryStaging(Staging):
         its own, with the GIL released. Started after the handshake: a peer's mmap of a segment
         waits while its pages are being populated (0.8 s for 1 GiB here).
         """
-        if self._faulting is not None:
+        if self._faulted:
             return
         workers = min(len(self.buffers), os.cpu_count() or 1)
         self._faulting = ThreadPoolExecutor(workers, thread_name_prefix="timeshare-fault-in")
         # One thread a buffer: populating one segment from two threads scales badly here (they
         # contend on its page cache), two segments at once nearly twice as well.
-        self._faulted = [self._faulting.submit(populate, b, write=True) for b in self.buffers]
+        self._faulted = [self._faulting.submit(populate, buffer) for buffer in self.buffers]
         self._faulting.shutdown(wait=False)  # its threads end with their work, not the session
 
     def is_ready(self, index: int) -> bool:
@@ -106,8 +105,7 @@ class SharedMemoryStaging(Staging):
     def ready(self, index: int) -> None:
         if not self._faulted:
             return
-        # Bounded: the kernel faults in a GiB in about a second here; allow 20x that.
-        deadline_s = FAULT_IN_MIN_S + 20 * self.buffer_bytes / 2**30
+        deadline_s = self._fault_in_deadline_s()
         try:
             self._faulted[index].result(timeout=deadline_s)
         except TimeoutError as exc:
@@ -116,11 +114,9 @@ class SharedMemoryStaging(Staging):
                 f"{deadline_s:.0f} s"
             ) from exc
 
-    def _stop_faulting(self) -> None:
-        """Wait for the fault-in threads to end (never unmap under a running madvise)."""
-        if self._faulting is not None:
-            self._faulting.shutdown(wait=True)
-            self._faulting = None
+    def _fault_in_deadline_s(self) -> float:
+        """Bounded: the kernel faults in a GiB in about a second here; allow 20x that."""
+        return FAULT_IN_MIN_S + 20 * self.buffer_bytes / 2**30
 
     def describe(self) -> ShmSegments:
         return ShmSegments(names=list(self._names), buffer_bytes=self.buffer_bytes)
@@ -142,7 +138,15 @@ class SharedMemoryStaging(Staging):
 
     def close(self) -> None:
         """Unmap every buffer that nothing views any more; forget the rest safely."""
-        self._stop_faulting()
+        # Never unmap under a running madvise: a fault-in still running past its deadline leaves
+        # the buffers mapped (they go with the process).
+        _, running = wait(self._faulted, timeout=self._fault_in_deadline_s())
+        if running:
+            log.warning("staging.close.still_faulting", buffers=len(running))
+            return
+        if self._faulting is not None:
+            self._faulting.shutdown(wait=True)  # their work is done: the threads are ending
+            self._faulting = None
         self.buffers = []
         kept = 0
         for m in self._maps:
@@ -155,18 +159,13 @@ class SharedMemoryStaging(Staging):
             log.warning("staging.close.views_alive", buffers=kept)
 
 
-def populate(buffer: torch.Tensor, *, write: bool) -> None:
-    """Have the kernel fault in every page of `buffer` (a mapping of its own), for writing or
-    for reading; where it cannot (a kernel before 5.14), touch every page from torch. Both
-    release the GIL (ctypes calls and torch's kernels do)."""
-    advice = MADV_POPULATE_WRITE if write else MADV_POPULATE_READ
+def populate(buffer: torch.Tensor) -> None:
+    """Have the kernel fault in every page of `buffer` (a mapping of its own) for writing; where
+    it cannot (a kernel before 5.14), touch every page from torch. Both release the GIL (ctypes
+    calls and torch's kernels do)."""
     address, length = ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(buffer.numel())
-    if _LIBC.madvise(address, length, advice) == 0:
-        return
-    if write:
+    if _LIBC.madvise(address, length, MADV_POPULATE_WRITE) != 0:
         buffer.zero_()
-    else:
-        buffer.max()
 
 
 def _create_segment(name: str, nbytes: int) -> mmap.mmap:
