@@ -145,7 +145,7 @@ def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> 
     _check_nesting(config, sources)
     _check_runtime_dir(config, sources)
     check_cluster(config.cluster, config.job.ranks, lambda key: sources.get(key, "default"))
-    check_engines(config.engine, lambda key: sources.get(key, "default"))
+    check_engines(config.engine, lambda key: sources.get(key, "default"), ranks=config.job.ranks)
     return LoadedConfig(config, sources)
 
 

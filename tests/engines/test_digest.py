@@ -68,3 +68,13 @@ def test_tensors_added_from_several_threads_all_count() -> None:
     for thread in threads:
         thread.join(timeout=30)
     assert digest.hexdigest() == weights_digest(named)
+
+
+def test_hashing_a_parameter_leaves_its_storage_resizable() -> None:
+    # OFFLOAD frees a parameter's storage by resizing it: a hash that exported the tensor to
+    # numpy would have marked that storage not resizable for good (a trainer sending its own
+    # replicated parameters, Megatron's norms, then failed at offload_params).
+    parameter = torch.nn.Parameter(torch.randn(64))
+    tensor_hash(parameter)
+    assert parameter.untyped_storage().resizable()
+    parameter.untyped_storage().resize_(0)

@@ -18,6 +18,7 @@ trainer's CPU tensors, host staging on both ends). A device tensor is copied to 
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterable
 
 import torch
@@ -32,7 +33,11 @@ def tensor_hash(tensor: torch.Tensor) -> str:
     if data.device.type != "cpu":
         data = data.cpu()
     data = data.contiguous()
-    bytes_: memoryview = data.reshape(-1).view(torch.uint8).numpy().data
+    # The bytes read in place through ctypes, not `.numpy()`: a tensor once exported to numpy
+    # has its storage marked not resizable for good, and OFFLOAD frees a parameter's storage by
+    # resizing it (host_memory.py): hashing a trainer's own parameter must leave it as it was.
+    # `data` holds the storage while the hash reads it.
+    bytes_ = (ctypes.c_char * (data.numel() * data.element_size())).from_address(data.data_ptr())
     return xxhash.xxh3_128_hexdigest(bytes_)
 
 

@@ -88,3 +88,11 @@ class TrainsModel(Protocol):
     """A trainer's settings that say which model it trains (torch_ref's, FSDP's)."""
 
     def trained_model(self) -> TrainedModel: ...
+
+
+@runtime_checkable
+class SplitsRanks(Protocol):
+    """A trainer's settings that split the job's ranks into groups (Megatron's tensor-parallel
+    groups): whether `job.ranks` splits is checked when the config is loaded."""
+
+    def check_ranks(self, ranks: int) -> None: ...

@@ -20,6 +20,8 @@ import msgspec
 from timeshare.engines.model_config import ModelConfig
 from timeshare.errors import ConfigError
 
+INDEX_FILE = "model.safetensors.index.json"
+
 Arch = Literal["llama", "qwen2"]
 # transformers' (config class, model class) of each architecture
 ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -107,3 +109,12 @@ def write_config_dir(config: ModelConfig, directory: Path) -> Path:
     )
     (directory / "config.json").write_text(json.dumps(values, indent=2))
     return directory
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a model directory: those its index names, else every one."""
+    index = directory / INDEX_FILE
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
+        return sorted({directory / name for name in weight_map.values()})
+    return sorted(directory.glob("*.safetensors"))

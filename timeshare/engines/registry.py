@@ -102,6 +102,15 @@ ENGINES: dict[str, EngineEntry] = {
         probe="timeshare.engines.fsdp.check:probe",
         extra="transformers",
     ),
+    "megatron": EngineEntry(
+        spec="timeshare.engines.megatron.spec:MegatronSpec",
+        family="causal_lm",
+        summary="Megatron-core GPTModel, tensor-parallel, over a Llama or Qwen2 HF directory",
+        trainer="timeshare.engines.megatron.trainer:build",
+        check="timeshare.engines.megatron.check:check",
+        probe="timeshare.engines.megatron.check:probe",
+        extra="megatron",
+    ),
 }
 
 

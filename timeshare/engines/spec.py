@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, cast
 import msgspec
 
 from timeshare.engines import registry
-from timeshare.engines.model_config import TrainedModel, TrainsModel
+from timeshare.engines.model_config import SplitsRanks, TrainedModel, TrainsModel
 from timeshare.engines.registry import Role
 from timeshare.engines.vocab import MIN_VOCAB, PROMPT_TOKENS
 from timeshare.errors import ConfigError
@@ -138,13 +138,19 @@ class EngineChoice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 Sources = Callable[[str], str]  # where a key's value came from ("file job.toml", "default")
 
 
-def check_engines(spec: EngineChoice, source_of: Sources = lambda key: "default") -> None:
+def check_engines(
+    spec: EngineChoice, source_of: Sources = lambda key: "default", *, ranks: int | None = None
+) -> None:
     """What the job's engines must accept, before any worker starts, quickest first: the
-    choice itself, each engine's own check, the task against the model, and last each engine's
-    probe (what needs its library, in a child process, or the model's files), the trainer's
-    first: its library names a directory it cannot read more precisely than a rollout would.
-    `source_of` names where a key's value came from, for the error."""
+    choice itself, the trainer's split of the job's `ranks` (when given), each engine's own
+    check, the task against the model, and last each engine's probe (what needs its library,
+    in a child process, or the model's files), the trainer's first: its library names a
+    directory it cannot read more precisely than a rollout would. `source_of` names where a
+    key's value came from, for the error."""
     check_choice(spec, source_of)
+    trainer = spec.section(spec.trainer)
+    if ranks is not None and isinstance(trainer, SplitsRanks):
+        trainer.check_ranks(ranks)
     for name, roles in spec.roles().items():
         if check := registry.ENGINES[name].check:
             registry.load(check)(spec, roles)

@@ -2,7 +2,7 @@
 each built through it, as anyio's `anyio_backend` fixture runs a test once per backend.
 
     rollout_engine   simulated, torch_ref, vllm, sglang  (a `RolloutHarness`, rollouts.py)
-    trainer_engine   torch_ref, fsdp               (a `TrainerHarness`, trainers.py)
+    trainer_engine   torch_ref, fsdp, megatron         (a `TrainerHarness`, trainers.py)
 
 Each test gets its engine with a whole version loaded and awake. Engines that start in
 milliseconds are built for each test and closed after it, and closing checks that the weight
@@ -30,7 +30,13 @@ from tests.engines.contract.rollouts import (
     SglangHarness,
     VllmHarness,
 )
-from tests.engines.contract.trainers import SHAPE, FsdpHarness, TorchRefHarness, TrainerHarness
+from tests.engines.contract.trainers import (
+    SHAPE,
+    FsdpHarness,
+    MegatronHarness,
+    TorchRefHarness,
+    TrainerHarness,
+)
 from timeshare.engines.model_dir import init_model_dir
 
 ROLLOUTS = [
@@ -41,7 +47,11 @@ ROLLOUTS = [
     pytest.param("sglang", marks=[pytest.mark.slow, pytest.mark.sglang]),
 ]
 SHARED = ("vllm", "sglang")  # engines that start slowly: one serves the module
-TRAINERS = ["torch_ref", pytest.param("fsdp", marks=pytest.mark.slow)]
+TRAINERS = [
+    "torch_ref",
+    pytest.param("fsdp", marks=pytest.mark.slow),
+    pytest.param("megatron", marks=pytest.mark.slow),
+]
 
 
 def kinds(params: Sequence[object]) -> set[str]:
@@ -118,6 +128,8 @@ def trainer_engine(request: pytest.FixtureRequest) -> Iterator[TrainerHarness]:
     harness: TrainerHarness
     if request.param == "fsdp":
         harness = FsdpHarness(request.getfixturevalue("fsdp_model_dir"))
+    elif request.param == "megatron":  # the same model directory: a Llama
+        harness = MegatronHarness(request.getfixturevalue("fsdp_model_dir"))
     else:
         harness = TorchRefHarness()
     try:

@@ -33,6 +33,7 @@ from timeshare.engines.base import RolloutEngine, RolloutSample, TrainerEngine
 from timeshare.engines.context import EngineContext
 from timeshare.engines.fsdp.trainer import FsdpTrainer
 from timeshare.engines.inlet import WeightInlet
+from timeshare.engines.megatron.trainer import MegatronTrainer
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import ModelShape
 from timeshare.engines.pairs import build_rollout, build_trainer
@@ -233,6 +234,50 @@ class FsdpHarness(TrainerHarness):
     def held_tensors(self, trainer: TrainerEngine) -> list[torch.Tensor]:
         trainer = fsdp(trainer)
         return held(trainer.module, trainer.optimizer, local)
+
+
+class MegatronHarness(TrainerHarness):
+    """The Megatron trainer as a world of one rank (tensor-parallel size 1): megatron's
+    process groups, forward and vocab-parallel cross entropy are real; TP=2 is proven by the
+    processes of tests/engines/megatron."""
+
+    kind = "megatron"
+
+    def __init__(self, model_dir: Path) -> None:
+        self.model_dir = model_dir
+        super().__init__(
+            engine_spec(
+                trainer="megatron",
+                rollout="torch_ref",
+                task=TASK,
+                megatron={"model_dir": str(model_dir)},
+                torch_ref={"kv_cache_len": KV_CACHE_LEN},
+            )
+        )
+
+    def initial_weights(self) -> Tensors:
+        return load_file(self.model_dir / "model.safetensors")
+
+    def parameters(self, trainer: TrainerEngine) -> Tensors:
+        trainer = megatron(trainer)
+        hf = {name: w for name, w in trainer.iter_weights()}
+        return {
+            name: w.materialize() if not isinstance(w, torch.Tensor) else w.clone()
+            for name, w in hf.items()
+        }
+
+    def state(self, trainer: TrainerEngine) -> Tensors:
+        trainer = megatron(trainer)
+        return named_state(trainer.model, trainer.optimizer, lambda tensor: tensor)
+
+    def held_tensors(self, trainer: TrainerEngine) -> list[torch.Tensor]:
+        trainer = megatron(trainer)
+        return held(trainer.model, trainer.optimizer, lambda tensor: tensor)
+
+
+def megatron(trainer: TrainerEngine) -> MegatronTrainer:
+    assert isinstance(trainer, MegatronTrainer)
+    return trainer
 
 
 def reference(trainer: TrainerEngine) -> TorchRefTrainer:

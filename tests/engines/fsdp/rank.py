@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from timeshare.engines.base import RolloutSample
 from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
-from timeshare.engines.fsdp.memory import local
 from timeshare.engines.fsdp.trainer import FsdpTrainer
+from timeshare.engines.host_memory import local
 from timeshare.engines.spec import EngineSpec, GrpoSpec, TaskSpec, engine_spec
 from timeshare.protocols.weights.layout import BucketPlanner, pack
 from timeshare.protocols.weights.lent import LentTensor

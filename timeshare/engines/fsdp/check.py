@@ -22,6 +22,7 @@ import msgspec
 
 from timeshare.engines.child_check import answer, ask_child
 from timeshare.engines.fsdp.spec import FsdpSpec
+from timeshare.engines.model_dir import weight_files
 from timeshare.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from timeshare.engines.spec import EngineChoice
 
 CHECK_TIMEOUT_S = 120.0  # importing transformers and torch on a loaded machine
-INDEX_FILE = "model.safetensors.index.json"
 SHOWN = 5  # names listed in an error before "and N more"
 
 
@@ -62,15 +62,6 @@ def check_model_dir(model_dir: str) -> None:
         f"engine.fsdp.model_dir {model_dir}",
         CHECK_TIMEOUT_S,
     )
-
-
-def weight_files(directory: Path) -> list[Path]:
-    """The safetensors files of a model directory: those its index names, else every one."""
-    index = directory / INDEX_FILE
-    if index.exists():
-        weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
-        return sorted({directory / name for name in weight_map.values()})
-    return sorted(directory.glob("*.safetensors"))
 
 
 def model_dir_problem(directory: Path) -> str:

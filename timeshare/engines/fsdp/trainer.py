@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor
 from timeshare.engines.base import RolloutSample
 from timeshare.engines.fsdp import checkpoint
 from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
-from timeshare.engines.fsdp.memory import HostStore, resident_bytes
 from timeshare.engines.fsdp.spec import FsdpSpec
 from timeshare.engines.grpo import (
     GrpoBatch,
@@ -39,6 +38,7 @@ from timeshare.engines.grpo import (
     figures_kept,
     token_logprobs,
 )
+from timeshare.engines.host_memory import HostStore, resident_bytes
 from timeshare.engines.spec import EngineChoice
 from timeshare.errors import CheckpointError, ConfigError
 from timeshare.protocols.store import JobStore

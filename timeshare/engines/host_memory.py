@@ -1,4 +1,5 @@
-"""Moving tensors' storage off the device and back, bit for bit, under the tensors that use it.
+"""Moving tensors' storage off the device and back, bit for bit, under the tensors that use it
+(every trainer's OFFLOAD: FSDP's and Megatron's).
 
 FSDP2 keeps each parameter's shard, each gradient and each optimiser state in storage that
 several tensors view (the parameter, its DTensor's local tensor, FSDP's padded shard). Replacing

@@ -1,0 +1,1 @@
+"""The Megatron-core trainer: tensor-parallel GPT training over HF (transformers) weights."""

@@ -1,0 +1,130 @@
+"""Is `[engine.megatron]` a job megatron-core can train? Asked before any worker starts.
+
+`check` (quick, no torch): a model directory named, micro-batches that divide a tensor-parallel
+group's minibatch. `probe` runs this module in a child process (child_check.py says why):
+
+    python -m timeshare.engines.megatron.check '{"model_dir": ..., "tp": ...}'
+
+The child imports megatron-core (is the extra installed?), reads config.json (an architecture
+names.py maps, no rope scaling, silu), checks that heads, KV heads, the MLP and the vocabulary
+split over the tensor-parallel ranks, and compares the safetensors headers with the HF names and
+shapes the mapping will read. The first problem found is the answer, naming the key or path.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from timeshare.engines.child_check import answer, ask_child
+from timeshare.engines.megatron.spec import MegatronSpec
+from timeshare.errors import ConfigError
+
+if TYPE_CHECKING:
+    from timeshare.engines.registry import Role
+    from timeshare.engines.spec import EngineChoice
+
+CHECK_TIMEOUT_S = 120.0  # importing torch and megatron-core on a loaded machine
+SHOWN = 5  # names listed in an error before "and N more"
+
+
+class ProbeRequest(msgspec.Struct, frozen=True):
+    model_dir: str
+    tp: int
+
+
+def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
+    """The registry's check: a model directory named, micro-batches that divide a minibatch.
+
+    A tensor-parallel group trains on the batches of all its ranks at once (each rank's
+    rollout samples its own prompts), so a minibatch is tp x a rank's batch / minibatches."""
+    megatron = spec.settings("megatron", MegatronSpec)
+    megatron.check_named()
+    micro = megatron.micro_batch_size
+    minibatch = megatron.tensor_parallel_size * spec.task.batch_size // spec.grpo.minibatches
+    if micro and minibatch % micro:
+        raise ConfigError(
+            f"engine.megatron.micro_batch_size ({micro}) does not divide a minibatch of "
+            f"{minibatch} samples (tensor_parallel_size x engine.task's prompts_per_rank x "
+            "group_size, over engine.grpo.minibatches)"
+        )
+
+
+def probe(spec: EngineChoice, roles: frozenset[Role]) -> None:
+    """The registry's probe: megatron-core imports, and the model directory maps and splits."""
+    megatron = spec.settings("megatron", MegatronSpec)
+    request = ProbeRequest(megatron.model_dir, megatron.tensor_parallel_size)
+    ask_child(
+        "timeshare.engines.megatron.check",
+        msgspec.json.encode(request).decode(),
+        f"engine.megatron.model_dir {megatron.model_dir}",
+        CHECK_TIMEOUT_S,
+    )
+
+
+def model_dir_problem(directory: Path, tp: int) -> str:
+    """What stops the Megatron trainer from training `directory` over `tp` ranks ("": none)."""
+    where = f"engine.megatron.model_dir: {directory}"
+    if not (directory / "config.json").is_file():
+        return f"{where} has no config.json (a transformers model directory)"
+    # Imported here, in the checking child only.
+    try:
+        import megatron.core  # noqa: F401, PLC0415
+    except ImportError as exc:
+        return f'trainer = "megatron" needs megatron-core (pip install timeshare[megatron]): {exc}'
+    from timeshare.engines.megatron.model import HfShape  # noqa: PLC0415
+
+    try:
+        shape = HfShape.read(directory)
+    except ConfigError as exc:
+        return str(exc)
+    split = shape.split_problem(tp)
+    if split:
+        return split
+    return _weights_problem(directory, where, shape.hf_shapes())
+
+
+def _weights_problem(directory: Path, where: str, expected: dict[str, tuple[int, ...]]) -> str:
+    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
+
+    from timeshare.engines.model_dir import weight_files  # noqa: PLC0415
+
+    files = weight_files(directory)
+    if not files:
+        return f"{where} has no *.safetensors weights"
+    found: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as tensors:
+                for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    found[name] = tuple(tensors.get_slice(name).get_shape())
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+            return f"{where}: cannot read {path.name}: {exc}"
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        return f"{where}: {len(missing)} tensors missing from its weights: {_names(missing)}"
+    wrong = [
+        f"{n} {found[n]} (expected {expected[n]})" for n in expected if found[n] != expected[n]
+    ]
+    if wrong:
+        return f"{where}: {len(wrong)} tensors of the wrong shape: {_names(wrong)}"
+    return ""
+
+
+def _names(names: list[str]) -> str:
+    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
+
+
+def main() -> None:
+    request = msgspec.json.decode(sys.argv[1], type=ProbeRequest)
+    problem = model_dir_problem(Path(request.model_dir), request.tp)
+    verdict: dict[str, Any] = {"ok": not problem, "error": problem}
+    answer(verdict)
+
+
+if __name__ == "__main__":
+    main()

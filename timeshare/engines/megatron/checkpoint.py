@@ -1,0 +1,198 @@
+"""Sharded checkpoints of the Megatron trainer, and their commit.
+
+One step is one directory, `<job checkpoint dir>/megatron/step-<k>/`:
+
+    layout.json     the ranks and the tensor-parallel size that wrote it (written first, by
+                    rank 0, with the model's config.json beside it)
+    tp<t>.pt        TP rank t's shards: the model's parameters by megatron name and the
+                    optimiser's state, written by the first data-parallel replica alone (every
+                    replica holds the same)
+    rank<r>.pt      rank r's own state (step, RNG, the TRAIN's metrics)
+
+Each file is written atomically and durably (temporary file, fsync, rename, fsync of the
+directory): its presence says that part of the step is durable. A step is committed when
+layout.json and every tp<t>.pt and rank<r>.pt it names are there, the rule of every trainer
+here (a step is committed only when every rank's part is durable). A step redone after a crash
+is removed first, by rank 0, behind a barrier.
+
+A job may resume with another number of data-parallel replicas (ranks), as long as the
+tensor-parallel size is the one that wrote the step: every rank reads its TP rank's shards;
+a rank that did not exist then starts its own RNG afresh (training draws nothing from it).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from timeshare.durable import fsync_directory, write_atomically
+from timeshare.engines.megatron.parallel import Layout
+from timeshare.errors import CheckpointError
+
+log = structlog.get_logger(__name__)
+
+KEEP = 3  # newest committed steps kept
+SUBDIR = "megatron"
+LAYOUT_FILE = "layout.json"
+STEP_DIR = re.compile(r"^step-(\d+)$")
+MODEL_FILES = ("config.json", "generation_config.json")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / SUBDIR / f"step-{step:08d}"
+
+
+def shard_file(directory: Path, tp_rank: int) -> Path:
+    return directory / f"tp{tp_rank}.pt"
+
+
+def rank_file(directory: Path, rank: int) -> Path:
+    return directory / f"rank{rank}.pt"
+
+
+def layout_of(directory: Path) -> tuple[int, int] | None:
+    """(ranks, tensor-parallel size) that wrote the step (None: not known, not whole)."""
+    try:
+        written = json.loads((directory / LAYOUT_FILE).read_text())
+        ranks, tp = written["ranks"], written["tensor_parallel_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    valid = all(isinstance(v, int) and v > 0 for v in (ranks, tp)) and ranks % tp == 0
+    return (ranks, tp) if valid else None
+
+
+def is_committed(directory: Path) -> bool:
+    layout = layout_of(directory)
+    if layout is None:
+        return False
+    ranks, tp = layout
+    return all(shard_file(directory, t).is_file() for t in range(tp)) and all(
+        rank_file(directory, r).is_file() for r in range(ranks)
+    )
+
+
+def steps(root: Path) -> list[int]:
+    """Every step with a directory (committed or not), oldest first."""
+    parent = root / SUBDIR
+    if not parent.is_dir():
+        return []
+    return sorted(int(m.group(1)) for e in parent.iterdir() if (m := STEP_DIR.match(e.name)))
+
+
+def committed_step(root: Path) -> int | None:
+    done = [s for s in steps(root) if is_committed(step_dir(root, s))]
+    return max(done) if done else None
+
+
+def agreed(step: int | None, layout: Layout, device: torch.device) -> int | None:
+    """The committed step, the same on every rank (each reads the directory itself; ranks
+    that see it differently must not resume from different steps)."""
+    if layout.world == 1:
+        return step
+    seen = torch.tensor([-1 if step is None else step] * 2, device=device)
+    seen[1] = -seen[1]  # one all-reduce gives the smallest and the largest
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN)
+    smallest, largest = int(seen[0]), -int(seen[1])
+    if smallest != largest:
+        raise CheckpointError(
+            f"the trainer ranks see different committed steps (from {smallest} to {largest}; "
+            "-1: none): the checkpoint directory must be one directory that every rank sees"
+        )
+    return None if step is None else smallest
+
+
+def save(
+    root: Path,
+    step: int,
+    layout: Layout,
+    own: dict[str, Any],
+    shards: dict[str, Any] | None,
+    *,
+    model_dir: Path,
+) -> Path:
+    """Write `step` with every rank (a collective); return once this rank's part is durable.
+    `shards`: this TP rank's parameters and optimiser state (None on the replicas that do not
+    write them)."""
+    directory = step_dir(root, step)
+    try:
+        if layout.rank == 0:
+            _start_step(directory, layout, model_dir)
+        if layout.world > 1:
+            dist.barrier()  # nobody writes into the directory before it is clean
+        if shards is not None:
+            _write_durably(shard_file(directory, layout.tp_rank), shards)
+        _write_durably(rank_file(directory, layout.rank), own)
+        if layout.rank == 0:
+            fsync_directory(directory)
+    except OSError as exc:
+        raise CheckpointError(f"cannot write checkpoint {directory}: {exc}") from exc
+    if layout.world > 1:
+        dist.barrier()  # every part durable before rank 0 prunes an older step
+    if layout.rank == 0:
+        _prune(root)
+    return directory
+
+
+def _start_step(directory: Path, layout: Layout, model_dir: Path) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    fsync_directory(directory.parent)
+    for name in MODEL_FILES:
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, directory / name)
+    written = {"ranks": layout.world, "tensor_parallel_size": layout.tp}
+    write_atomically(directory / LAYOUT_FILE, json.dumps(written).encode())
+
+
+def load(root: Path, step: int, layout: Layout) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(this TP rank's shards, this rank's own state or None) of a committed step."""
+    directory = step_dir(root, step)
+    written = layout_of(directory)
+    assert written is not None, "a committed step has its layout"
+    ranks, tp = written
+    if tp != layout.tp:
+        raise CheckpointError(
+            f"{directory} was written with tensor_parallel_size {tp}; this job has {layout.tp} "
+            "(resharding tensor parallelism is not supported: start from an export)"
+        )
+    if ranks != layout.world:
+        log.warning(
+            "trainer.checkpoint.resharded",
+            written_ranks=ranks,
+            ranks=layout.world,
+            note="data-parallel replicas read their TP rank's shards",
+        )
+    try:
+        shards: dict[str, Any] = torch.load(
+            shard_file(directory, layout.tp_rank), weights_only=True
+        )
+        own_path = rank_file(directory, layout.rank)
+        own = torch.load(own_path, weights_only=True) if own_path.is_file() else None
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(f"cannot read checkpoint {directory}: {exc}") from exc
+    return shards, own
+
+
+def _write_durably(path: Path, value: dict[str, Any]) -> None:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    write_atomically(path, buffer.getvalue())
+
+
+def _prune(root: Path) -> None:
+    """Keep the newest KEEP committed steps, and nothing older that never committed."""
+    committed = [s for s in steps(root) if is_committed(step_dir(root, s))]
+    if len(committed) <= KEEP:
+        return
+    oldest_kept = committed[-KEEP]
+    for step in steps(root):
+        if step < oldest_kept:
+            shutil.rmtree(step_dir(root, step), ignore_errors=True)

@@ -1,0 +1,375 @@
+"""The Megatron-core trainer: GRPO with AdamW on a megatron `GPTModel`, tensor-parallel.
+
+The job's trainer ranks form tensor-parallel groups of `tensor_parallel_size` consecutive ranks
+(parallel.py). Each rank's rollout samples its own prompts, and the ranks of a TP group must
+compute on the same rows: so a TP group trains on the batches of all its ranks at once (their
+rows all-gathered, each rank's minibatch m beside the others', `TpRows`), and the data-parallel
+replicas average their gradients. TP=2 over two ranks and TP=1 over the same two ranks (two
+data-parallel replicas) then take the same optimiser steps on the same rows.
+
+Logprobs come from megatron's forward with the logits left split over the vocabulary
+(`parallel_output`), through the vocab-parallel cross entropy: no rank ever holds a whole row of
+logits. The loss is the project's one GRPO (engines/grpo.py), as every trainer's; the loss
+reported is the job's (the mean over the data-parallel replicas).
+
+On a CPU the optimiser is torch's AdamW over the local shards, the gradients all-reduced over
+the data-parallel group and clipped over the whole model; megatron's DDP and distributed
+optimizer allocate on CUDA. Memory between phases is `host_memory.HostStore`'s, as FSDP's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import structlog
+import torch
+import torch.distributed as dist
+
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from timeshare.engines.base import RolloutSample
+from timeshare.engines.grpo import (
+    GrpoBatch,
+    GrpoTrainer,
+    batch_tensors,
+    figures_kept,
+    group_advantages,
+    rewards_of,
+)
+from timeshare.engines.host_memory import HostStore, resident_bytes
+from timeshare.engines.megatron import checkpoint, parallel
+from timeshare.engines.megatron.gather import lent_weights
+from timeshare.engines.megatron.model import HfShape, build_model, load_hf, read_hf
+from timeshare.engines.megatron.parallel import Layout
+from timeshare.engines.megatron.spec import MegatronSpec
+from timeshare.engines.megatron.tp_rows import TpRows
+from timeshare.engines.spec import EngineChoice
+from timeshare.errors import ConfigError
+from timeshare.protocols.store import JobStore
+from timeshare.protocols.weights.layout import Weight
+from timeshare.units import MIB
+
+log = structlog.get_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError('engine.megatron.device = "cuda" but this process sees no CUDA device')
+    return torch.device(name)
+
+
+class MegatronTrainer(GrpoTrainer):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        engine: EngineChoice,
+        *,
+        store: JobStore | None = None,
+        collective_timeout_s: float = 30.0,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.spec = spec = engine.settings("megatron", MegatronSpec)
+        spec.check_ranks(world_size)
+        self.task = engine.task
+        self.grpo = engine.grpo
+        self.store = store
+        self.collective_timeout_s = collective_timeout_s
+        self.device = pick_device(spec.device)
+        self.layout = Layout(rank=rank, world=world_size, tp=spec.tensor_parallel_size)
+        self.model_dir = Path(spec.model_dir)
+        self.shape = HfShape.read(self.model_dir)
+        self.step = 0
+        self.checkpoint_root: Path | None = None
+        self.optimizer_store = HostStore()  # optimiser state and gradients while offloaded
+        self.param_store = HostStore()  # parameters while offloaded
+        self._model: GPTModel | None = None
+        self._reference: GPTModel | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._rows: TpRows | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def bootstrap(self, directory: Path) -> int:
+        parallel.join(
+            self.layout, self.device, self.store, self.collective_timeout_s, self.spec.seed
+        )
+        self.build()
+        self.load_checkpoint(directory)
+        self.offload()  # the optimiser waits on the host until TRAIN
+        return self.step
+
+    def build(self) -> None:
+        """This rank's shards of the model (and of the reference model for a KL term), loaded
+        from the model directory's HF weights."""
+        problem = self.shape.split_problem(self.layout.tp)
+        if problem:
+            raise ConfigError(problem)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
+        hf = read_hf(self.model_dir)
+        self._model = self._loaded(hf)
+        self._optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=self.grpo.lr,
+            weight_decay=self.grpo.weight_decay,
+            betas=(0.9, 0.99),
+        )
+        if self.grpo.kl_coef > 0:
+            self._reference = self._loaded(hf).requires_grad_(False)
+        self._rows = TpRows(self.layout, self.grpo.minibatches)
+
+    def _loaded(self, hf: dict[str, torch.Tensor]) -> GPTModel:
+        model = build_model(self.shape, self.layout.tp, self.device)
+        load_hf(model, hf, self.shape, self.layout.tp, self.layout.tp_rank)
+        return model
+
+    def close(self) -> None:
+        parallel.leave()
+
+    @property
+    def model(self) -> GPTModel:
+        assert self._model is not None, "bootstrap first"
+        return self._model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        assert self._optimizer is not None, "bootstrap first"
+        return self._optimizer
+
+    @property
+    def rows(self) -> TpRows:
+        assert self._rows is not None, "bootstrap first"
+        return self._rows
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """Optimiser state and gradients to the host; their device storage freed."""
+        moved = self.optimizer_store.move_off(self._optimizer_tensors())
+        log.info("trainer.offload", rank=self.rank, freed_mb=round(moved / MIB, 3))
+
+    def offload_params(self) -> None:
+        moved = self.param_store.move_off(self._parameters())
+        log.info("trainer.offload_params", rank=self.rank, freed_mb=round(moved / MIB, 3))
+
+    def onload(self) -> None:
+        self.param_store.bring_back()
+        self.optimizer_store.bring_back()
+
+    def held_mb(self) -> float:
+        held = resident_bytes(self._parameters()) + resident_bytes(self._optimizer_tensors())
+        return held / MIB
+
+    def _parameters(self) -> list[torch.Tensor]:
+        parameters: list[torch.Tensor] = list(self.model.parameters())
+        if self._reference is not None:
+            parameters += self._reference.parameters()
+        return parameters
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        tensors = [p.grad for p in self.model.parameters() if p.grad is not None]
+        for state in self.optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return tensors
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def iter_weights(self) -> Iterator[tuple[str, Weight]]:
+        """Every HF tensor under its HF name, in the rollout's dtype, one at a time, each
+        gathered over the TP group into the channel's staging (gather.py)."""
+        self.param_store.bring_back()
+        yield from lent_weights(
+            dict(self.model.named_parameters()),
+            self.shape.params(),
+            self.shape.geometry(self.layout.tp),
+            group=self.layout.tp_group,
+            dtype=DTYPES[self.spec.param_dtype],
+            timeout_s=self.collective_timeout_s,
+        )
+
+    # -- training ------------------------------------------------------------------------------
+
+    def logprobs(self, batch: list[RolloutSample]) -> list[tuple[float, ...]]:
+        """This rank's samples' logprobs; a collective over the TP group (its ranks compute
+        on the rows of all of them)."""
+        self.param_store.bring_back()
+        prompts, completions, _ = batch_tensors(batch)
+        together = self.rows.gather_plain([prompts, completions])
+        values = self._logprobs_without_grad(self.model, together[0], together[1])
+        return [tuple(row) for row in self.rows.own_plain(values).tolist()]
+
+    def prepare(self, batch: list[RolloutSample]) -> GrpoBatch:
+        """The TP group's rows (every rank's batch, minibatch by minibatch), with the logprobs
+        and advantages all its minibatches use. Advantages are computed on each rank's own
+        batch first: a group of samples never spans two ranks."""
+        prompts, completions, sampled = batch_tensors(batch)
+        rewards = rewards_of(batch)
+        advantages = group_advantages(rewards, self.task.group_size)
+        prompts, completions, sampled, rewards, advantages = self.rows.gather(
+            [prompts, completions, sampled, rewards, advantages]
+        )
+        old = self.policy_logprobs(prompts, completions)
+        ref = self.reference_logprobs(prompts, completions)
+        return GrpoBatch(prompts, completions, sampled, rewards, old, advantages, ref)
+
+    def policy_logprobs(self, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
+        return self._logprobs_without_grad(self.model, prompts, completions)
+
+    def reference_logprobs(
+        self, prompts: torch.Tensor, completions: torch.Tensor
+    ) -> torch.Tensor | None:
+        if self._reference is None:
+            return None
+        return self._logprobs_without_grad(self._reference, prompts, completions)
+
+    def update(self, data: GrpoBatch, rows: range) -> tuple[float, dict[str, float]]:
+        """One AdamW step on the TP group's minibatch that holds this rank's `rows`."""
+        group_rows = self.rows.minibatch(rows)
+        micro = self.spec.micro_batch_size or len(group_rows)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        metrics: dict[str, float] = {}
+        for first in range(group_rows.start, group_rows.stop, micro):
+            piece = slice(first, min(first + micro, group_rows.stop))
+            new = self._logprobs(self.model, data.prompts[piece], data.completions[piece])
+            loss, metrics = self.loss(new, data, piece)
+            scaled = loss * (len(new) / len(group_rows))  # the minibatch's mean
+            scaled.backward()  # type: ignore[no-untyped-call]
+            loss_sum += float(scaled.detach())
+        self._average_gradients()
+        if self.spec.max_grad_norm > 0:
+            metrics["grad_norm"] = self._clip_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self._job_mean(loss_sum), metrics
+
+    def _average_gradients(self) -> None:
+        """The data-parallel replicas' gradients averaged (one all-reduce of them all)."""
+        if self.layout.dp == 1:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.layout.dp_group)
+        flat /= self.layout.dp
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    def _clip_gradients(self) -> float:
+        """Clip to max_grad_norm over the whole model; the norm before. A TP-split parameter's
+        shards are summed over the TP group, a replicated one (a norm) counted once."""
+        counted = [
+            p.grad
+            for p in self.model.parameters()
+            if p.grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)
+        ]
+        squares = torch.stack([g.detach().float().square().sum() for g in counted]).sum()
+        if self.layout.tp > 1:
+            dist.all_reduce(squares, group=self.layout.tp_group)
+        norm = float(squares.sqrt())
+        scale = self.spec.max_grad_norm / (norm + 1e-6)
+        if scale < 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm
+
+    def _job_mean(self, value: float) -> float:
+        """`value` averaged over the data-parallel replicas (the job's, not this group's)."""
+        if self.layout.dp == 1:
+            return value
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total, group=self.layout.dp_group)
+        return float(total) / self.layout.dp
+
+    def _logprobs_without_grad(
+        self, model: GPTModel, prompts: torch.Tensor, completions: torch.Tensor
+    ) -> torch.Tensor:
+        micro = self.spec.micro_batch_size or len(prompts)
+        with torch.no_grad():
+            parts = [
+                self._logprobs(model, prompts[i : i + micro], completions[i : i + micro])
+                for i in range(0, len(prompts), micro)
+            ]
+        return torch.cat(parts)
+
+    def _logprobs(
+        self, model: GPTModel, prompts: torch.Tensor, completions: torch.Tensor
+    ) -> torch.Tensor:
+        """Logprobs of `completions` after `prompts` at the task's temperature: the logits
+        stay split over the vocabulary, the vocab-parallel cross entropy reduces over it."""
+        tokens = torch.cat((prompts, completions), dim=1)[:, :-1].to(self.device)
+        positions = torch.arange(tokens.shape[1], device=self.device).expand_as(tokens)
+        logits = model(tokens, positions, None)[:, prompts.shape[1] - 1 :]
+        scaled = logits.float() / self.task.temperature
+        labels = completions.to(self.device)
+        losses: torch.Tensor = tensor_parallel.vocab_parallel_cross_entropy(
+            scaled.contiguous(), labels
+        )
+        return -losses
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """This step, sharded, into the job's checkpoint directory (`directory` is this rank's
+        directory in it; the Megatron checkpoint is one for all ranks, in its parent)."""
+        params_offloaded = bool(self.param_store.moved)
+        self.onload()
+        own = {
+            "step": self.step,
+            "rng": torch.get_rng_state(),
+            "train": None if self.last_train is None else msgspec.to_builtins(self.last_train),
+        }
+        shards = None
+        if self.layout.dp_rank == 0:  # the replicas hold the same shards: one writes them
+            shards = {
+                "model": {n: p.detach() for n, p in self.model.named_parameters()},
+                "optimizer": self.optimizer.state_dict(),
+            }
+        checkpoint.save(
+            directory.parent, self.step, self.layout, own, shards, model_dir=self.model_dir
+        )
+        if params_offloaded:
+            self.offload_params()
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """The newest step every rank holds durably, or the model directory's weights at 0."""
+        self.checkpoint_root = directory.parent
+        step = checkpoint.agreed(
+            checkpoint.committed_step(self.checkpoint_root), self.layout, self.device
+        )
+        if step is None:
+            self.step = 0
+            return
+        shards, own = checkpoint.load(self.checkpoint_root, step, self.layout)
+        own_params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in shards["model"].items():
+                own_params[name].copy_(tensor)
+        self.optimizer.load_state_dict(shards["optimizer"])
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                # torch.load's storages are not resizable; OFFLOAD resizes (host_memory.py)
+                if isinstance(value, torch.Tensor) and not value.untyped_storage().resizable():
+                    state[key] = value.clone()
+        if own is not None:
+            torch.set_rng_state(own["rng"])
+        self.step = step
+        self.last_train = figures_kept(None if own is None else own.get("train"))
+        log.info("trainer.checkpoint.loaded", rank=self.rank, step=self.step)
+
+    def commit(self) -> None:
+        if self.checkpoint_root is not None:
+            self.save_checkpoint(self.checkpoint_root / f"rank{self.rank}")
+
+
+build = MegatronTrainer.from_context  # the registry's builder (registry.py)
