@@ -117,10 +117,12 @@ def _trace(paths: list[Path], out: Path | None) -> int:
 
 
 def _export(source: Path, target: Path) -> None:
-    # Imported here: torch and safetensors, for this command only.
-    from timeshare.engines.fsdp.export import export_checkpoint  # noqa: PLC0415
+    # Imported here: torch and safetensors (and megatron's tables), for this command only.
+    from timeshare.engines.fsdp import export as fsdp  # noqa: PLC0415
+    from timeshare.engines.megatron import export as megatron  # noqa: PLC0415
 
-    step = export_checkpoint(source, target)
+    exporter = megatron if megatron.is_megatron(source) else fsdp
+    step = exporter.export_checkpoint(source, target)
     print(f"wrote {target} (from {step})")
 
 
@@ -243,7 +245,9 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument(
         "--out", type=Path, help=f"the file to write (default RUN_DIR/{REBUILT_TRACE})"
     )
-    export = commands.add_parser("export", help="an FSDP checkpoint as a transformers model")
+    export = commands.add_parser(
+        "export", help="an FSDP or Megatron checkpoint as a transformers model"
+    )
     export.add_argument("checkpoint", type=Path, help="a step's directory or a job's checkpoints")
     export.add_argument("directory", type=Path, help="a new or empty directory")
     return parser

@@ -75,7 +75,7 @@ def model_dir_problem(directory: Path, tp: int) -> str:
         import megatron.core  # noqa: F401, PLC0415
     except ImportError as exc:
         return f'trainer = "megatron" needs megatron-core (pip install timeshare[megatron]): {exc}'
-    from timeshare.engines.megatron.model import HfShape  # noqa: PLC0415
+    from timeshare.engines.megatron.hf_config import HfShape  # noqa: PLC0415
 
     try:
         shape = HfShape.read(directory)

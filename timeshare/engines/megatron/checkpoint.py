@@ -27,15 +27,17 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 import torch.distributed as dist
 
 from timeshare.durable import fsync_directory, write_atomically
-from timeshare.engines.megatron.parallel import Layout
 from timeshare.errors import CheckpointError
+
+if TYPE_CHECKING:  # (parallel.py imports megatron-core; an export needs none of it)
+    from timeshare.engines.megatron.parallel import Layout
 
 log = structlog.get_logger(__name__)
 

@@ -71,10 +71,11 @@ class TpGather(LentTensor):
 
     def _gathered(self) -> torch.Tensor:
         """The whole tensor, gathered rank-major and then laid out as the HF tensor."""
-        rank_major = torch.empty(
-            (self.tp, *self.piece.shape), dtype=self.dtype, device=self.piece.device
-        )
-        self._all_gather(rank_major, self.piece.contiguous())
+        rows, *rest = self.piece.shape
+        # gloo wants the output [tp * rows, ...], rank after rank; viewed [tp, rows, ...] after
+        flat = torch.empty((self.tp * rows, *rest), dtype=self.dtype, device=self.piece.device)
+        self._all_gather(flat, self.piece.contiguous())
+        rank_major = flat.view(self.tp, rows, *rest)
         if self.dim == 0:
             return rank_major.reshape(self.shape)
         # [tp, rows, cols/tp] -> [rows, tp, cols/tp] -> [rows, cols]

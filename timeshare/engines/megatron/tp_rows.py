@@ -64,9 +64,10 @@ class TpRows:
         group = self.layout.tp_group
         out = []
         for tensor in tensors:
-            stacked = tensor.new_empty((self.tp, *tensor.shape))
-            dist.all_gather_into_tensor(stacked, tensor.contiguous(), group=group)
-            out.append(stacked)
+            # gloo wants the output [tp * rows, ...]; viewed [tp, rows, ...] after
+            flat = tensor.new_empty((self.tp * tensor.shape[0], *tensor.shape[1:]))
+            dist.all_gather_into_tensor(flat, tensor.contiguous(), group=group)
+            out.append(flat.view(self.tp, *tensor.shape))
         return out
 
     def _check_shapes(self, tensors: list[torch.Tensor]) -> None:
@@ -74,8 +75,9 @@ class TpRows:
         described = [d for t in tensors for d in (t.dim(), *t.shape)]
         mine = torch.full((max(SHAPE_SLOTS, len(described)),), -1, dtype=torch.int64)
         mine[: len(described)] = torch.tensor(described)
-        theirs = mine.new_empty((self.tp, len(mine)))
+        theirs = mine.new_empty((self.tp * len(mine),))
         dist.all_gather_into_tensor(theirs, mine, group=self.layout.tp_group)
+        theirs = theirs.view(self.tp, len(mine))
         if not bool((theirs == mine).all()):
             raise TimeshareError(
                 f"the ranks of tensor-parallel group {self.layout.dp_rank} hold batches of "

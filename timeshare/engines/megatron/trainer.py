@@ -41,7 +41,8 @@ from timeshare.engines.grpo import (
 from timeshare.engines.host_memory import HostStore, resident_bytes
 from timeshare.engines.megatron import checkpoint, parallel
 from timeshare.engines.megatron.gather import lent_weights
-from timeshare.engines.megatron.model import HfShape, build_model, load_hf, read_hf
+from timeshare.engines.megatron.hf_config import HfShape
+from timeshare.engines.megatron.model import build_model, load_hf, read_hf
 from timeshare.engines.megatron.parallel import Layout
 from timeshare.engines.megatron.spec import MegatronSpec
 from timeshare.engines.megatron.tp_rows import TpRows
@@ -98,13 +99,17 @@ class MegatronTrainer(GrpoTrainer):
     # -- lifecycle -----------------------------------------------------------------------------
 
     def bootstrap(self, directory: Path) -> int:
-        parallel.join(
-            self.layout, self.device, self.store, self.collective_timeout_s, self.spec.seed
-        )
+        self.parallel_join()
         self.build()
         self.load_checkpoint(directory)
         self.offload()  # the optimiser waits on the host until TRAIN
         return self.step
+
+    def parallel_join(self) -> None:
+        """This process into the trainers' world and megatron's groups (parallel.py)."""
+        parallel.join(
+            self.layout, self.device, self.store, self.collective_timeout_s, self.spec.seed
+        )
 
     def build(self) -> None:
         """This rank's shards of the model (and of the reference model for a KL term), loaded

@@ -1,0 +1,173 @@
+"""One rank of the Megatron trainer tests, as its own process (gloo over a loopback TCPStore):
+
+    python -m tests.engines.megatron.rank train|logits RANK WORLD PORT TP MODEL_DIR OUT_DIR
+
+`train`: the logits of the loaded model (gathered over the vocabulary), then STEPS GRPO steps
+on fixed batches (each rank its own), each committed to OUT_DIR/checkpoints; the losses, the
+weights as SYNC sends them after each step, the offload round trip, and a second trainer that
+resumes from the checkpoint. `logits`: the loaded model's logits alone. Each rank writes
+OUT_DIR/rank<r>.pt for the test to compare.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from timeshare.engines.base import RolloutSample
+from timeshare.engines.megatron.trainer import MegatronTrainer
+from timeshare.engines.spec import EngineSpec, GrpoSpec, TaskSpec, engine_spec
+from timeshare.protocols.weights.lent import LentTensor
+
+GROUP = 4
+PER_RANK = 8  # two groups of four
+PROMPT, COMPLETION = 3, 4
+STEPS = 3
+TASK = TaskSpec(group_size=GROUP, prompts_per_rank=2, completion_tokens=COMPLETION)
+GRPO = GrpoSpec(lr=1e-3, weight_decay=0.01, minibatches=2)
+SPEC_KEYS: dict[str, Any] = {"micro_batch_size": 2, "max_grad_norm": 0.5}
+PROBE = torch.randint(0, 16, (3, 9), generator=torch.Generator().manual_seed(7))
+
+
+def engine(model_dir: Path, tp: int) -> EngineSpec:
+    return engine_spec(
+        trainer="megatron",
+        rollout="torch_ref",
+        task=TASK,
+        grpo=GRPO,
+        megatron={"model_dir": str(model_dir), "tensor_parallel_size": tp, **SPEC_KEYS},
+    )
+
+
+def global_batch(seed: int, ranks: int, version: int) -> list[RolloutSample]:
+    """`ranks` x PER_RANK samples of weight `version`, rewards varied within every group."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for index in range(ranks * PER_RANK):
+        prompt = torch.randint(0, 16, (PROMPT,), generator=generator).tolist()
+        tokens = torch.randint(0, 16, (COMPLETION,), generator=generator).tolist()
+        logprobs = (-torch.rand(COMPLETION, generator=generator) - 1.0).tolist()
+        reward = float(index % GROUP == 0) + 0.25 * float(torch.rand(1, generator=generator))
+        samples.append(
+            RolloutSample(
+                f"s{index}", tuple(tokens), tuple(logprobs), version, tuple(prompt), reward
+            )
+        )
+    return samples
+
+
+def rank_batch(seed: int, rank: int, ranks: int, version: int) -> list[RolloutSample]:
+    return global_batch(seed, ranks, version)[rank * PER_RANK : (rank + 1) * PER_RANK]
+
+
+def weights_out(trainer: MegatronTrainer) -> dict[str, torch.Tensor]:
+    """`iter_weights` as the weight channel takes it: a LentTensor written into a buffer of its
+    scratch bytes (as into staging), a tensor as it is."""
+    out: dict[str, torch.Tensor] = {}
+    for name, weight in trainer.iter_weights():
+        if isinstance(weight, LentTensor):
+            staging = torch.empty(weight.scratch_bytes, dtype=torch.uint8)
+            weight.write_into(staging)
+            out[name] = staging[: weight.nbytes].view(weight.dtype).view(weight.shape).clone()
+        else:
+            out[name] = weight.clone()
+    return out
+
+
+def full_logits(trainer: MegatronTrainer) -> torch.Tensor:
+    """The model's logits of PROBE, the vocabulary gathered from the TP ranks."""
+    positions = torch.arange(PROBE.shape[1]).expand_as(PROBE)
+    with torch.no_grad():
+        local = trainer.model(PROBE, positions, None).contiguous()
+    if trainer.layout.tp == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(trainer.layout.tp)]
+    dist.all_gather(parts, local, group=trainer.layout.tp_group)
+    return torch.cat(parts, dim=-1)
+
+
+def snapshot(trainer: MegatronTrainer) -> dict[str, torch.Tensor]:
+    """This rank's bytes of every parameter shard, gradient and optimiser state, copied."""
+    out: dict[str, torch.Tensor] = {}
+    for name, parameter in trainer.model.named_parameters():
+        out[f"param/{name}"] = parameter.detach().clone()
+        if parameter.grad is not None:
+            out[f"grad/{name}"] = parameter.grad.clone()
+        for key, value in trainer.optimizer.state.get(parameter, {}).items():
+            if isinstance(value, torch.Tensor):
+                out[f"state/{name}/{key}"] = value.clone()
+    return out
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def train(rank: int, world: int, tp: int, model_dir: Path, out_dir: Path) -> dict[str, Any]:
+    checkpoints = out_dir / "checkpoints"
+    trainer = MegatronTrainer(rank, world, engine(model_dir, tp))
+    assert trainer.bootstrap(checkpoints / f"rank{rank}") == 0
+    out: dict[str, Any] = {"logits": full_logits(trainer), "initial": weights_out(trainer)}
+    out["losses"], out["weights"] = [], []
+    for step in range(STEPS):
+        figures = trainer.train_step(rank_batch(step + 1, rank, world, version=step))
+        out["losses"].append(figures.loss)
+        out["weights"].append(weights_out(trainer))
+    out["trained_logits"] = full_logits(trainer)
+    # The offload round trip, with gradients present (a batch's, accumulated, not applied).
+    trainer.onload()
+    data = trainer.prepare(rank_batch(9, rank, world, version=STEPS))
+    trainer.optimizer.zero_grad()
+    new = trainer._logprobs(trainer.model, data.prompts[:2], data.completions[:2])
+    trainer.loss(new, data, slice(0, 2))[0].backward()  # type: ignore[no-untyped-call]
+    before = snapshot(trainer)
+    out["held_mb"] = [trainer.held_mb()]
+    trainer.offload()
+    out["held_mb"].append(trainer.held_mb())
+    trainer.offload_params()
+    out["held_mb"].append(trainer.held_mb())
+    trainer.onload()
+    after = snapshot(trainer)
+    out["roundtrip"] = {
+        key: _bytes(before[key]).equal(_bytes(after.get(key, torch.empty(0)))) for key in before
+    }
+    # A second trainer of this job resumes from the committed step.
+    again = MegatronTrainer(rank, world, engine(model_dir, tp))
+    out["resumed_step"] = again.bootstrap(checkpoints / f"rank{rank}")
+    out["resumed"] = weights_out(again)
+    return out
+
+
+def logits(rank: int, world: int, tp: int, model_dir: Path) -> dict[str, Any]:
+    trainer = MegatronTrainer(rank, world, engine(model_dir, tp))
+    trainer.parallel_join()
+    trainer.build()
+    return {"logits": full_logits(trainer)}
+
+
+def main() -> None:
+    scenario, rank, world, port, tp, model_dir, out_dir = sys.argv[1:8]
+    torch.set_num_threads(1)
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", int(port), int(world), int(rank) == 0, timeout=timedelta(seconds=60)
+    )
+    dist.init_process_group(
+        "gloo", store=store, rank=int(rank), world_size=int(world), timeout=timedelta(seconds=60)
+    )
+    args = (int(rank), int(world), int(tp), Path(model_dir))
+    if scenario == "train":
+        out = train(*args, Path(out_dir))
+    else:
+        out = logits(*args)
+    torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    os._exit(0)  # gloo's threads need no orderly goodbye once the results are written
+
+
+if __name__ == "__main__":
+    main()
