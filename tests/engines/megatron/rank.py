@@ -84,7 +84,7 @@ def full_logits(trainer: MegatronTrainer) -> torch.Tensor:
     """The model's logits of PROBE, the vocabulary gathered from the TP ranks."""
     positions = torch.arange(PROBE.shape[1]).expand_as(PROBE)
     with torch.no_grad():
-        local = trainer.model(PROBE, positions, None).contiguous()
+        local: torch.Tensor = trainer.model(PROBE, positions, None).contiguous()
     if trainer.layout.tp == 1:
         return local
     parts = [torch.empty_like(local) for _ in range(trainer.layout.tp)]
@@ -161,10 +161,7 @@ def main() -> None:
         "gloo", store=store, rank=int(rank), world_size=int(world), timeout=timedelta(seconds=60)
     )
     args = (int(rank), int(world), int(tp), Path(model_dir))
-    if scenario == "train":
-        out = train(*args, Path(out_dir))
-    else:
-        out = logits(*args)
+    out = train(*args, Path(out_dir)) if scenario == "train" else logits(*args)
     torch.save(out, Path(out_dir) / f"rank{rank}.pt")
     os._exit(0)  # gloo's threads need no orderly goodbye once the results are written
 

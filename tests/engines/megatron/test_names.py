@@ -4,10 +4,12 @@ layouts are megatron's (the numbers against transformers' logits are test_traine
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from timeshare.engines.megatron.hf_config import HfShape
 from timeshare.engines.megatron.names import Geometry, hf_state, local_state
@@ -32,8 +34,6 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 
 def hf_tensors(model: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file  # noqa: PLC0415
-
     tensors = load_file(model / "model.safetensors")
     if json.loads((model / "config.json").read_text()).get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
@@ -97,7 +97,7 @@ def test_what_does_not_split_or_map_is_named(model: Path, tmp_path: Path) -> Non
     (tmp_path / "config.json").write_text(
         json.dumps({**config, "architectures": ["MistralForCausalLM"]})
     )
-    with pytest.raises(ConfigError, match="MistralForCausalLM.*LlamaForCausalLM"):
+    with pytest.raises(ConfigError, match=r"MistralForCausalLM.*LlamaForCausalLM"):
         HfShape.read(tmp_path)
     (tmp_path / "config.json").write_text(
         json.dumps({**config, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
@@ -110,5 +110,5 @@ def test_missing_hf_tensors_are_named(model: Path) -> None:
     shape = HfShape.read(model)
     hf = hf_tensors(model)
     del hf["model.layers.0.mlp.up_proj.weight"]
-    with pytest.raises(ConfigError, match="model.layers.0.mlp.up_proj.weight"):
+    with pytest.raises(ConfigError, match=re.escape("model.layers.0.mlp.up_proj.weight")):
         local_state(hf, shape.params(), Geometry(shape.heads, shape.kv_heads, shape.head_dim, 1), 0)

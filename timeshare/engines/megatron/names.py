@@ -25,7 +25,7 @@ own modules, not fused into the linear layers as in Transformer Engine's spec).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -217,7 +217,7 @@ def local_state(
 
 
 def hf_state(
-    locals_by_rank: list[Mapping[str, torch.Tensor]], params: list[Mapped], geometry: Geometry
+    locals_by_rank: Sequence[Mapping[str, torch.Tensor]], params: list[Mapped], geometry: Geometry
 ) -> dict[str, torch.Tensor]:
     """Whole HF tensors, by HF name, from every TP rank's parameters (rank order)."""
     out = {}
