@@ -73,8 +73,9 @@ class TpRows:
     def _check_shapes(self, tensors: list[torch.Tensor]) -> None:
         """Every rank of the group holds tensors of the same shapes (a collective)."""
         described = [d for t in tensors for d in (t.dim(), *t.shape)]
-        mine = torch.full((max(SHAPE_SLOTS, len(described)),), -1, dtype=torch.int64)
-        mine[: len(described)] = torch.tensor(described)
+        slots = max(SHAPE_SLOTS, len(described))
+        mine = torch.full((slots,), -1, dtype=torch.int64, device=tensors[0].device)
+        mine[: len(described)] = torch.tensor(described, device=mine.device)
         theirs = mine.new_empty((self.tp * len(mine),))
         dist.all_gather_into_tensor(theirs, mine, group=self.layout.tp_group)
         theirs = theirs.view(self.tp, len(mine))

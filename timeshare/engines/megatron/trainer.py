@@ -13,8 +13,8 @@ logits. The loss is the project's one GRPO (engines/grpo.py), as every trainer's
 reported is the job's (the mean over the data-parallel replicas).
 
 On a CPU the optimiser is torch's AdamW over the local shards, the gradients all-reduced over
-the data-parallel group and clipped over the whole model; megatron's DDP and distributed
-optimizer allocate on CUDA. Memory between phases is `host_memory.HostStore`'s, as FSDP's.
+the data-parallel group and clipped over the whole model; on CUDA megatron's DDP and distributed
+optimizer (optimizers.py). Memory between phases is `host_memory.HostStore`'s, as FSDP's.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from timeshare.engines.megatron import checkpoint, parallel
 from timeshare.engines.megatron.gather import lent_weights
 from timeshare.engines.megatron.hf_config import HfShape
 from timeshare.engines.megatron.model import build_model, load_hf, read_hf
+from timeshare.engines.megatron.optimizers import DistributedAdam, HostAdamW, Optimizing
 from timeshare.engines.megatron.parallel import Layout
 from timeshare.engines.megatron.spec import MegatronSpec
 from timeshare.engines.megatron.tp_rows import TpRows
@@ -93,7 +94,7 @@ class MegatronTrainer(GrpoTrainer):
         self.param_store = HostStore()  # parameters while offloaded
         self._model: GPTModel | None = None
         self._reference: GPTModel | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
+        self._optimizing: Optimizing | None = None
         self._rows: TpRows | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -121,12 +122,12 @@ class MegatronTrainer(GrpoTrainer):
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
         hf = read_hf(self.model_dir)
         self._model = self._loaded(hf)
-        self._optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=self.grpo.lr,
-            weight_decay=self.grpo.weight_decay,
-            betas=(0.9, 0.99),
-        )
+        if self.device.type == "cuda":
+            self._optimizing = DistributedAdam(self.model, self.grpo, self.spec.max_grad_norm)
+        else:
+            self._optimizing = HostAdamW(
+                self.model, self.layout, self.grpo, self.spec.max_grad_norm
+            )
         if self.grpo.kl_coef > 0:
             self._reference = self._loaded(hf).requires_grad_(False)
         self._rows = TpRows(self.layout, self.grpo.minibatches)
@@ -145,9 +146,15 @@ class MegatronTrainer(GrpoTrainer):
         return self._model
 
     @property
+    def optimizing(self) -> Optimizing:
+        assert self._optimizing is not None, "bootstrap first"
+        return self._optimizing
+
+    @property
     def optimizer(self) -> torch.optim.Optimizer:
-        assert self._optimizer is not None, "bootstrap first"
-        return self._optimizer
+        """torch's AdamW of a CPU trainer (the tests read its state by parameter)."""
+        assert isinstance(self.optimizing, HostAdamW), "a CPU trainer's"
+        return self.optimizing.optimizer
 
     @property
     def rows(self) -> TpRows:
@@ -180,10 +187,7 @@ class MegatronTrainer(GrpoTrainer):
         return parameters
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
-        tensors = [p.grad for p in self.model.parameters() if p.grad is not None]
-        for state in self.optimizer.state.values():
-            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
-        return tensors
+        return self.optimizing.tensors()
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -207,7 +211,7 @@ class MegatronTrainer(GrpoTrainer):
         on the rows of all of them)."""
         self.param_store.bring_back()
         prompts, completions, _ = batch_tensors(batch)
-        together = self.rows.gather_plain([prompts, completions])
+        together = self.rows.gather_plain([prompts.to(self.device), completions.to(self.device)])
         values = self._logprobs_without_grad(self.model, together[0], together[1])
         return [tuple(row) for row in self.rows.own_plain(values).tolist()]
 
@@ -218,9 +222,10 @@ class MegatronTrainer(GrpoTrainer):
         prompts, completions, sampled = batch_tensors(batch)
         rewards = rewards_of(batch)
         advantages = group_advantages(rewards, self.task.group_size)
-        prompts, completions, sampled, rewards, advantages = self.rows.gather(
-            [prompts, completions, sampled, rewards, advantages]
-        )
+        # (collectives move device tensors: NCCL's on CUDA)
+        together = [t.to(self.device) for t in (prompts, completions, sampled, rewards, advantages)]
+        prompts, completions, sampled, rewards, advantages = self.rows.gather(together)
+        sampled, rewards = sampled.cpu(), rewards.cpu()  # the step's figures are read there
         old = self.policy_logprobs(prompts, completions)
         ref = self.reference_logprobs(prompts, completions)
         return GrpoBatch(prompts, completions, sampled, rewards, old, advantages, ref)
@@ -236,63 +241,28 @@ class MegatronTrainer(GrpoTrainer):
         return self._logprobs_without_grad(self._reference, prompts, completions)
 
     def update(self, data: GrpoBatch, rows: range) -> tuple[float, dict[str, float]]:
-        """One AdamW step on the TP group's minibatch that holds this rank's `rows`."""
+        """One optimiser step on the TP group's minibatch that holds this rank's `rows`."""
         group_rows = self.rows.minibatch(rows)
         micro = self.spec.micro_batch_size or len(group_rows)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizing.zero_grad()
         loss_sum = 0.0
         metrics: dict[str, float] = {}
         for first in range(group_rows.start, group_rows.stop, micro):
             piece = slice(first, min(first + micro, group_rows.stop))
-            new = self._logprobs(self.model, data.prompts[piece], data.completions[piece])
+            module = self.optimizing.module
+            new = self._logprobs(module, data.prompts[piece], data.completions[piece])
             loss, metrics = self.loss(new, data, piece)
             scaled = loss * (len(new) / len(group_rows))  # the minibatch's mean
             scaled.backward()  # type: ignore[no-untyped-call]
             loss_sum += float(scaled.detach())
-        self._average_gradients()
-        if self.spec.max_grad_norm > 0:
-            metrics["grad_norm"] = self._clip_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        metrics |= self.optimizing.step()
         return self._job_mean(loss_sum), metrics
-
-    def _average_gradients(self) -> None:
-        """The data-parallel replicas' gradients averaged (one all-reduce of them all)."""
-        if self.layout.dp == 1:
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.layout.dp_group)
-        flat /= self.layout.dp
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-
-    def _clip_gradients(self) -> float:
-        """Clip to max_grad_norm over the whole model; the norm before. A TP-split parameter's
-        shards are summed over the TP group, a replicated one (a norm) counted once."""
-        counted = [
-            p.grad
-            for p in self.model.parameters()
-            if p.grad is not None and tensor_parallel.param_is_not_tensor_parallel_duplicate(p)
-        ]
-        squares = torch.stack([g.detach().float().square().sum() for g in counted]).sum()
-        if self.layout.tp > 1:
-            dist.all_reduce(squares, group=self.layout.tp_group)
-        norm = float(squares.sqrt())
-        scale = self.spec.max_grad_norm / (norm + 1e-6)
-        if scale < 1.0:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
-        return norm
 
     def _job_mean(self, value: float) -> float:
         """`value` averaged over the data-parallel replicas (the job's, not this group's)."""
         if self.layout.dp == 1:
             return value
-        total = torch.tensor([value], dtype=torch.float64)
+        total = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(total, group=self.layout.dp_group)
         return float(total) / self.layout.dp
 
@@ -308,7 +278,7 @@ class MegatronTrainer(GrpoTrainer):
         return torch.cat(parts)
 
     def _logprobs(
-        self, model: GPTModel, prompts: torch.Tensor, completions: torch.Tensor
+        self, model: torch.nn.Module, prompts: torch.Tensor, completions: torch.Tensor
     ) -> torch.Tensor:
         """Logprobs of `completions` after `prompts` at the task's temperature: the logits
         stay split over the vocabulary, the vocab-parallel cross entropy reduces over it."""
@@ -333,12 +303,13 @@ class MegatronTrainer(GrpoTrainer):
             "step": self.step,
             "rng": torch.get_rng_state(),
             "train": None if self.last_train is None else msgspec.to_builtins(self.last_train),
+            "optimizer": self.optimizing.own_state(),
         }
         shards = None
         if self.layout.dp_rank == 0:  # the replicas hold the same shards: one writes them
             shards = {
                 "model": {n: p.detach() for n, p in self.model.named_parameters()},
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": self.optimizing.shared_state(),
             }
         checkpoint.save(
             directory.parent, self.step, self.layout, own, shards, model_dir=self.model_dir
@@ -360,12 +331,7 @@ class MegatronTrainer(GrpoTrainer):
         with torch.no_grad():
             for name, tensor in shards["model"].items():
                 own_params[name].copy_(tensor)
-        self.optimizer.load_state_dict(shards["optimizer"])
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                # torch.load's storages are not resizable; OFFLOAD resizes (host_memory.py)
-                if isinstance(value, torch.Tensor) and not value.untyped_storage().resizable():
-                    state[key] = value.clone()
+        self.optimizing.load(shards["optimizer"], None if own is None else own.get("optimizer"))
         if own is not None:
             torch.set_rng_state(own["rng"])
         self.step = step
