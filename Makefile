@@ -12,6 +12,10 @@
 # make demo-fsdp / demo-fsdp-vllm: the job with the FSDP2 trainer over a transformers model
 #            (examples/fsdp-grpo.toml; with vLLM as the rollout: examples/fsdp-vllm-grpo.toml).
 # make bench-fsdp: an FSDP all-gather into the channel's staging vs gather-then-pack.
+# make bench-megatron: a Megatron TP all-gather into the channel's staging vs gather-then-pack.
+# make demo-megatron / demo-megatron-vllm: the job with the Megatron-core trainer, tensor-parallel
+#            over the two ranks (examples/megatron-grpo.toml; with vLLM as the rollout:
+#            examples/megatron-vllm-grpo.toml).
 # make bench-nodes: the main job of 4 ranks as 1 node x 4 and as 2 nodes x 2, per phase.
 # make demo-sglang: the job with SGLang as the rollout engine (examples/sglang-grpo.toml), run from
 #            .venv-sglang; its summary in runs/sglang-grpo/summary.json.
@@ -42,8 +46,9 @@ SGLANG_TORCHVISION ?= torchvision==0.28.0
 # apt-get install $(1); the package lists are refreshed only when the first try fails.
 apt_install = apt-get install -y -q $(1) || (apt-get update -q && apt-get install -y -q $(1))
 
-.PHONY: demo demo-vllm demo-fsdp demo-fsdp-vllm demo-sglang test lint typecheck pytest \
-	pytest-sglang test-tools bench bench-vllm bench-fsdp bench-nodes bench-sglang docs-picture clean
+.PHONY: demo demo-vllm demo-fsdp demo-fsdp-vllm demo-megatron demo-megatron-vllm demo-sglang test lint typecheck pytest \
+	pytest-sglang test-tools bench bench-vllm bench-fsdp bench-megatron bench-nodes \
+	bench-sglang docs-picture clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -85,7 +90,7 @@ demo-sglang: $(SGLANG_STAMP)
 	$(SGLANG_PY) -m timeshare.daemon.cli run examples/sglang-grpo.toml \
 		--summary runs/sglang-grpo/summary.json
 
-# The model both FSDP examples start from (the size of examples/tiny-grpo.toml's).
+# The model the FSDP and Megatron examples start from (the size of examples/tiny-grpo.toml's).
 FSDP_MODEL = $(VENV)/bin/timeshare model init --layers 2 --hidden 192 --intermediate 384 \
 	--heads 6 --kv-heads 6 --vocab 16 --max-positions 64 --seed 0
 
@@ -99,6 +104,17 @@ demo-fsdp-vllm: $(STAMP)
 	$(FSDP_MODEL) runs/fsdp-vllm-grpo/model
 	$(VENV)/bin/timeshare run examples/fsdp-vllm-grpo.toml \
 		--summary runs/fsdp-vllm-grpo/summary.json
+
+demo-megatron: $(STAMP)
+	rm -rf runs/megatron-grpo
+	$(FSDP_MODEL) runs/megatron-grpo/model
+	$(VENV)/bin/timeshare run examples/megatron-grpo.toml --summary runs/megatron-grpo/summary.json
+
+demo-megatron-vllm: $(STAMP)
+	rm -rf runs/megatron-vllm-grpo
+	$(FSDP_MODEL) runs/megatron-vllm-grpo/model
+	$(VENV)/bin/timeshare run examples/megatron-vllm-grpo.toml \
+		--summary runs/megatron-vllm-grpo/summary.json
 
 test: lint typecheck pytest
 
@@ -139,6 +155,9 @@ bench-vllm: $(STAMP)
 
 bench-fsdp: $(STAMP)
 	$(PY) benchmarks/fsdp_gather.py --json runs/fsdp_gather.json
+
+bench-megatron: $(STAMP)
+	$(PY) benchmarks/megatron_gather.py --json runs/megatron_gather.json
 
 bench-sglang: $(SGLANG_STAMP)
 	$(SGLANG_PY) benchmarks/sglang_sync.py --json runs/sglang_sync.json
