@@ -173,9 +173,9 @@ def test_config_show_imports_neither_torch_nor_zmq() -> None:
     ("text", "message"),
     [
         (
-            '[engine]\ntrainer = "megatron"\n',
-            r"engine.trainer = 'megatron': no such engine; trainer engines are "
-            r"simulated, torch_ref, fsdp",
+            '[engine]\ntrainer = "deepspeed"\n',
+            r"engine.trainer = 'deepspeed': no such engine; trainer engines are "
+            r"simulated, torch_ref, fsdp, megatron",
         ),
         (
             '[engine]\nrollout = "fsdp"\n',
@@ -191,7 +191,7 @@ def test_config_show_imports_neither_torch_nor_zmq() -> None:
             '[engine]\ntrainer = "torch_ref"\nrollout = "torch_ref"\n[engine.vllm]\nseed = 3\n',
             r"engine.vllm.seed is set \(from file .*\), but this job runs no vllm engine",
         ),
-        ("[engine.megatron]\nseed = 3\n", r"engine.megatron: Object contains unknown field"),
+        ("[engine.deepspeed]\nseed = 3\n", r"engine.deepspeed: Object contains unknown field"),
     ],
 )
 def test_engines_come_from_the_registry_and_a_bad_choice_is_named(
@@ -219,10 +219,10 @@ def test_a_rollout_engines_generate_deadline_runs_inside_rollouts(tmp_path: Path
 def test_a_bad_engine_choice_names_the_key_and_where_it_came_from(tmp_path: Path) -> None:
     path = write(tmp_path, '[engine]\nrollout = "torch_ref"\n')
     with pytest.raises(ConfigError) as unknown:
-        load_config(path, environ={"TIMESHARE_ENGINE__TRAINER": "megatron"})
+        load_config(path, environ={"TIMESHARE_ENGINE__TRAINER": "deepspeed"})
     assert str(unknown.value) == (
-        "engine.trainer = 'megatron': no such engine; trainer engines are simulated, torch_ref, "
-        "fsdp (from env TIMESHARE_ENGINE__TRAINER)"
+        "engine.trainer = 'deepspeed': no such engine; trainer engines are simulated, torch_ref, "
+        "fsdp, megatron (from env TIMESHARE_ENGINE__TRAINER)"
     )
     env = {"TIMESHARE_ENGINE__TRAINER": "torch_ref", "TIMESHARE_ENGINE__VLLM__SEED": "3"}
     with pytest.raises(ConfigError, match=r"^engine.vllm.seed is set \(from env TIMESHARE_EN"):

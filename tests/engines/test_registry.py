@@ -79,11 +79,13 @@ def test_every_entry_names_parts_that_exist(name: str) -> None:
 
 
 def test_kinds_and_lookups_name_what_exists() -> None:
-    assert registry.kinds("trainer") == ["simulated", "torch_ref", "fsdp"]
+    assert registry.kinds("trainer") == ["simulated", "torch_ref", "fsdp", "megatron"]
     assert registry.kinds("rollout") == ["simulated", "torch_ref", "vllm", "sglang"]
     with pytest.raises(
-        ConfigError, match=r"rollout engines are simulated, torch_ref, vllm, sglang"
+        ConfigError, match=r"no such engine; rollout engines are simulated, torch_ref, vllm, sglang"
     ):
+        registry.find("deepspeed", "rollout")
+    with pytest.raises(ConfigError, match=r"megatron is not a rollout engine"):
         registry.find("megatron", "rollout")
     with pytest.raises(ConfigError, match=r"sglang is not a trainer engine"):
         registry.find("sglang", "trainer")
