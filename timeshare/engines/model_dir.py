@@ -118,3 +118,47 @@ def weight_files(directory: Path) -> list[Path]:
         weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
         return sorted({directory / name for name in weight_map.values()})
     return sorted(directory.glob("*.safetensors"))
+
+
+SHOWN = 5  # names listed in an error before "and N more"
+
+
+def weights_problem(directory: Path, where: str, expected: dict[str, tuple[int, ...]]) -> str:
+    """What is wrong with a model directory's safetensors against the tensors a model expects
+    (name -> shape; a head the weights hold beyond them is allowed: a tied model's), read from
+    the files' headers alone ("": nothing). `where` names the directory in the answer."""
+    from safetensors import SafetensorError, safe_open  # noqa: PLC0415 - an extra's
+
+    files = weight_files(directory)
+    if not files:
+        return f"{where} has no *.safetensors weights"
+    found: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as tensors:
+                for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    found[name] = tuple(tensors.get_slice(name).get_shape())
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+            return f"{where}: cannot read {path.name}: {_first_line(exc)}"
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        return f"{where}: {len(missing)} tensors missing from its weights: {_names(missing)}"
+    unexpected = sorted(set(found) - set(expected) - {"lm_head.weight"})
+    if unexpected:
+        return f"{where}: {len(unexpected)} tensors the model does not have: {_names(unexpected)}"
+    wrong = [
+        f"{n} {found[n]} (expected {expected[n]})" for n in expected if found[n] != expected[n]
+    ]
+    if wrong:
+        return f"{where}: {len(wrong)} tensors of the wrong shape: {_names(wrong)}"
+    return ""
+
+
+def _names(names: list[str]) -> str:
+    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return ", ".join(names[:SHOWN]) + more
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

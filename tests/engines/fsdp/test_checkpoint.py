@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from timeshare.engines import step_dirs
 from timeshare.engines.fsdp import checkpoint
 from timeshare.errors import CheckpointError
 
@@ -54,6 +55,6 @@ def test_pruning_keeps_the_newest_committed_and_nothing_older_that_never_was(
     make_step(tmp_path, 2, 2, [0])  # never committed, older than what is kept
     make_step(tmp_path, 4, 2, [0])  # never committed, among what is kept: left for a redo
     make_step(tmp_path, 7, 2, [0])  # being written: newer, kept
-    checkpoint._prune(tmp_path)
+    step_dirs.prune(tmp_path, checkpoint.SUBDIR, checkpoint.is_committed)
     assert checkpoint.steps(tmp_path) == [3, 4, 5, 6, 7]
     assert checkpoint.committed_step(tmp_path) == 6

@@ -26,6 +26,10 @@ RANK_TIMEOUT_S = 240.0
 ROOT = Path(__file__).resolve().parents[3]
 # Grouped-query attention (4 heads, 2 KV groups): each TP rank holds one KV group.
 SHAPE = ModelShape(layers=2, hidden=32, intermediate=64, heads=4, kv_heads=2, vocab=16)
+# Qwen2: Llama's table and biases on q, k and v; two KV groups a rank at TP=2.
+QWEN2 = ModelShape(
+    arch="qwen2", layers=2, hidden=64, intermediate=96, heads=8, kv_heads=4, vocab=16
+)
 # fp32 reductions in another order (the TP all-reduces, the vocab-parallel softmax)
 LOGITS_ATOL = 1e-5
 LOSS_ATOL = 1e-6
@@ -100,6 +104,13 @@ def test_the_loaded_model_computes_the_logits_of_transformers(
         for rank in results:
             assert rank["logits"].shape == expected.shape
             assert float((rank["logits"] - expected).abs().max()) <= LOGITS_ATOL
+
+
+def test_a_qwen2_model_computes_the_logits_of_transformers_at_tp2(tmp_path: Path) -> None:
+    model_dir = init_model_dir(tmp_path / "qwen2", QWEN2, seed=5)
+    expected = transformers_logits(model_dir)
+    for rank in run_ranks("logits", 2, model_dir, tmp_path):
+        assert float((rank["logits"] - expected).abs().max()) <= LOGITS_ATOL
 
 
 def test_sync_sends_the_model_directory_under_its_names_bit_for_bit(

@@ -22,7 +22,7 @@ import msgspec
 
 from timeshare.engines.child_check import answer, ask_child
 from timeshare.engines.fsdp.spec import FsdpSpec
-from timeshare.engines.model_dir import weight_files
+from timeshare.engines.model_dir import weights_problem
 from timeshare.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from timeshare.engines.spec import EngineChoice
 
 CHECK_TIMEOUT_S = 120.0  # importing transformers and torch on a loaded machine
-SHOWN = 5  # names listed in an error before "and N more"
 
 
 def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
@@ -93,40 +92,7 @@ def model_dir_problem(directory: Path) -> str:
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):
         expected.pop("lm_head.weight", None)  # the embedding's, loaded from there
-    return _weights_problem(directory, where, expected)
-
-
-def _weights_problem(directory: Path, where: str, expected: dict[str, tuple[int, ...]]) -> str:
-    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
-
-    files = weight_files(directory)
-    if not files:
-        return f"{where} has no *.safetensors weights"
-    found: dict[str, tuple[int, ...]] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as tensors:
-                for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    found[name] = tuple(tensors.get_slice(name).get_shape())
-        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
-            return f"{where}: cannot read {path.name}: {_first_line(exc)}"
-    missing = sorted(set(expected) - set(found))
-    if missing:
-        return f"{where}: {len(missing)} tensors missing from its weights: {_names(missing)}"
-    unexpected = sorted(set(found) - set(expected) - {"lm_head.weight"})
-    if unexpected:
-        return f"{where}: {len(unexpected)} tensors the model does not have: {_names(unexpected)}"
-    wrong = [
-        f"{n} {found[n]} (expected {expected[n]})" for n in expected if found[n] != expected[n]
-    ]
-    if wrong:
-        return f"{where}: {len(wrong)} tensors of the wrong shape: {_names(wrong)}"
-    return ""
-
-
-def _names(names: list[str]) -> str:
-    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
-    return ", ".join(names[:SHOWN]) + more
+    return weights_problem(directory, where, expected)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -19,9 +19,7 @@ barrier. DCP reports its failures as `CheckpointException`, a BaseException: the
 
 from __future__ import annotations
 
-import io
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -35,18 +33,17 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from timeshare.durable import fsync_directory, write_atomically
+from timeshare.engines import step_dirs
 from timeshare.errors import CheckpointError
 
-KEEP = 3  # newest committed steps kept
 SUBDIR = "fsdp"
 METADATA = ".metadata"
 RANKS_FILE = "ranks.json"
-STEP_DIR = re.compile(r"^step-(\d+)$")
 MODEL_FILES = ("config.json", "generation_config.json")
 
 
 def step_dir(root: Path, step: int) -> Path:
-    return root / SUBDIR / f"step-{step:08d}"
+    return step_dirs.step_dir(root, SUBDIR, step)
 
 
 def rank_file(directory: Path, rank: int) -> Path:
@@ -72,16 +69,12 @@ def ranks_of(directory: Path) -> int | None:
 
 def steps(root: Path) -> list[int]:
     """Every step with a directory (committed or not), oldest first."""
-    parent = root / SUBDIR
-    if not parent.is_dir():
-        return []
-    return sorted(int(m.group(1)) for e in parent.iterdir() if (m := STEP_DIR.match(e.name)))
+    return step_dirs.steps(root, SUBDIR)
 
 
 def committed_step(root: Path) -> int | None:
     """The newest step every rank that wrote it holds durably (None: none yet)."""
-    done = [s for s in steps(root) if is_committed(step_dir(root, s))]
-    return max(done) if done else None
+    return step_dirs.committed_step(root, SUBDIR, is_committed)
 
 
 def save(
@@ -105,13 +98,13 @@ def save(
         model_state, optimizer_state = get_state_dict(model, optimizer)
         writer = FileSystemWriter(directory, sync_files=True)
         dcp_save({"model": model_state, "optimizer": optimizer_state}, storage_writer=writer)
-        _write_durably(rank_file(directory, rank), own)
+        step_dirs.write_durably(rank_file(directory, rank), own)
         if rank == 0:
             fsync_directory(directory)
     except (OSError, CheckpointException) as exc:
         raise CheckpointError(f"cannot write checkpoint {directory}: {exc}") from exc
     if rank == 0:
-        _prune(root)
+        step_dirs.prune(root, SUBDIR, is_committed)
     return directory
 
 
@@ -158,20 +151,3 @@ def load(
         optim_state_dict=optimizer_state,
     )
     return own
-
-
-def _write_durably(path: Path, value: dict[str, Any]) -> None:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    write_atomically(path, buffer.getvalue())
-
-
-def _prune(root: Path) -> None:
-    """Keep the newest KEEP committed steps, and nothing older that never committed."""
-    committed = [s for s in steps(root) if is_committed(step_dir(root, s))]
-    if len(committed) <= KEEP:
-        return
-    oldest_kept = committed[-KEEP]
-    for step in steps(root):
-        if step < oldest_kept:
-            shutil.rmtree(step_dir(root, step), ignore_errors=True)

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from timeshare.engines import step_dirs
 from timeshare.engines.base import RolloutSample
 from timeshare.engines.fsdp import checkpoint
 from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
@@ -40,7 +41,7 @@ from timeshare.engines.grpo import (
 )
 from timeshare.engines.host_memory import HostStore, resident_bytes
 from timeshare.engines.spec import EngineChoice
-from timeshare.errors import CheckpointError, ConfigError
+from timeshare.errors import ConfigError
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.layout import Weight
 from timeshare.units import MIB
@@ -344,7 +345,12 @@ class FsdpTrainer(GrpoTrainer):
     def load_checkpoint(self, directory: Path) -> None:
         """The newest step every rank holds durably, or the model directory's weights at 0."""
         self.checkpoint_root = directory.parent
-        step = self._agreed(checkpoint.committed_step(self.checkpoint_root))
+        step = step_dirs.agreed(
+            checkpoint.committed_step(self.checkpoint_root),
+            self.world_size,
+            self.device,
+            self.checkpoint_root,
+        )
         if step is None:
             self.step = 0
             return
@@ -356,24 +362,6 @@ class FsdpTrainer(GrpoTrainer):
         self.step = int(own["step"])
         self.last_train = figures_kept(own.get("train"))
         log.info("trainer.checkpoint.loaded", rank=self.rank, step=self.step)
-
-    def _agreed(self, step: int | None) -> int | None:
-        """The committed step, the same on every rank: each reads the checkpoint directory
-        itself, and ranks that see it differently (a directory not shared, a stale cache) must
-        not resume from different steps."""
-        if self.world_size == 1:
-            return step
-        seen = torch.tensor([-1 if step is None else step] * 2, device=self.device)
-        seen[1] = -seen[1]  # one all-reduce gives the smallest and the largest
-        dist.all_reduce(seen, op=dist.ReduceOp.MIN)
-        smallest, largest = int(seen[0]), -int(seen[1])
-        if smallest != largest:
-            raise CheckpointError(
-                f"the trainer ranks see different committed steps in {self.checkpoint_root} "
-                f"(from {smallest} to {largest}; -1: none): the checkpoint directory must be "
-                "one directory that every rank sees"
-            )
-        return None if step is None else smallest
 
     def commit(self) -> None:
         if self.checkpoint_root is not None:

@@ -21,6 +21,7 @@ import msgspec
 
 from timeshare.engines.child_check import answer, ask_child
 from timeshare.engines.megatron.spec import MegatronSpec
+from timeshare.engines.model_dir import weights_problem
 from timeshare.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from timeshare.engines.spec import EngineChoice
 
 CHECK_TIMEOUT_S = 120.0  # importing torch and megatron-core on a loaded machine
-SHOWN = 5  # names listed in an error before "and N more"
 
 
 class ProbeRequest(msgspec.Struct, frozen=True):
@@ -84,39 +84,7 @@ def model_dir_problem(directory: Path, tp: int) -> str:
     split = shape.split_problem(tp)
     if split:
         return split
-    return _weights_problem(directory, where, shape.hf_shapes())
-
-
-def _weights_problem(directory: Path, where: str, expected: dict[str, tuple[int, ...]]) -> str:
-    from safetensors import SafetensorError, safe_open  # noqa: PLC0415
-
-    from timeshare.engines.model_dir import weight_files  # noqa: PLC0415
-
-    files = weight_files(directory)
-    if not files:
-        return f"{where} has no *.safetensors weights"
-    found: dict[str, tuple[int, ...]] = {}
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as tensors:
-                for name in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    found[name] = tuple(tensors.get_slice(name).get_shape())
-        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
-            return f"{where}: cannot read {path.name}: {exc}"
-    missing = sorted(set(expected) - set(found))
-    if missing:
-        return f"{where}: {len(missing)} tensors missing from its weights: {_names(missing)}"
-    wrong = [
-        f"{n} {found[n]} (expected {expected[n]})" for n in expected if found[n] != expected[n]
-    ]
-    if wrong:
-        return f"{where}: {len(wrong)} tensors of the wrong shape: {_names(wrong)}"
-    return ""
-
-
-def _names(names: list[str]) -> str:
-    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
-    return ", ".join(names[:SHOWN]) + more
+    return weights_problem(directory, where, shape.hf_shapes())
 
 
 def main() -> None:

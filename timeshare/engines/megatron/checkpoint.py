@@ -22,9 +22,7 @@ a rank that did not exist then starts its own RNG afresh (training draws nothing
 
 from __future__ import annotations
 
-import io
 import json
-import re
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from timeshare.durable import fsync_directory, write_atomically
+from timeshare.engines import step_dirs
 from timeshare.errors import CheckpointError
 
 if TYPE_CHECKING:  # (parallel.py imports megatron-core; an export needs none of it)
@@ -41,15 +40,13 @@ if TYPE_CHECKING:  # (parallel.py imports megatron-core; an export needs none of
 
 log = structlog.get_logger(__name__)
 
-KEEP = 3  # newest committed steps kept
 SUBDIR = "megatron"
 LAYOUT_FILE = "layout.json"
-STEP_DIR = re.compile(r"^step-(\d+)$")
 MODEL_FILES = ("config.json", "generation_config.json")
 
 
 def step_dir(root: Path, step: int) -> Path:
-    return root / SUBDIR / f"step-{step:08d}"
+    return step_dirs.step_dir(root, SUBDIR, step)
 
 
 def shard_file(directory: Path, tp_rank: int) -> Path:
@@ -81,34 +78,9 @@ def is_committed(directory: Path) -> bool:
     )
 
 
-def steps(root: Path) -> list[int]:
-    """Every step with a directory (committed or not), oldest first."""
-    parent = root / SUBDIR
-    if not parent.is_dir():
-        return []
-    return sorted(int(m.group(1)) for e in parent.iterdir() if (m := STEP_DIR.match(e.name)))
-
-
 def committed_step(root: Path) -> int | None:
-    done = [s for s in steps(root) if is_committed(step_dir(root, s))]
-    return max(done) if done else None
-
-
-def agreed(step: int | None, layout: Layout, device: torch.device) -> int | None:
-    """The committed step, the same on every rank (each reads the directory itself; ranks
-    that see it differently must not resume from different steps)."""
-    if layout.world == 1:
-        return step
-    seen = torch.tensor([-1 if step is None else step] * 2, device=device)
-    seen[1] = -seen[1]  # one all-reduce gives the smallest and the largest
-    dist.all_reduce(seen, op=dist.ReduceOp.MIN)
-    smallest, largest = int(seen[0]), -int(seen[1])
-    if smallest != largest:
-        raise CheckpointError(
-            f"the trainer ranks see different committed steps (from {smallest} to {largest}; "
-            "-1: none): the checkpoint directory must be one directory that every rank sees"
-        )
-    return None if step is None else smallest
+    """The newest step every rank that wrote it holds durably (None: none yet)."""
+    return step_dirs.committed_step(root, SUBDIR, is_committed)
 
 
 def save(
@@ -130,8 +102,8 @@ def save(
         if layout.world > 1:
             dist.barrier()  # nobody writes into the directory before it is clean
         if shards is not None:
-            _write_durably(shard_file(directory, layout.tp_rank), shards)
-        _write_durably(rank_file(directory, layout.rank), own)
+            step_dirs.write_durably(shard_file(directory, layout.tp_rank), shards)
+        step_dirs.write_durably(rank_file(directory, layout.rank), own)
         if layout.rank == 0:
             fsync_directory(directory)
     except OSError as exc:
@@ -139,7 +111,7 @@ def save(
     if layout.world > 1:
         dist.barrier()  # every part durable before rank 0 prunes an older step
     if layout.rank == 0:
-        _prune(root)
+        step_dirs.prune(root, SUBDIR, is_committed)
     return directory
 
 
@@ -181,20 +153,3 @@ def load(root: Path, step: int, layout: Layout) -> tuple[dict[str, Any], dict[st
     except (OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"cannot read checkpoint {directory}: {exc}") from exc
     return shards, own
-
-
-def _write_durably(path: Path, value: dict[str, Any]) -> None:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    write_atomically(path, buffer.getvalue())
-
-
-def _prune(root: Path) -> None:
-    """Keep the newest KEEP committed steps, and nothing older that never committed."""
-    committed = [s for s in steps(root) if is_committed(step_dir(root, s))]
-    if len(committed) <= KEEP:
-        return
-    oldest_kept = committed[-KEEP]
-    for step in steps(root):
-        if step < oldest_kept:
-            shutil.rmtree(step_dir(root, step), ignore_errors=True)

@@ -97,8 +97,10 @@ def mark_split_parameters(model: GPTModel, shape: HfShape) -> None:
     mark to count a replicated parameter once."""
     own = dict(model.named_parameters())
     for param in shape.params():
-        if param.rule.dim is not None:
-            set_tensor_model_parallel_attributes(own[param.megatron], True, param.rule.dim, 1)
+        tensor = own[param.megatron]
+        # (a bias megatron marks either way, and every weight built on a GPU, are marked)
+        if param.rule.dim is not None and not hasattr(tensor, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(tensor, True, param.rule.dim, 1)
 
 
 def read_hf(model_dir: Path) -> dict[str, torch.Tensor]:

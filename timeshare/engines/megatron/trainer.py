@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
+from timeshare.engines import step_dirs
 from timeshare.engines.base import RolloutSample
 from timeshare.engines.grpo import (
     GrpoBatch,
@@ -320,8 +321,11 @@ class MegatronTrainer(GrpoTrainer):
     def load_checkpoint(self, directory: Path) -> None:
         """The newest step every rank holds durably, or the model directory's weights at 0."""
         self.checkpoint_root = directory.parent
-        step = checkpoint.agreed(
-            checkpoint.committed_step(self.checkpoint_root), self.layout, self.device
+        step = step_dirs.agreed(
+            checkpoint.committed_step(self.checkpoint_root),
+            self.world_size,
+            self.device,
+            self.checkpoint_root,
         )
         if step is None:
             self.step = 0
