@@ -119,7 +119,6 @@ def train(rank: int, world: int, tp: int, model_dir: Path, out_dir: Path) -> dic
         figures = trainer.train_step(rank_batch(step + 1, rank, world, version=step))
         out["losses"].append(figures.loss)
         out["weights"].append(weights_out(trainer))
-    out["trained_logits"] = full_logits(trainer)
     # The offload round trip, with gradients present (a batch's, accumulated, not applied).
     trainer.onload()
     data = trainer.prepare(rank_batch(9, rank, world, version=STEPS))
@@ -141,6 +140,12 @@ def train(rank: int, world: int, tp: int, model_dir: Path, out_dir: Path) -> dic
     again = MegatronTrainer(rank, world, engine(model_dir, tp))
     out["resumed_step"] = again.bootstrap(checkpoints / f"rank{rank}")
     out["resumed"] = weights_out(again)
+    # One more step from the resumed optimiser state and from the one that never stopped:
+    # the same bytes only if AdamW's moments and step count came back whole.
+    for each in (trainer, again):
+        each.train_step(rank_batch(STEPS + 1, rank, world, version=STEPS))
+    out["next_step"], out["next_step_resumed"] = weights_out(trainer), weights_out(again)
+    out["final_logits"] = full_logits(again)  # of the last step committed (STEPS + 1)
     return out
 
 

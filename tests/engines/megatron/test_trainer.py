@@ -152,6 +152,8 @@ def test_a_new_trainer_resumes_from_the_committed_step(tp2: tuple[Path, list[Any
     for rank in tp2[1]:
         assert rank["resumed_step"] == STEPS
         assert same_bytes(rank["resumed"], rank["weights"][-1])
+        assert same_bytes(rank["next_step_resumed"], rank["next_step"])  # optimiser state too
+        assert not same_bytes(rank["next_step"], rank["weights"][-1])
 
 
 def test_the_export_loads_in_transformers_with_the_trained_logits(
@@ -168,7 +170,7 @@ def test_the_export_loads_in_transformers_with_the_trained_logits(
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"step-{STEPS:08d}" in done.stdout
-    assert same_bytes(load_file(exported / "model.safetensors"), results[0]["weights"][-1])
+    assert f"step-{STEPS + 1:08d}" in done.stdout  # the newest committed: after the resume
+    assert same_bytes(load_file(exported / "model.safetensors"), results[0]["next_step"])
     logits = transformers_logits(exported)
-    assert float((logits - results[0]["trained_logits"]).abs().max()) <= LOGITS_ATOL
+    assert float((logits - results[0]["final_logits"]).abs().max()) <= LOGITS_ATOL

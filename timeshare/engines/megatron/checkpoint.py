@@ -15,9 +15,10 @@ layout.json and every tp<t>.pt and rank<r>.pt it names are there, the rule of ev
 here (a step is committed only when every rank's part is durable). A step redone after a crash
 is removed first, by rank 0, behind a barrier.
 
-A job may resume with another number of data-parallel replicas (ranks), as long as the
-tensor-parallel size is the one that wrote the step: every rank reads its TP rank's shards;
-a rank that did not exist then starts its own RNG afresh (training draws nothing from it).
+On a CPU a job may resume with another number of data-parallel replicas (ranks), as long as
+the tensor-parallel size is the one that wrote the step: every rank reads its TP rank's shards;
+a rank that did not exist then starts its own RNG afresh (training draws nothing from it). On
+CUDA the distributed optimizer's state is laid out by data-parallel size: the same ranks only.
 """
 
 from __future__ import annotations
@@ -126,8 +127,13 @@ def _start_step(directory: Path, layout: Layout, model_dir: Path) -> None:
     write_atomically(directory / LAYOUT_FILE, json.dumps(written).encode())
 
 
-def load(root: Path, step: int, layout: Layout) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(this TP rank's shards, this rank's own state or None) of a committed step."""
+def load(
+    root: Path, step: int, layout: Layout, *, same_ranks: bool = False
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(this TP rank's shards, this rank's own state or None) of a committed step, in host
+    memory. `same_ranks`: the step must have been written by this many ranks (megatron's
+    distributed optimizer lays its state out by data-parallel size). Every rank reads the same
+    files and decides alike: a step one rank refuses, every rank refuses."""
     directory = step_dir(root, step)
     written = layout_of(directory)
     assert written is not None, "a committed step has its layout"
@@ -136,6 +142,12 @@ def load(root: Path, step: int, layout: Layout) -> tuple[dict[str, Any], dict[st
         raise CheckpointError(
             f"{directory} was written with tensor_parallel_size {tp}; this job has {layout.tp} "
             "(resharding tensor parallelism is not supported: start from an export)"
+        )
+    if ranks != layout.world and same_ranks:
+        raise CheckpointError(
+            f"{directory} was written by {ranks} ranks; this job has {layout.world} (on CUDA the "
+            "distributed optimizer's state is laid out by data-parallel size: start from an "
+            "export)"
         )
     if ranks != layout.world:
         log.warning(

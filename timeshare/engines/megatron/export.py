@@ -57,7 +57,7 @@ def export_checkpoint(source: Path, target: Path) -> Path:
     for tp_rank in range(tp):
         path = checkpoint.shard_file(step, tp_rank)
         try:
-            shards.append(torch.load(path, weights_only=True)["model"])
+            shards.append(torch.load(path, weights_only=True, map_location="cpu")["model"])
         except (OSError, RuntimeError, ValueError, KeyError) as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from exc
     tensors = hf_state(shards, shape.params(), shape.geometry(tp))

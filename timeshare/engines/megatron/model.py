@@ -75,7 +75,7 @@ def build_model(
         share_embeddings_and_output_weights=shape.tied,
         parallel_output=True,  # logits stay split over the vocabulary (vocab-parallel CE)
         position_embedding_type="rope",
-        rotary_base=int(shape.rope_theta),
+        rotary_base=shape.rope_theta,  # (megatron only raises it to a power)
     )
     if on_host:
         cpu.keep_rotary_on_host(model.rotary_pos_emb)

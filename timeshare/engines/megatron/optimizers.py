@@ -51,7 +51,8 @@ class Optimizing(ABC):
 
     @abstractmethod
     def shared_state(self) -> dict[str, Any]:
-        """Optimiser state every data-parallel replica holds alike (written once per TP rank)."""
+        """Optimiser state of this TP rank, whole (written once per TP rank, by the first
+        replica). Every rank calls it: it may gather from the replicas."""
 
     @abstractmethod
     def own_state(self) -> dict[str, Any]:
@@ -207,19 +208,23 @@ class DistributedAdam(Optimizing):
         return [t for t in tensors if t.untyped_storage()._cdata not in parameters]
 
     def shared_state(self) -> dict[str, Any]:
-        return {"megatron": self.optimizer.state_dict()}
-
-    def own_state(self) -> dict[str, Any]:
+        """The optimiser's groups and, gathered from every data-parallel replica onto the
+        first (a collective: every rank calls it), its master weights and Adam state in
+        megatron's DP-zero form (host tensors)."""
         return {
-            "parameter_state": [o.get_parameter_state_dp_reshardable() for o in self._distributed()]
+            "megatron": self.optimizer.state_dict(),
+            "parameter_state": [o.get_parameter_state_dp_zero() for o in self._distributed()],
         }
 
+    def own_state(self) -> dict[str, Any]:
+        return {}
+
     def load(self, shared: dict[str, Any], own: dict[str, Any] | None) -> None:
-        if "megatron" not in shared or own is None or "parameter_state" not in own:
+        """(A collective: the first replica's state is scattered to every replica.)"""
+        if "megatron" not in shared or "parameter_state" not in shared:
             raise CheckpointError(
-                "the checkpoint holds no distributed-optimizer state for this rank (written on "
-                "a CPU, or by another number of data-parallel replicas)"
+                "the checkpoint holds no distributed-optimizer state (written on a CPU?)"
             )
         self.optimizer.load_state_dict(shared["megatron"])
-        for optimizer, state in zip(self._distributed(), own["parameter_state"], strict=True):
-            optimizer.load_parameter_state_from_dp_reshardable(state)
+        for optimizer, state in zip(self._distributed(), shared["parameter_state"], strict=True):
+            optimizer.load_parameter_state_from_dp_zero(state)

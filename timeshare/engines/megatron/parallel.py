@@ -84,7 +84,7 @@ def join(
         return
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
-        distributed_timeout_minutes=max(1, round(timeout_s / 60)),
+        distributed_timeout_minutes=timeout_s / 60,  # the job's deadline, not rounded
     )
     # On a CPU, the inference tracker's fork() is a no-op: the CUDA RNG tracker would swap
     # CUDA RNG states (cpu.py). On GPUs, megatron's own tracker.

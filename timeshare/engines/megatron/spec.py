@@ -30,8 +30,8 @@ class MegatronSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # "auto": CUDA (NCCL, megatron's DDP and distributed optimizer) when this process sees a
     # GPU, else CPU (gloo, torch's AdamW over an all-reduce of the gradients).
     device: DeviceName = "auto"
-    # The master weights and the optimiser are float32; forward and backward compute in
-    # `param_dtype` (on GPUs; keep float32 on CPU), and the rollout receives it.
+    # The dtype the rollout receives (SYNC casts to it). The trainer computes in float32 on
+    # every device: megatron's bf16 mixed precision (Float16Module) is not wired in yet.
     param_dtype: PrecisionName = "float32"
     # Samples per forward/backward within a tensor-parallel group's minibatch; 0: the whole
     # minibatch at once.

@@ -109,6 +109,8 @@ class MegatronTrainer(GrpoTrainer):
 
     def parallel_join(self) -> None:
         """This process into the trainers' world and megatron's groups (parallel.py)."""
+        if self.device.type == "cuda":  # before any CUDA call: megatron's seeding makes one
+            torch.cuda.set_device(self.rank % torch.cuda.device_count())
         parallel.join(
             self.layout, self.device, self.store, self.collective_timeout_s, self.spec.seed
         )
@@ -119,8 +121,6 @@ class MegatronTrainer(GrpoTrainer):
         problem = self.shape.split_problem(self.layout.tp)
         if problem:
             raise ConfigError(problem)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.rank % torch.cuda.device_count())
         hf = read_hf(self.model_dir)
         self._model = self._loaded(hf)
         if self.device.type == "cuda":
@@ -306,11 +306,12 @@ class MegatronTrainer(GrpoTrainer):
             "train": None if self.last_train is None else msgspec.to_builtins(self.last_train),
             "optimizer": self.optimizing.own_state(),
         }
+        optimizer = self.optimizing.shared_state()  # (every rank: it may gather)
         shards = None
         if self.layout.dp_rank == 0:  # the replicas hold the same shards: one writes them
             shards = {
                 "model": {n: p.detach() for n, p in self.model.named_parameters()},
-                "optimizer": self.optimizing.shared_state(),
+                "optimizer": optimizer,
             }
         checkpoint.save(
             directory.parent, self.step, self.layout, own, shards, model_dir=self.model_dir
@@ -330,7 +331,9 @@ class MegatronTrainer(GrpoTrainer):
         if step is None:
             self.step = 0
             return
-        shards, own = checkpoint.load(self.checkpoint_root, step, self.layout)
+        shards, own = checkpoint.load(
+            self.checkpoint_root, step, self.layout, same_ranks=self.device.type == "cuda"
+        )
         own_params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in shards["model"].items():
