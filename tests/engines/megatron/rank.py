@@ -1,12 +1,13 @@
 """One rank of the Megatron trainer tests, as its own process (gloo over a loopback TCPStore):
 
-    python -m tests.engines.megatron.rank train|logits RANK WORLD PORT TP MODEL_DIR OUT_DIR
+    python -m tests.engines.megatron.rank train|logits|resume RANK WORLD PORT TP MODEL_DIR OUT_DIR
 
 `train`: the logits of the loaded model (gathered over the vocabulary), then STEPS GRPO steps
 on fixed batches (each rank its own), each committed to OUT_DIR/checkpoints; the losses, the
 weights as SYNC sends them after each step, the offload round trip, and a second trainer that
-resumes from the checkpoint. `logits`: the loaded model's logits alone. Each rank writes
-OUT_DIR/rank<r>.pt for the test to compare.
+resumes from the checkpoint. `logits`: the loaded model's logits alone. `resume`: a trainer of
+WORLD ranks bootstrapped from OUT_DIR/checkpoints (written by another number of ranks), the
+weights it sends. Each rank writes OUT_DIR/rank<r>.pt (`resume`: resumed<r>.pt) for the test.
 """
 
 from __future__ import annotations
@@ -149,6 +150,12 @@ def train(rank: int, world: int, tp: int, model_dir: Path, out_dir: Path) -> dic
     return out
 
 
+def resume(rank: int, world: int, tp: int, model_dir: Path, out_dir: Path) -> dict[str, Any]:
+    trainer = MegatronTrainer(rank, world, engine(model_dir, tp))
+    step = trainer.bootstrap(out_dir / "checkpoints" / f"rank{rank}")
+    return {"step": step, "weights": weights_out(trainer)}
+
+
 def logits(rank: int, world: int, tp: int, model_dir: Path) -> dict[str, Any]:
     trainer = MegatronTrainer(rank, world, engine(model_dir, tp))
     trainer.parallel_join()
@@ -166,8 +173,13 @@ def main() -> None:
         "gloo", store=store, rank=int(rank), world_size=int(world), timeout=timedelta(seconds=60)
     )
     args = (int(rank), int(world), int(tp), Path(model_dir))
-    out = train(*args, Path(out_dir)) if scenario == "train" else logits(*args)
-    torch.save(out, Path(out_dir) / f"rank{rank}.pt")
+    if scenario == "train":
+        out, name = train(*args, Path(out_dir)), f"rank{rank}.pt"
+    elif scenario == "resume":
+        out, name = resume(*args, Path(out_dir)), f"resumed{rank}.pt"
+    else:
+        out, name = logits(*args), f"rank{rank}.pt"
+    torch.save(out, Path(out_dir) / name)
     os._exit(0)  # gloo's threads need no orderly goodbye once the results are written
 
 

@@ -38,20 +38,22 @@ WEIGHTS_ATOL = 1e-5  # after three AdamW steps from the same rows
 pytestmark = pytest.mark.slow
 
 
-def run_ranks(scenario: str, tp: int, model_dir: Path, out: Path) -> list[dict[str, Any]]:
-    """Both ranks of `scenario` in their own processes; their results, by rank."""
+def run_ranks(
+    scenario: str, tp: int, model_dir: Path, out: Path, world: int = WORLD
+) -> list[dict[str, Any]]:
+    """Every rank of `scenario` in its own process; their results, by rank."""
     port = free_port()
     argv = [sys.executable, "-m", "tests.engines.megatron.rank", scenario]
     ranks = [
         subprocess.Popen(
-            [*argv, str(rank), str(WORLD), str(port), str(tp), str(model_dir), str(out)],
+            [*argv, str(rank), str(world), str(port), str(tp), str(model_dir), str(out)],
             cwd=ROOT,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for rank in range(WORLD)
+        for rank in range(world)
     ]
     try:
         outputs = [process.communicate(timeout=RANK_TIMEOUT_S)[0] for process in ranks]
@@ -61,7 +63,8 @@ def run_ranks(scenario: str, tp: int, model_dir: Path, out: Path) -> list[dict[s
             process.wait(timeout=10)
     for rank, (process, output) in enumerate(zip(ranks, outputs, strict=True)):
         assert process.returncode == 0, f"rank {rank}:\n{output[-4000:]}"
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    name = "resumed" if scenario == "resume" else "rank"
+    return [torch.load(out / f"{name}{rank}.pt", weights_only=False) for rank in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +79,9 @@ def tp2(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path
 
 
 @pytest.fixture(scope="module")
-def tp1(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_ranks("train", 1, model_dir, tmp_path_factory.mktemp("tp1"))
+def tp1(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Any]]:
+    out = tmp_path_factory.mktemp("tp1")
+    return out, run_ranks("train", 1, model_dir, out)
 
 
 def transformers_logits(model_dir: Path) -> torch.Tensor:
@@ -97,10 +101,10 @@ def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def test_the_loaded_model_computes_the_logits_of_transformers(
-    model_dir: Path, tp2: tuple[Path, list[Any]], tp1: list[dict[str, Any]]
+    model_dir: Path, tp2: tuple[Path, list[Any]], tp1: tuple[Path, list[Any]]
 ) -> None:
     expected = transformers_logits(model_dir)
-    for results in (tp2[1], tp1):
+    for results in (tp2[1], tp1[1]):
         for rank in results:
             assert rank["logits"].shape == expected.shape
             assert float((rank["logits"] - expected).abs().max()) <= LOGITS_ATOL
@@ -114,17 +118,17 @@ def test_a_qwen2_model_computes_the_logits_of_transformers_at_tp2(tmp_path: Path
 
 
 def test_sync_sends_the_model_directory_under_its_names_bit_for_bit(
-    model_dir: Path, tp2: tuple[Path, list[Any]], tp1: list[dict[str, Any]]
+    model_dir: Path, tp2: tuple[Path, list[Any]], tp1: tuple[Path, list[Any]]
 ) -> None:
     hf = load_file(model_dir / "model.safetensors")
-    for rank in [*tp2[1], *tp1]:
+    for rank in [*tp2[1], *tp1[1]]:
         assert same_bytes(rank["initial"], hf)
 
 
 def test_tp2_and_two_replicas_take_the_same_steps(
-    tp2: tuple[Path, list[Any]], tp1: list[dict[str, Any]]
+    tp2: tuple[Path, list[Any]], tp1: tuple[Path, list[Any]]
 ) -> None:
-    group, replicas = tp2[1], tp1
+    group, replicas = tp2[1], tp1[1]
     # Within a layout every rank reports the job's loss and sends the same weights.
     for results in (group, replicas):
         assert results[0]["losses"] == results[1]["losses"]
@@ -154,6 +158,17 @@ def test_a_new_trainer_resumes_from_the_committed_step(tp2: tuple[Path, list[Any
         assert same_bytes(rank["resumed"], rank["weights"][-1])
         assert same_bytes(rank["next_step_resumed"], rank["next_step"])  # optimiser state too
         assert not same_bytes(rank["next_step"], rank["weights"][-1])
+
+
+def test_a_job_of_one_replica_resumes_the_checkpoint_of_two(
+    model_dir: Path, tp1: tuple[Path, list[Any]]
+) -> None:
+    # TP=1 over two ranks wrote it (two data-parallel replicas); one rank reads its TP rank's
+    # shards and goes on from the same step with the same weights.
+    out, results = tp1
+    (resumed,) = run_ranks("resume", 1, model_dir, out, world=1)
+    assert resumed["step"] == STEPS + 1
+    assert same_bytes(resumed["weights"], results[0]["next_step"])
 
 
 def test_the_export_loads_in_transformers_with_the_trained_logits(
