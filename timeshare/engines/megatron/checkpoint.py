@@ -157,11 +157,16 @@ def load(
             note="data-parallel replicas read their TP rank's shards",
         )
     try:
+        # on the host whatever device wrote them (the trainer copies them where they go)
         shards: dict[str, Any] = torch.load(
-            shard_file(directory, layout.tp_rank), weights_only=True
+            shard_file(directory, layout.tp_rank), weights_only=True, map_location="cpu"
         )
         own_path = rank_file(directory, layout.rank)
-        own = torch.load(own_path, weights_only=True) if own_path.is_file() else None
+        own = (
+            torch.load(own_path, weights_only=True, map_location="cpu")
+            if own_path.is_file()
+            else None
+        )
     except (OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"cannot read checkpoint {directory}: {exc}") from exc
     return shards, own

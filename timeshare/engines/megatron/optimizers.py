@@ -55,11 +55,8 @@ class Optimizing(ABC):
         replica). Every rank calls it: it may gather from the replicas."""
 
     @abstractmethod
-    def own_state(self) -> dict[str, Any]:
-        """Optimiser state of this rank alone (written by every rank)."""
-
-    @abstractmethod
-    def load(self, shared: dict[str, Any], own: dict[str, Any] | None) -> None: ...
+    def load(self, shared: dict[str, Any]) -> None:
+        """Restore what `shared_state` returned (every rank calls it: it may scatter)."""
 
 
 class HostAdamW(Optimizing):
@@ -97,10 +94,7 @@ class HostAdamW(Optimizing):
     def shared_state(self) -> dict[str, Any]:
         return {"adamw": self.optimizer.state_dict()}
 
-    def own_state(self) -> dict[str, Any]:
-        return {}
-
-    def load(self, shared: dict[str, Any], own: dict[str, Any] | None) -> None:
+    def load(self, shared: dict[str, Any]) -> None:
         if "adamw" not in shared:
             raise CheckpointError("the checkpoint's optimiser state is not torch's AdamW's")
         self.optimizer.load_state_dict(shared["adamw"])
@@ -216,10 +210,7 @@ class DistributedAdam(Optimizing):
             "parameter_state": [o.get_parameter_state_dp_zero() for o in self._distributed()],
         }
 
-    def own_state(self) -> dict[str, Any]:
-        return {}
-
-    def load(self, shared: dict[str, Any], own: dict[str, Any] | None) -> None:
+    def load(self, shared: dict[str, Any]) -> None:
         """(A collective: the first replica's state is scattered to every replica.)"""
         if "megatron" not in shared or "parameter_state" not in shared:
             raise CheckpointError(

@@ -304,7 +304,6 @@ class MegatronTrainer(GrpoTrainer):
             "step": self.step,
             "rng": torch.get_rng_state(),
             "train": None if self.last_train is None else msgspec.to_builtins(self.last_train),
-            "optimizer": self.optimizing.own_state(),
         }
         optimizer = self.optimizing.shared_state()  # (every rank: it may gather)
         shards = None
@@ -338,7 +337,7 @@ class MegatronTrainer(GrpoTrainer):
         with torch.no_grad():
             for name, tensor in shards["model"].items():
                 own_params[name].copy_(tensor)
-        self.optimizing.load(shards["optimizer"], None if own is None else own.get("optimizer"))
+        self.optimizing.load(shards["optimizer"])
         if own is not None:
             torch.set_rng_state(own["rng"])
         self.step = step
