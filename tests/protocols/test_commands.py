@@ -14,11 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.abc
 import pytest
 
 from tests.conftest import socket_files
-from timeshare.errors import CommandTimeout, WorkerDied, WorkerError, WorkerStalled
+from timeshare.errors import (
+    CommandTimeout,
+    ProtocolError,
+    WorkerDied,
+    WorkerError,
+    WorkerStalled,
+)
 from timeshare.protocols.commands import WorkerId, WorkerLanes, frames, watch_process
+from timeshare.protocols.commands.lane_socket import HEADER, MAX_FRAME, FrameReader, pack
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = WorkerId("trainer", 1)
@@ -157,33 +165,46 @@ async def test_control_lane_answers_while_work_runs_and_abort_interrupts(runtime
 
 @pytest.mark.asyncio
 async def test_garbage_on_a_lane_is_ignored_and_calls_go_on(runtime_dir: Path) -> None:
-    import zmq
-    import zmq.asyncio
-
     rogue = WorkerId("rogue", 0)
     async with one_worker(runtime_dir) as (lanes, _):
-        context = zmq.asyncio.Context()
-        sockets: list[zmq.asyncio.Socket] = []
+        streams: list[anyio.abc.SocketStream] = []
         try:
             # A rogue peer on each lane (wait_ready wants a hello on both): garbage, then a hello.
             for lane, url in (("work", lanes.work_endpoint), ("control", lanes.control_endpoint)):
-                socket = context.socket(zmq.DEALER)
-                sockets.append(socket)
-                socket.setsockopt(zmq.LINGER, 0)
-                socket.connect(url)
-                await socket.send(b"\xc1\xc1 not msgpack")
-                await socket.send_multipart([b"a", b"b", b"c"])
-                await socket.send(b"\x81\xa4kind\xa6result")  # a reply to no call
+                stream = await anyio.connect_unix(url.removeprefix("ipc://"))
+                streams.append(stream)
+                await stream.send(pack(b"\xc1\xc1 not msgpack"))
+                beat = frames.encode(frames.Heartbeat(None, None, 1))
+                await stream.send(pack(beat))  # before its hello: nobody's
+                await stream.send(pack(b"\x81\xa4kind\xa6result"))  # a reply to no call
                 # Then a hello: a lane reads one peer's frames in order, so once the driver has
                 # seen it, it has read (and dropped) the garbage sent before it.
-                await socket.send(frames.encode(frames.Hello(rogue.role, rogue.rank, 0, lane)))
+                await stream.send(
+                    pack(frames.encode(frames.Hello(rogue.role, rogue.rank, 0, lane)))
+                )
             await lanes.wait_ready([rogue], timeout_s=10.0)
-            assert await lanes.call(
-                TRAINER, "echo", {"still": "fine"}, deadline_s=10.0, returns=object
-            ) == {"still": "fine"}
-            status = await lanes.control(TRAINER, "status", timeout_s=5.0)
-            assert status["busy"] is None and status["role"] == "trainer"
+            # A peer whose stream cannot be framed (a length past the limit) is cut off alone.
+            broken = await anyio.connect_unix(lanes.work_endpoint.removeprefix("ipc://"))
+            streams.append(broken)
+            await broken.send(HEADER.pack(MAX_FRAME + 1))
+            with anyio.fail_after(10.0), pytest.raises(anyio.EndOfStream):
+                await broken.receive()  # the driver closed it
         finally:
-            for socket in sockets:
-                socket.close()
-            context.term()
+            for stream in streams:
+                await stream.aclose()
+        assert await lanes.call(
+            TRAINER, "echo", {"still": "fine"}, deadline_s=10.0, returns=object
+        ) == {"still": "fine"}
+        status = await lanes.control(TRAINER, "status", timeout_s=5.0)
+        assert status["busy"] is None and status["role"] == "trainer"
+    assert socket_files(runtime_dir) == []
+
+
+def test_frames_are_cut_out_of_any_chunking() -> None:
+    stream = b"".join(pack(frame) for frame in (b"one", b"", b"three" * 1000))
+    for chunk in (1, 3, 7, len(stream)):
+        reader = FrameReader()
+        got = [f for i in range(0, len(stream), chunk) for f in reader.feed(stream[i : i + chunk])]
+        assert got == [b"one", b"", b"three" * 1000], chunk
+    with pytest.raises(ProtocolError, match="over the lane's"):
+        FrameReader().feed(HEADER.pack(MAX_FRAME + 1))

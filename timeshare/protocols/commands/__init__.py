@@ -1,8 +1,9 @@
-"""Command lanes between the driver and its workers: a work lane and a control lane over ZMQ.
+"""Command lanes between the driver and its workers: a work lane and a control lane, each a
+UNIX stream socket of length-prefixed frames (lane_socket.py).
 
-driver_side.py: `WorkerLanes` (ROUTER per lane; calls with deadlines; exits and stalls seen).
+driver_side.py: `WorkerLanes` (listens per lane; calls with deadlines; exits and stalls seen).
 processes.py: `WorkerId`, and `watch_process` (a worker's exit, seen the moment it happens).
-worker_side.py: `WorkerServer` (DEALER per lane; work in the main thread, control in its own).
+worker_side.py: `WorkerServer` (connects per lane; work in the main thread, control in its own).
 frames.py: the typed msgpack frames both speak.
 results.py: what each command returns, one Struct per (command, role).
 """

@@ -1,4 +1,8 @@
-"""The driver's end of the command lanes: one ROUTER per lane, every call with a deadline.
+"""The driver's end of the command lanes: one listening socket per lane, every call with a
+deadline.
+
+Each worker connects once per lane and says hello first: that connection is the worker's on that
+lane from then on (lane_socket.py has the framing).
 
 `WorkerLanes.call` sends a command on the work lane and waits for its result, watching three
 things at once: the result; the worker's process (`worker_exited`, fed by `watch_process`, ends
@@ -16,7 +20,9 @@ not end that way; its worker is killed with the cycle.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,8 +33,6 @@ from typing import Any, TypeVar
 import anyio
 import msgspec
 import structlog
-import zmq
-import zmq.asyncio
 
 from timeshare.errors import (
     BadResult,
@@ -41,7 +45,8 @@ from timeshare.errors import (
     WorkerStalled,
 )
 from timeshare.protocols.commands import frames
-from timeshare.protocols.commands.processes import WorkerId, describe_exit, worker_of
+from timeshare.protocols.commands.lane_socket import DriverConnection
+from timeshare.protocols.commands.processes import WorkerId, describe_exit
 from timeshare.runtime import Endpoint
 
 log = structlog.get_logger(__name__)
@@ -51,6 +56,8 @@ CHECK_S = 0.05
 ABORT_S = 2.0  # for the control lane's answer to `abort`, then for the aborted call's
 EXIT_REPORT_S = 2.0  # a worker gone from its socket: for its exit to be reported
 LANES = ("work", "control")
+CLOSE_S = 1.0  # for closed connections to let go of their sockets
+BACKLOG = 256  # connections not yet accepted: two per worker as they all start
 R = TypeVar("R")
 
 
@@ -81,8 +88,10 @@ class WorkerLanes:
         self.endpoints = {
             lane: Endpoint.parse(f"ipc://{runtime_dir}/{lane}.sock") for lane in LANES
         }
-        self._context = zmq.asyncio.Context(io_threads=1)
-        self._sockets: dict[str, zmq.asyncio.Socket] = {}
+        self._servers: list[asyncio.Server] = []
+        self._connections: dict[DriverConnection, tuple[str, WorkerId | None]] = {}
+        self._peers: dict[tuple[str, WorkerId], DriverConnection] = {}
+        self._all_closed = anyio.Event()  # (set when the last connection ends)
         self._inodes: dict[str, int | None] = {}
         self._workers: dict[WorkerId, _Liveness] = {}
         self._pending: dict[int, _Pending] = {}
@@ -94,15 +103,12 @@ class WorkerLanes:
         lanes = cls(runtime_dir, stall_timeout_s=stall_timeout_s)
         try:
             # Clearing a stale socket file probes it with a connect: not on the event loop.
-            await anyio.to_thread.run_sync(lanes._prepare_endpoints)
-            lanes._bind()
-            async with anyio.create_task_group() as group:
-                for lane in LANES:
-                    group.start_soon(lanes._receive, lane)
-                yield lanes
-                group.cancel_scope.cancel()
+            bound = await anyio.to_thread.run_sync(lanes._bind)
+            await lanes._serve(bound)
+            yield lanes
         finally:
-            lanes._close()
+            with anyio.CancelScope(shield=True):
+                await lanes._close()
 
     @property
     def work_endpoint(self) -> str:
@@ -195,13 +201,17 @@ class WorkerLanes:
         self, lane: str, worker: WorkerId, call: frames.Call, deadline_s: float
     ) -> None:
         try:
-            # Bounded like the rest of the call: a worker that stopped reading fills the queue.
-            with anyio.fail_after(deadline_s):
-                await self._sockets[lane].send_multipart([worker.routing_id, frames.encode(call)])
+            connection = self._peers.get((lane, worker))
+            if connection is None:
+                raise ConnectionResetError("it is not connected")
+            connection.send(frames.encode(call))
+            if connection.backed_up:  # bounded like the rest of the call: it stopped reading
+                with anyio.fail_after(deadline_s):
+                    await connection.drained()
         except TimeoutError as exc:
             message = f"{worker} did not take {call.command} within {deadline_s:g} s"
             raise _failure(CommandTimeout, worker, call.command, message) from exc
-        except zmq.ZMQError as exc:  # ROUTER_MANDATORY: nobody with that id is connected
+        except ConnectionError as exc:
             # Most often the worker has just died, and its exit is on its way from the process
             # watcher: that is the failure to report, not the socket it left.
             await self._exit_reported(worker, EXIT_REPORT_S)
@@ -265,41 +275,79 @@ class WorkerLanes:
 
     # -- sockets ------------------------------------------------------------------------------
 
-    def _prepare_endpoints(self) -> None:
-        for endpoint in self.endpoints.values():
-            endpoint.prepare_bind()
+    def _bind(self) -> dict[str, socket.socket]:
+        """A listening socket per lane (blocking: a stale file is probed with a connect)."""
+        bound: dict[str, socket.socket] = {}
+        try:
+            for lane, endpoint in self.endpoints.items():
+                endpoint.prepare_bind()
+                sock = bound[lane] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.bind(str(endpoint.path))
+                sock.listen(BACKLOG)
+                self._inodes[lane] = endpoint.bound_inode()
+        except BaseException:
+            for sock in bound.values():
+                sock.close()
+            raise
+        return bound
 
-    def _bind(self) -> None:
-        for lane, endpoint in self.endpoints.items():
-            socket = self._context.socket(zmq.ROUTER)
-            socket.setsockopt(zmq.LINGER, 0)
-            socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone worker is an error
-            socket.bind(endpoint.url)
-            self._sockets[lane] = socket
-            self._inodes[lane] = endpoint.bound_inode()
+    async def _serve(self, bound: dict[str, socket.socket]) -> None:
+        """Serve each lane's listening socket (closed here if it cannot be)."""
+        loop = asyncio.get_running_loop()
+        try:
+            for lane in LANES:
+                sock = bound.pop(lane)
 
-    async def _receive(self, lane: str) -> None:
-        socket = self._sockets[lane]
-        while True:
-            parts = await socket.recv_multipart()
-            if len(parts) != 2:
-                log.warning("lanes.frame.malformed", lane=lane, parts=len(parts))
-                continue
-            routing_id, data = parts
-            try:
-                frame = frames.decode_from_worker(data)
-            except ProtocolError as exc:
-                log.warning("lanes.frame.malformed", lane=lane, error=str(exc))
-                continue
-            self._dispatch(lane, routing_id, frame)
+                def connection(lane: str = lane) -> DriverConnection:
+                    made = DriverConnection(self._on_frame, self._on_broken, self._on_lost)
+                    self._connections[made] = (lane, None)
+                    return made
 
-    def _dispatch(self, lane: str, routing_id: bytes, frame: frames.FromWorker) -> None:
+                try:
+                    self._servers.append(await loop.create_unix_server(connection, sock=sock))
+                except BaseException:
+                    sock.close()
+                    raise
+        finally:
+            for sock in bound.values():
+                sock.close()
+
+    def _on_frame(self, connection: DriverConnection, data: bytes) -> None:
+        """One frame of a connection: it is a worker's once it said hello."""
+        lane, worker = self._connections[connection]
+        try:
+            frame = frames.decode_from_worker(data)
+        except ProtocolError as exc:
+            log.warning("lanes.frame.malformed", lane=lane, error=str(exc))
+            return
         if isinstance(frame, frames.Hello):
-            liveness = self._workers.setdefault(WorkerId(frame.role, frame.rank), _Liveness())
+            worker = WorkerId(frame.role, frame.rank)
+            self._connections[connection] = (lane, worker)
+            self._peers[(lane, worker)] = connection
+        elif worker is None:
+            log.warning("lanes.frame.before_hello", lane=lane, kind=type(frame).__name__)
+            return
+        self._dispatch(lane, worker, frame)
+
+    def _on_broken(self, connection: DriverConnection, error: ProtocolError) -> None:
+        lane, worker = self._connections[connection]
+        log.warning("lanes.stream.broken", lane=lane, worker=str(worker), error=str(error))
+
+    def _on_lost(self, connection: DriverConnection) -> None:
+        """A connection ended: the worker closed it or died (its exit is the process watcher's
+        to report). A later connection of the same worker keeps its place."""
+        lane, worker = self._connections.pop(connection, ("", None))
+        if worker is not None and self._peers.get((lane, worker)) is connection:
+            del self._peers[(lane, worker)]
+        if not self._connections:
+            self._all_closed.set()
+
+    def _dispatch(self, lane: str, worker: WorkerId, frame: frames.FromWorker) -> None:
+        if isinstance(frame, frames.Hello):
+            liveness = self._workers.setdefault(worker, _Liveness())
             liveness.lanes.add(frame.lane)
             liveness.pid = frame.pid
         elif isinstance(frame, frames.Heartbeat):
-            worker = worker_of(routing_id)
             liveness = self._workers.setdefault(worker, _Liveness())
             if frame.progress != liveness.progress or frame.waiting:
                 liveness.progress = frame.progress
@@ -312,10 +360,16 @@ class WorkerLanes:
             pending.reply = frame
             pending.done.set()
 
-    def _close(self) -> None:
-        for socket in self._sockets.values():
-            socket.close(linger=0)
-        self._context.term()
+    async def _close(self) -> None:
+        for server in self._servers:
+            server.close()  # (its listening socket: the connections are closed below)
+        self._all_closed = anyio.Event()
+        for connection in list(self._connections):
+            connection.close()
+        # A transport lets go of its socket on the loop's next turn: let it, for a moment.
+        if self._connections:
+            with anyio.move_on_after(CLOSE_S):
+                await self._all_closed.wait()
         for lane, endpoint in self.endpoints.items():
             endpoint.remove_socket_file(self._inodes.get(lane))
 

@@ -1,6 +1,6 @@
 """Wire format of the command lanes: typed msgspec Structs as msgpack, never pickle.
 
-Driver (ROUTER) and worker (DEALER) exchange, on either lane:
+Driver and worker exchange, on either lane (each frame length-prefixed: lane_socket.py):
 
     worker -> driver   Hello       once per lane, on connecting: who this is
     driver -> worker   Call        run `command` with `params` (id chosen by the driver)

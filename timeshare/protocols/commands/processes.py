@@ -1,6 +1,6 @@
 """A worker as the command lanes know it: who it is, and when its process exits.
 
-`WorkerId` is a worker's role and rank, which is also the routing id of its lane sockets.
+`WorkerId` is a worker's role and rank, as its hello on each lane says.
 `watch_process` reports a worker's exit to the lanes the moment it happens, so that every wait
 on that worker ends at once rather than at a deadline.
 """
@@ -24,10 +24,6 @@ class WorkerId:
     role: str
     rank: int
 
-    @property
-    def routing_id(self) -> bytes:
-        return f"{self.role}:{self.rank}".encode()
-
     def __str__(self) -> str:
         return f"{self.role} rank {self.rank}"
 
@@ -49,12 +45,6 @@ async def watch_process(
     assert returncode is not None
     lanes.worker_exited(worker, returncode)
     return returncode
-
-
-def worker_of(routing_id: bytes) -> WorkerId:
-    """The worker a routing id names (rank -1 for one that names none)."""
-    role, _, rank = routing_id.decode(errors="replace").rpartition(":")
-    return WorkerId(role, int(rank) if rank.isdigit() else -1)
 
 
 def describe_exit(returncode: int) -> str:

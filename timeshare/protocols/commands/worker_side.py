@@ -23,18 +23,20 @@ from types import FrameType
 from typing import Any, TypeAlias
 
 import structlog
-import zmq
 
 from timeshare import logs
 from timeshare.errors import Aborted, ProtocolError, UnknownCommand
 from timeshare.protocols.commands import frames
+from timeshare.protocols.commands.lane_socket import WorkerSocket
 from timeshare.protocols.commands.results import WorkerStatus
+from timeshare.runtime import Endpoint
 
 log = structlog.get_logger(__name__)
 
 Handler: TypeAlias = Callable[[dict[str, Any]], Any]
 ABORT_SIGNAL = signal.SIGUSR1
 POLL_SLICE_S = 0.05
+CONNECT_S = 10.0  # the driver listens before it starts a worker: this is for a slow start
 SHUTDOWN = "shutdown"  # answered at once, or after the worker's own `shutdown` handler ran
 
 
@@ -61,7 +63,6 @@ class WorkerServer:
         self._busy: frames.Call | None = None
         self._armed = False  # an abort signal may raise Aborted now
         self._stop = threading.Event()
-        self._context = zmq.Context(io_threads=1)
         self._parent = os.getppid()
 
     def report_progress(self) -> None:
@@ -94,24 +95,33 @@ class WorkerServer:
         finally:
             self._stop.set()
             control.join(timeout=5.0)
-            work.close(linger=1000)
-            self._context.term()
+            work.close()
             signal.signal(ABORT_SIGNAL, previous)
 
     # -- work lane ----------------------------------------------------------------------------
 
-    def _work_loop(self, work: zmq.Socket[bytes]) -> None:
-        while os.getppid() == self._parent:
-            if not work.poll(int(POLL_SLICE_S * 1000)):
-                continue
-            try:
-                call = frames.decode_to_worker(work.recv())
-            except ProtocolError as exc:
-                log.warning("worker.call.malformed", role=self.role, rank=self.rank, error=str(exc))
-                continue
-            work.send(frames.encode(self._execute(call)))
-            if call.command == SHUTDOWN:
-                return
+    def _work_loop(self, work: WorkerSocket) -> None:
+        try:
+            while os.getppid() == self._parent:
+                data = work.receive(POLL_SLICE_S)
+                if data is None:
+                    continue
+                try:
+                    call = frames.decode_to_worker(data)
+                except ProtocolError as exc:
+                    log.warning(
+                        "worker.call.malformed", role=self.role, rank=self.rank, error=str(exc)
+                    )
+                    continue
+                reply = self._execute(call)
+                if call.command == SHUTDOWN:
+                    self._stop.set()  # the driver closes the lanes once it has the answer
+                work.send(frames.encode(reply))
+                if call.command == SHUTDOWN:
+                    return
+        except (ConnectionError, ProtocolError) as exc:  # the driver is gone, or broke the lane
+            log.warning("worker.lane.lost", role=self.role, rank=self.rank, error=str(exc))
+            return
         log.warning("worker.driver.gone", role=self.role, rank=self.rank)
 
     def _execute(self, call: frames.Call) -> frames.Result | frames.Failure:
@@ -151,21 +161,30 @@ class WorkerServer:
     # -- control lane -------------------------------------------------------------------------
 
     def _control_loop(self) -> None:
-        control = self._connect("control")
+        try:
+            control = self._connect("control")
+        except ConnectionError as exc:  # the work lane connected: the driver went meanwhile
+            log.warning("worker.lane.lost", role=self.role, rank=self.rank, error=str(exc))
+            return
         next_beat = time.monotonic()
         try:
             while not self._stop.is_set():
-                if control.poll(int(POLL_SLICE_S * 1000)):
-                    self._answer_control(control)
+                wait_s = min(POLL_SLICE_S, max(0.0, next_beat - time.monotonic()))
+                data = control.receive(wait_s)
+                if data is not None:
+                    self._answer_control(control, data)
                 if time.monotonic() >= next_beat:
                     control.send(frames.encode(self._heartbeat()))
                     next_beat = time.monotonic() + self._heartbeat_s
+        except (ConnectionError, ProtocolError) as exc:  # the work loop sees the same and ends
+            if not self._stop.is_set():
+                log.warning("worker.lane.lost", role=self.role, rank=self.rank, error=str(exc))
         finally:
-            control.close(linger=0)
+            control.close()
 
-    def _answer_control(self, control: zmq.Socket[bytes]) -> None:
+    def _answer_control(self, control: WorkerSocket, data: bytes) -> None:
         try:
-            call = frames.decode_to_worker(control.recv())
+            call = frames.decode_to_worker(data)
         except ProtocolError as exc:
             log.warning("worker.control.malformed", role=self.role, rank=self.rank, error=str(exc))
             return
@@ -207,11 +226,11 @@ class WorkerServer:
             self._waiting,
         )
 
-    def _connect(self, lane: str) -> zmq.Socket[bytes]:
-        socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.RECONNECT_IVL, 50)
-        socket.setsockopt(zmq.ROUTING_ID, f"{self.role}:{self.rank}".encode())
-        socket.connect(self._endpoints[lane])
+    def _connect(self, lane: str) -> WorkerSocket:
+        """The lane's socket, having said who this is (the driver knows a lane by its hello)."""
+        path = Endpoint.parse(self._endpoints[lane]).path
+        if path is None:
+            raise ValueError(f"a command lane is a UNIX socket: {self._endpoints[lane]!r}")
+        socket = WorkerSocket(str(path), connect_timeout_s=CONNECT_S)
         socket.send(frames.encode(frames.Hello(self.role, self.rank, os.getpid(), lane)))
         return socket
