@@ -16,15 +16,14 @@ import anyio
 import structlog
 
 from timeshare.cluster import ranks_of_node
+from timeshare.cycle.meeting import NodeMeeting
 from timeshare.cycle.workers import Workers
 from timeshare.errors import (
     CollectiveTimeout,
     CycleFailed,
     MemoryHeld,
-    TimeshareError,
     WorkerFailure,
 )
-from timeshare.protocols.barrier import Barrier
 from timeshare.protocols.commands import WorkerId
 from timeshare.protocols.commands.results import (
     ROLES,
@@ -37,8 +36,6 @@ from timeshare.protocols.nodes import NodeCrossing
 from timeshare.state import Blame, Held, JobState, Phase
 
 log = structlog.get_logger(__name__)
-
-BARRIER_NAME = "barrier"
 
 
 def cycle_failed(
@@ -128,17 +125,14 @@ async def run_phase(
     return results
 
 
-async def meet_at_barrier(barrier: Barrier, cycle: str, timeout_s: float, *, blame: int) -> None:
-    """This rank waits for every rank of its node at the store barrier; a failure is rank
-    `blame`'s (its global number).
-
-    The barrier is named per cycle: a later cycle on the same store starts its generations
-    afresh and must not find the keys an earlier cycle left.
-    """
+async def meet_at_barrier(meeting: NodeMeeting, rank: int, timeout_s: float) -> None:
+    """This rank (numbered on its node) waits for every rank of its node; a timeout is the
+    waiting rank's failure, naming those that did not come."""
     started = time.monotonic()
     try:
-        await barrier.wait(f"{BARRIER_NAME}/{cycle}", timeout_s=timeout_s)
-    except TimeshareError as exc:
+        await meeting.meet(rank, timeout_s=timeout_s)
+    except CollectiveTimeout as exc:
+        blame = meeting.first_rank + rank
         raise cycle_failed(blame, "trainer", Phase.BARRIER.value, exc, started=started) from exc
 
 

@@ -28,6 +28,7 @@ from timeshare.cluster import node_ranks
 from timeshare.config import Config, DeadlineSection
 from timeshare.cycle.commands import CommandFeed
 from timeshare.cycle.hooks import BootstrapReport, CycleHooks, PhaseReport, RunSummary
+from timeshare.cycle.meeting import NodeMeeting
 from timeshare.cycle.nodes import NodeCoordinator
 from timeshare.cycle.phases import (
     blame_of,
@@ -42,7 +43,6 @@ from timeshare.cycle.phases import (
 from timeshare.cycle.telling import Telling
 from timeshare.cycle.workers import Workers, WorkerSpawner, spawn_workers, worker_ids
 from timeshare.errors import CycleFailed, StoreError, WorkerFailure
-from timeshare.protocols.barrier import Barrier
 from timeshare.protocols.commands.results import CommandResult, HeldResult, RolloutResult
 from timeshare.protocols.store import AsyncJobStore, JobStore
 from timeshare.state import (
@@ -135,7 +135,7 @@ class _Ran:
 
 @dataclass(frozen=True)
 class _Met:
-    """`rank` met every other rank at the store barrier."""
+    """`rank` met every other rank at the node's meeting."""
 
     rank: int
 
@@ -177,8 +177,7 @@ class _Cycle:
             deadlines=lambda: self.deadlines,
         )
         self.failure: CycleFailed | None = None
-        self.barriers: list[Barrier] = []
-        self.meeting = ""  # names this cycle's store barrier at BARRIER (the node's ranks)
+        self.meeting = NodeMeeting(self.ranks, first_rank=self.node_ranks.start)  # at BARRIER
         self.meetings: dict[int, anyio.CancelScope] = {}
         self.at_barrier: dict[int, _Ran] = {}  # BARRIER answered; reported once the rank met
         self.batches: dict[int, msgspec.Raw] = {}  # rank -> its last ROLLOUT's samples
@@ -249,11 +248,7 @@ class _Cycle:
         deadline_s = self.deadlines.for_command("bootstrap")
         loaded = await bootstrap(self.workers, self.node_ranks, deadline_s)
         step = min(result.step for result in loaded)
-        # BARRIER's meeting is the node's: with several nodes, the nodes cross before RESUME.
-        connections = [await self.store.another_connection() for _ in range(self.ranks)]
-        self.barriers = [Barrier(c, i, self.ranks) for i, c in enumerate(connections)]
         cycle_id = await self.store.next_generation(f"cycle/node/{self.node}")
-        self.meeting = f"{cycle_id}/node/{self.node}"
         # Several nodes: every node loaded; they agree on the step and on the commands.
         step, after = await self.coordinator.agree_at_start(
             cycle_id, step, after, load_s=deadline_s
@@ -308,6 +303,7 @@ class _Cycle:
             for scope in self.meetings.values():
                 scope.cancel()
             self.meetings.clear()
+            self.meeting.call_off()
             self.at_barrier.clear()
             self.coordinator.call_off_crossing()
         for phase in sorted(
@@ -402,16 +398,8 @@ class _Cycle:
     async def _meet(self, rank: int, scope: anyio.CancelScope) -> None:
         with scope:
             try:
-                await meet_at_barrier(
-                    self.barriers[rank],
-                    self.meeting,
-                    self.deadlines.barrier_s,
-                    blame=self.node_ranks[rank],
-                )
+                await meet_at_barrier(self.meeting, rank, self.deadlines.barrier_s)
             except CycleFailed as failed:
-                cause = failed.cause  # a store gone is not the rank's failure but the leader's
-                if isinstance(cause, StoreError):
-                    failed = self.coordinator.store_lost(cause)
                 await self.send.send(failed)
                 return
             await self.send.send(_Met(rank))

@@ -29,7 +29,7 @@ LIVE = (Lifecycle.STARTING, Lifecycle.RUNNING, Lifecycle.PAUSED, Lifecycle.DRAIN
 class RankProgress:
     """Where one rank stands: in `phase` (working), or done with it and waiting (at a fence,
     or for the job to start or drain). `meeting`: its BARRIER checked, it waits for the other
-    ranks at the store barrier."""
+    ranks at the node's meeting."""
 
     phase: Phase
     done: bool = False
@@ -58,7 +58,7 @@ class JobState:
 
     @property
     def idle(self) -> bool:
-        """No work in flight: no rank in a phase or at the store barrier, no release check,
+        """No work in flight: no rank in a phase or at the node's meeting, no release check,
         no wait for the other nodes."""
         return (
             all(r.done for r in self.ranks) and not self.checking_release and self.crossing is None

@@ -24,15 +24,15 @@ Rules (the table below is the truth; this comment explains it):
   PAUSED (every node stands at the same place) commands apply at once, and those held when the
   pause took effect apply then. `applies_at_once` is that rule.
 - BARRIER requires the rank's trainer to hold no device memory (`BarrierChecked`): anything held
-  fails the job. Then, while RESUME is fenced, the rank meets every other rank of its node at
-  the job store's barrier (`Outcome.meet`) and finishes BARRIER when all came; with several
-  nodes, the nodes then cross before RESUME, as at every fence.
+  fails the job. Then, while RESUME is fenced, the rank meets every other rank of its node
+  (`Outcome.meet`: the driver, which runs them all, holds the meeting) and finishes BARRIER
+  when all came; with several nodes, the nodes then cross before RESUME, as at every fence.
 - Requests set flags; they take effect at safe points, which are the fenced boundaries, where
   the whole job stands at one place: drain there → DRAINING; at the cycle boundary (before
   TRAIN) a job that has done `max_steps` drains, and a pause first has every worker's release
   checked (`Outcome.check_release`, answered by `PauseChecked`): PAUSED means released and
   verified, and memory still held fails the job. `stop` does not wait: it drains at once, and
-  ranks meeting at the store barrier stop waiting (no RESUME follows). Flags are a set, so
+  ranks at the node's meeting stop waiting (no RESUME follows). Flags are a set, so
   repeating a request changes nothing.
 - `StepsChanged` (a reload) moves `max_steps`; it is checked at the next cycle boundary, and
   by a resume from PAUSED, so a job paused at its new limit drains instead of starting a step.
@@ -123,7 +123,7 @@ class Outcome:
     """The next state, and what the driver must now do because of this event.
 
     `start`: (rank, phase) pairs to run, in rank order. `meet`: ranks whose BARRIER passed its
-    memory check and who now wait for every rank at the store barrier. `check_release`: ask
+    memory check and who now wait for every rank at the node's meeting. `check_release`: ask
     every worker what device memory it holds, and answer with `PauseChecked`. `cross`: wait for
     every other node at the fence before this phase, and answer with `Crossed`.
     """
@@ -355,7 +355,7 @@ def _start_all(state: JobState, phase: Phase) -> Outcome:
 
 
 def _draining(state: JobState, reason: str) -> JobState:
-    # Ranks meeting at the store barrier stop waiting, and so does a node waiting for the
+    # Ranks meeting at the node's meeting stop waiting, and so does a node waiting for the
     # others at a fence: no phase follows a drain.
     ranks = tuple(replace(r, done=True, meeting=False) if r.meeting else r for r in state.ranks)
     return replace(

@@ -1,8 +1,8 @@
 """What the driver does after each transition: the machine's outcome turned into actions.
 
 Pure, like the machine: `plan(before, outcome)` looks at the move the job just made and says
-what to perform, in this order: stop waiting at the store barrier if a drain began; start the
-phases; meet the others at the store barrier; wait for the other nodes at a fence; check every
+what to perform, in this order: stop waiting at the node's meeting if a drain began; start the
+phases; meet the others at the node's meeting; wait for the other nodes at a fence; check every
 worker's release at a pause; finish a drain that has nothing in flight; publish the job's state
 to the store; end the run. The driver (timeshare/cycle) performs it and feeds what happened back
 as events.
@@ -22,9 +22,9 @@ ENDED = (Lifecycle.STOPPED, Lifecycle.FAILED)
 @dataclass(frozen=True)
 class Plan:
     start: tuple[tuple[int, Phase], ...] = ()  # (rank, phase) to run, in rank order
-    meet: tuple[int, ...] = ()  # ranks that now wait for every rank at the store barrier
+    meet: tuple[int, ...] = ()  # ranks that now wait for every rank at the node's meeting
     cross: Phase | None = None  # wait for every other node at the fence before this phase
-    cancel_meets: bool = False  # a drain began: nobody waits at the store barrier any more, nor
+    cancel_meets: bool = False  # a drain began: nobody waits at the node's meeting any more, nor
     # for the other nodes at a fence
     check_release: bool = False  # ask every worker what it holds; answer with PauseChecked
     finish_drain: bool = False  # draining and nothing in flight: answer with Drained
