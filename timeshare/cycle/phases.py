@@ -24,7 +24,7 @@ from timeshare.errors import (
     MemoryHeld,
     WorkerFailure,
 )
-from timeshare.protocols.commands import WorkerId
+from timeshare.protocols.commands import LaneCall, WorkerId
 from timeshare.protocols.commands.results import (
     ROLES,
     BootstrapResult,
@@ -105,24 +105,15 @@ async def run_phase(
 ) -> dict[str, CommandResult]:
     """Both workers of `rank` run `phase` with their `params` (by role); their results."""
     started = time.monotonic()
-    results: dict[str, CommandResult] = {}
-
-    async def run(role: str) -> None:
-        returns = result_type(phase.value, role)
-        worker = WorkerId(role, rank)
-        results[role] = await workers.call(
-            worker, phase.value, params[role], deadline_s=deadline_s, returns=returns
-        )
-
+    calls = [
+        LaneCall(WorkerId(role, rank), phase.value, params[role], result_type(phase.value, role))
+        for role in ROLES
+    ]
     try:
-        async with anyio.create_task_group() as group:
-            for role in ROLES:
-                group.start_soon(run, role)
-    except* WorkerFailure as failures:
-        first = failures.exceptions[0]
-        assert isinstance(first, WorkerFailure)
-        raise cycle_failed(rank, first.role, phase.value, first, started=started) from first
-    return results
+        results = await workers.call_all(calls, deadline_s=deadline_s)
+    except WorkerFailure as failure:
+        raise cycle_failed(rank, failure.role, phase.value, failure, started=started) from failure
+    return dict(zip(ROLES, results, strict=True))
 
 
 async def meet_at_barrier(meeting: NodeMeeting, rank: int, timeout_s: float) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -30,8 +30,8 @@ from timeshare.config import Config
 from timeshare.cycle.factory import Forked, Refused, WorkerFactory
 from timeshare.durable import write_atomically
 from timeshare.engines.worker import WorkerSpec
-from timeshare.errors import WorkerDied, WorkersNotReady
-from timeshare.protocols.commands import WorkerId, WorkerLanes
+from timeshare.errors import WorkerDied, WorkerFailure, WorkersNotReady
+from timeshare.protocols.commands import LaneCall, WorkerId, WorkerLanes
 from timeshare.protocols.commands.processes import describe_exit
 from timeshare.protocols.commands.results import ROLES
 from timeshare.protocols.store import JobStore
@@ -71,6 +71,25 @@ class Workers(Protocol):
     ) -> R:
         """Run `command` on the worker; its typed result, or a `WorkerFailure` naming it."""
 
+    async def call_all(self, calls: Sequence[LaneCall], *, deadline_s: float) -> list[Any]:
+        """Every call at once; their typed results in order, or the first `WorkerFailure` of
+        any (the wait for the others ends). Here, one task per call: `WorkerProcesses` waits
+        for them together, without a task each."""
+        results: dict[int, Any] = {}
+
+        async def run(index: int, call: LaneCall) -> None:
+            results[index] = await self.call(
+                call.worker, call.command, call.params, deadline_s=deadline_s, returns=call.returns
+            )
+
+        try:
+            async with anyio.create_task_group() as group:
+                for index, call in enumerate(calls):
+                    group.start_soon(run, index, call)
+        except* WorkerFailure as failures:
+            raise failures.exceptions[0] from None
+        return [results[index] for index in range(len(calls))]
+
     async def control(
         self,
         worker: WorkerId,
@@ -94,7 +113,7 @@ def worker_ids(ranks: Iterable[int]) -> list[WorkerId]:
     return [WorkerId(role, rank) for rank in ranks for role in ROLES]
 
 
-class WorkerProcesses:
+class WorkerProcesses(Workers):
     """`Workers` as real processes, reached over their command lanes."""
 
     def __init__(self, lanes: WorkerLanes, workers: list[WorkerId]) -> None:
@@ -116,6 +135,9 @@ class WorkerProcesses:
         return await self.lanes.call(
             worker, command, params, deadline_s=deadline_s, returns=returns
         )
+
+    async def call_all(self, calls: Sequence[LaneCall], *, deadline_s: float) -> list[Any]:
+        return await self.lanes.call_all(calls, deadline_s=deadline_s)
 
     async def control(
         self,

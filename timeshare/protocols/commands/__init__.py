@@ -8,8 +8,8 @@ frames.py: the typed msgpack frames both speak.
 results.py: what each command returns, one Struct per (command, role).
 """
 
-from timeshare.protocols.commands.driver_side import WorkerLanes
+from timeshare.protocols.commands.driver_side import LaneCall, WorkerLanes
 from timeshare.protocols.commands.processes import WorkerId, watch_process
 from timeshare.protocols.commands.worker_side import WorkerServer
 
-__all__ = ["WorkerId", "WorkerLanes", "WorkerServer", "watch_process"]
+__all__ = ["LaneCall", "WorkerId", "WorkerLanes", "WorkerServer", "watch_process"]

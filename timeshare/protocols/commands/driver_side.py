@@ -24,11 +24,11 @@ import asyncio
 import itertools
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import anyio
 import msgspec
@@ -78,6 +78,22 @@ class _Pending:
     command: str
     reply: frames.Result | frames.Failure | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
+    wake: anyio.Event | None = None  # the waiter's, shared by the calls it waits for together
+
+    def settle(self) -> None:
+        """Answered, or its worker is gone: whoever waits for it learns it now."""
+        self.done.set()
+        if self.wake is not None:
+            self.wake.set()
+
+
+class LaneCall(NamedTuple):
+    """One command of `WorkerLanes.call_all`: `command` on `worker`, answered as a `returns`."""
+
+    worker: WorkerId
+    command: str
+    params: dict[str, Any]
+    returns: type[Any]
 
 
 class WorkerLanes:
@@ -147,7 +163,7 @@ class WorkerLanes:
         liveness.exited.set()
         for pending in self._pending.values():
             if pending.worker == worker:
-                pending.done.set()
+                pending.settle()
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -162,13 +178,20 @@ class WorkerLanes:
     ) -> R:
         """Run `command` on the worker's work lane; its result as `returns`, or a typed
         WorkerFailure (`BadResult` for an answer that is not a `returns`)."""
-        reply = await self._call("work", worker, command, params or {}, deadline_s)
-        try:
-            return msgspec.msgpack.decode(reply, type=returns)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise _failure(
-                BadResult, worker, command, f"{worker} answered {command} with a bad result: {exc}"
-            ) from exc
+        result: R = (
+            await self.call_all(
+                [LaneCall(worker, command, params or {}, returns)], deadline_s=deadline_s
+            )
+        )[0]
+        return result
+
+    async def call_all(self, calls: Sequence[LaneCall], *, deadline_s: float) -> list[Any]:
+        """Run every call at once, each on its worker's work lane; their results in order. The
+        first failure of any is raised as `call` raises it, and the wait for the others ends
+        (their late answers are dropped): a phase's pair of calls, waited for as one."""
+        commands = [(call.worker, call.command, call.params) for call in calls]
+        replies = await self._call_all("work", commands, deadline_s)
+        return [_decoded(call, reply) for call, reply in zip(calls, replies, strict=True)]
 
     async def control(
         self,
@@ -185,17 +208,28 @@ class WorkerLanes:
     async def _call(
         self, lane: str, worker: WorkerId, command: str, params: dict[str, Any], deadline_s: float
     ) -> msgspec.Raw:
-        self.expect(worker)
-        self._raise_if_exited(worker, command)
-        call_id = next(self._ids)
-        pending = _Pending(worker, command)
-        self._pending[call_id] = pending
+        return (await self._call_all(lane, [(worker, command, params)], deadline_s))[0]
+
+    async def _call_all(
+        self,
+        lane: str,
+        calls: Sequence[tuple[WorkerId, str, dict[str, Any]]],
+        deadline_s: float,
+    ) -> list[msgspec.Raw]:
+        for worker, command, _ in calls:
+            self.expect(worker)
+            self._raise_if_exited(worker, command)
+        pending: dict[int, _Pending] = {}
         try:
-            await self._send(lane, worker, frames.Call(call_id, command, params), deadline_s)
-            await self._wait_for_reply(lane, pending, time.monotonic(), deadline_s)
+            for worker, command, params in calls:
+                call_id = next(self._ids)
+                pending[call_id] = self._pending[call_id] = _Pending(worker, command)
+                await self._send(lane, worker, frames.Call(call_id, command, params), deadline_s)
+            await self._wait_for_replies(lane, list(pending.values()), time.monotonic(), deadline_s)
         finally:
-            del self._pending[call_id]
-        return _outcome(worker, command, pending.reply)
+            for call_id in pending:
+                del self._pending[call_id]
+        return [_outcome(p.worker, p.command, p.reply) for p in pending.values()]
 
     async def _send(
         self, lane: str, worker: WorkerId, call: frames.Call, deadline_s: float
@@ -224,30 +258,47 @@ class WorkerLanes:
         with anyio.move_on_after(within_s):
             await self._workers[worker].exited.wait()
 
-    async def _wait_for_reply(
-        self, lane: str, pending: _Pending, started: float, deadline_s: float
+    async def _wait_for_replies(
+        self, lane: str, pending: list[_Pending], started: float, deadline_s: float
     ) -> None:
-        """Until the reply; the worker's exit, a stall (work lane) or the deadline end it."""
-        worker, command = pending.worker, pending.command
-        liveness = self._workers[worker]
+        """Until every reply, or the first failure of any: a failure answered, a worker's exit,
+        a stall (work lane) or the deadline."""
         while True:
-            with anyio.move_on_after(CHECK_S):
-                await pending.done.wait()
-            if pending.reply is not None:
+            waiting = [p for p in pending if p.reply is None]
+            _raise_first_failure(pending)
+            if not waiting:
                 return
-            self._raise_if_exited(worker, command)
+            wake = anyio.Event()
+            for p in waiting:
+                p.wake = wake
+            if not any(p.done.is_set() for p in waiting):
+                with anyio.move_on_after(CHECK_S):
+                    await wake.wait()
+            _raise_first_failure(pending)
             now = time.monotonic()
-            if lane == "work" and now - max(started, liveness.progress_at) > self.stall_timeout_s:
-                message = f"{worker} made no progress in {command} for {self.stall_timeout_s:g} s"
+            for p in waiting:
+                if p.reply is None:
+                    await self._check_on(lane, p, started, now, deadline_s)
+
+    async def _check_on(
+        self, lane: str, pending: _Pending, started: float, now: float, deadline_s: float
+    ) -> None:
+        """Raise if the call cannot be answered any more: its worker exited, stalled (aborted
+        first), or the deadline passed (aborted first)."""
+        worker, command = pending.worker, pending.command
+        self._raise_if_exited(worker, command)
+        progress_at = self._workers[worker].progress_at
+        if lane == "work" and now - max(started, progress_at) > self.stall_timeout_s:
+            message = f"{worker} made no progress in {command} for {self.stall_timeout_s:g} s"
+            await self._abort(pending)
+            self._raise_if_exited(worker, command)  # it died meanwhile: that is what it was
+            raise _failure(WorkerStalled, worker, command, message)
+        if now - started > deadline_s:
+            message = f"{worker} did not finish {command} within {deadline_s:g} s"
+            if lane == "work":
                 await self._abort(pending)
-                self._raise_if_exited(worker, command)  # it died meanwhile: that is what it was
-                raise _failure(WorkerStalled, worker, command, message)
-            if now - started > deadline_s:
-                message = f"{worker} did not finish {command} within {deadline_s:g} s"
-                if lane == "work":
-                    await self._abort(pending)
-                    self._raise_if_exited(worker, command)
-                raise _failure(CommandTimeout, worker, command, message)
+                self._raise_if_exited(worker, command)
+            raise _failure(CommandTimeout, worker, command, message)
 
     async def _abort(self, pending: _Pending) -> None:
         """Interrupt the worker's call where it waits, and give it ABORT_S to answer it."""
@@ -358,7 +409,7 @@ class WorkerLanes:
                 log.debug("lanes.reply.late", lane=lane, id=frame.id)  # its caller gave up
                 return
             pending.reply = frame
-            pending.done.set()
+            pending.settle()
 
     async def _close(self) -> None:
         for server in self._servers:
@@ -372,6 +423,21 @@ class WorkerLanes:
                 await self._all_closed.wait()
         for lane, endpoint in self.endpoints.items():
             endpoint.remove_socket_file(self._inodes.get(lane))
+
+
+def _raise_first_failure(pending: list[_Pending]) -> None:
+    """A call answered with a failure ends the wait for all: raise the first such."""
+    for p in pending:
+        if isinstance(p.reply, frames.Failure):
+            _outcome(p.worker, p.command, p.reply)
+
+
+def _decoded(call: LaneCall, reply: msgspec.Raw) -> Any:
+    try:
+        return msgspec.msgpack.decode(reply, type=call.returns)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        message = f"{call.worker} answered {call.command} with a bad result: {exc}"
+        raise _failure(BadResult, call.worker, call.command, message) from exc
 
 
 def _outcome(
