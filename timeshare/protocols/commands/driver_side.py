@@ -138,7 +138,8 @@ class WorkerLanes:
 
     def expect(self, worker: WorkerId) -> None:
         """Track `worker` from now on (before it is spawned, so its hello is not missed)."""
-        self._workers.setdefault(worker, _Liveness())
+        if worker not in self._workers:  # (every call asks: a _Liveness is not free to make)
+            self._workers[worker] = _Liveness()
 
     async def wait_ready(self, workers: list[WorkerId], *, timeout_s: float) -> None:
         """Wait until every worker said hello on both lanes; a worker that exits first is fatal."""
