@@ -33,6 +33,10 @@ class DigestedLent(LentTensor):
         self.shape = inner.shape
         self.scratch_bytes = inner.scratch_bytes
 
+    @property
+    def device(self) -> torch.device:
+        return self.inner.device
+
     def write_into(self, dest: torch.Tensor) -> None:
         self.inner.write_into(dest)
         self.digest.add(self.name, dest[: self.nbytes].view(self.dtype).view(self.shape))

@@ -32,7 +32,7 @@ def digest(tensor: torch.Tensor) -> list[Any]:
     return [
         str(tensor.dtype),
         list(tensor.shape),
-        hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+        hashlib.sha256(flat.cpu().numpy().tobytes()).hexdigest(),
     ]
 
 
@@ -88,7 +88,7 @@ def run_receiver(args: dict[str, Any]) -> None:
     kept: list[torch.Tensor] = []
     if "start_when" in args:  # started early (imports done), connects when the file appears
         wait_for_file(args["start_when"])
-    with WeightReceiver(args["endpoint"], cfg) as receiver:
+    with WeightReceiver(args["endpoint"], cfg, device=args.get("device", "cpu")) as receiver:
         emit(event="ready", pid=os.getpid())
         if "receive_when" in args:  # connected (invitations queue up), not yet receiving
             wait_for_file(args["receive_when"])
@@ -116,6 +116,7 @@ def run_receiver(args: dict[str, Any]) -> None:
                 buckets=report.buckets,
                 checksummed=report.checksummed,
                 digests=loader.digests,
+                devices=sorted(loader.devices),
             )
 
 
@@ -148,6 +149,7 @@ class FaultyLoader:
         self.hang_until = hang_until
         self.buckets = 0
         self.digests: dict[str, list[Any]] = {}
+        self.devices: set[str] = set()  # where the tensors it was handed live
 
     def on_bucket(self, items: list[tuple[str, torch.Tensor]]) -> None:
         index = self.buckets
@@ -164,6 +166,7 @@ class FaultyLoader:
                     time.sleep(self.hang_s)
             if self.mode == "keep_view":
                 self.kept.append(items[0][1])
+        self.devices.update(tensor.device.type for _, tensor in items)
         if self.mode == "sink":
             return
         for name, tensor in items:

@@ -69,7 +69,7 @@ def test_huge_values_are_refused_naming_the_key(key: str, value: Any) -> None:
         ("pipeline_depth", 2.0, "pipeline_depth must be an int, got 2.0"),
         ("pipeline_depth", True, "pipeline_depth must be an int, got True"),
         ("checksum", "yes", "checksum must be true or false, got 'yes'"),
-        ("transport", "cuda_ipc", "transport must be one of 'auto', 'shm', got 'cuda_ipc'"),
+        ("transport", "nvlink", "transport must be one of 'auto', 'shm', 'cuda_ipc', got 'nvlink'"),
     ],
 )
 def test_values_of_the_wrong_type_are_refused_naming_the_key(

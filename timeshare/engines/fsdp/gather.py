@@ -61,6 +61,10 @@ class ShardGather(LentTensor):
     def _row_bytes(self) -> int:
         return math.prod(self.shape[1:]) * self.dtype.itemsize
 
+    @property
+    def device(self) -> torch.device:
+        return self.parameter.device
+
     def write_into(self, dest: torch.Tensor) -> None:
         if self.scratch_bytes == 0:  # dim0 == 0 on every rank alike: nothing to gather
             return

@@ -55,6 +55,10 @@ class TpGather(LentTensor):
         self.shape = tuple(shape)
         self.scratch_bytes = self.nbytes
 
+    @property
+    def device(self) -> torch.device:
+        return self.piece.device
+
     def write_into(self, dest: torch.Tensor) -> None:
         out = dest[: self.nbytes].view(self.dtype).view(self.shape)
         with torch.no_grad():

@@ -14,7 +14,7 @@ from timeshare.timing import Span
 from timeshare.units import MAX_DEADLINE_S, MIB, gbps
 
 # Which staging a session uses; transport.py maps each to its implementation.
-Transport = Literal["auto", "shm"]
+Transport = Literal["auto", "shm", "cuda_ipc"]
 
 MAX_PIPELINE_DEPTH = 2  # REQ/REP keeps one header in flight; deeper needs DEALER with credits
 # Every buffer of the pipeline is resident host memory (shared memory on CPU); a bucket larger
@@ -42,7 +42,9 @@ class TransferConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     linger_s: how long closing may take to deliver the last message: the receiver's last
         reply (zmq linger), the sender's goodbye (waiting for the receiver to answer it).
     checksum: add a crc32 of each bucket and check it on the receiver.
-    transport: "shm" (shared memory) or "auto" (the best one for the device: shm on CPU).
+    transport: "shm" (host shared memory), "cuda_ipc" (buffers on the sender's GPU, shared by
+        handle: weights on a GPU never cross to the host) or "auto" (cuda_ipc when the first
+        weight of the first transfer is on a CUDA device, shm otherwise).
 
     Any value that cannot work is a ConfigError naming its key, raised here, at construction:
     not later inside a transfer (whatever built the config, a TOML file or a caller's code).

@@ -31,6 +31,11 @@ class LentTensor(ABC):
     scratch_bytes: int
 
     @property
+    def device(self) -> torch.device:
+        """Where its bytes come from ("auto" transport stages on a CUDA one: transport.py)."""
+        return torch.device("cpu")
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the tensor itself (what goes on the wire)."""
         return math.prod(self.shape) * self.dtype.itemsize

@@ -27,7 +27,7 @@ from timeshare.protocols.weights import frames
 from timeshare.protocols.weights.config import TransferConfig, TransferReport, check_number
 from timeshare.protocols.weights.layout import Assembler, crc32, fence, payload_extent
 from timeshare.protocols.weights.receiver_socket import ReceiverSocket
-from timeshare.protocols.weights.staging import Staging, views_alive
+from timeshare.protocols.weights.staging import Staging
 from timeshare.protocols.weights.transport import attach_staging
 from timeshare.runtime import Endpoint
 from timeshare.timing import Spans
@@ -236,7 +236,7 @@ class WeightReceiver:
         return self._next_request("finalize", self.config.ack_timeout_s)
 
     def _map_staging(self, offer: frames.Offer) -> None:
-        if offer.staging.buffer_bytes <= 0 or not offer.staging.names:
+        if offer.staging.buffer_bytes <= 0 or offer.staging.count == 0:
             raise ProtocolError(f"offer describes no staging: {offer.staging}")
         self._staging = attach_staging(offer.staging)
 
@@ -259,7 +259,7 @@ class WeightReceiver:
             del base
         if bucket.last is not None:
             assembler.check_complete(bucket.last)
-        kept = views_alive(storage)
+        kept = self._staging.kept_views(storage)
         if kept:
             raise TransferError(
                 f"on_bucket kept tensors that view staging buffer {bucket.buffer} after bucket "

@@ -24,6 +24,7 @@ from typing import NamedTuple
 
 import anyio
 import structlog
+import torch
 import zmq
 
 from timeshare.errors import AckTimeout, PeerError, ProtocolError, SessionClosed, TransferError
@@ -46,6 +47,7 @@ from timeshare.protocols.weights.sender_inputs import (
     check_version,
     checked_up_front,
     pairs,
+    peeked,
 )
 from timeshare.protocols.weights.sender_socket import SenderSocket
 from timeshare.protocols.weights.staging import Staging
@@ -172,9 +174,10 @@ class WeightSender:
 
     async def _transfer(self, weights: NamedTensors, version: int) -> TransferReport:
         self._spans.take()  # (what an earlier, failed transfer left)
-        if self._staging is None:
+        device, items = await peeked(pairs(weights))
+        if self._staging is None:  # staged where the weights are (transport.py)
             with self._spans.span("handshake"):
-                await self._handshake()
+                await self._handshake(device)
         staging = self._staging
         assert staging is not None
         started = time.perf_counter()
@@ -184,7 +187,7 @@ class WeightSender:
         index = 0
         self._checksummed = 0
         self._ack_seconds = []
-        async for name, weight in pairs(weights):
+        async for name, weight in items:
             async for bucket in planned(planner, name, weight):
                 in_flight = await self._send_bucket(bucket, index, version, free, in_flight)
                 index += 1
@@ -293,7 +296,7 @@ class WeightSender:
         # Not abandoned on cancel: staging must not be freed while a thread still writes it.
         return await anyio.to_thread.run_sync(work)
 
-    async def _handshake(self) -> Staging:
+    async def _handshake(self, device: torch.device) -> Staging:
         # Staging's pages are faulted in after the handshake, in the background (hundreds of ms
         # per 512 MiB buffer): each bucket's pack waits only for its own buffer. Creating it
         # (segments, mappings) is file system calls: in a worker thread, off the event loop.
@@ -305,6 +308,7 @@ class WeightSender:
                 buffer_bytes=self.config.bucket_bytes,
                 tag=staging_tag(self.endpoint.runtime_dir),
                 session=self._session,
+                device=device,
             )
         )
         self._staging = staging

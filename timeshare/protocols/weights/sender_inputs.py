@@ -14,8 +14,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping
 from typing import TypeAlias
 
+import torch
+
 from timeshare.errors import TransferError
 from timeshare.protocols.weights.layout import Weight, check_tensor
+from timeshare.protocols.weights.lent import LentTensor
 
 NamedTensors: TypeAlias = (
     Mapping[str, Weight] | Iterable[tuple[str, Weight]] | AsyncIterable[tuple[str, Weight]]
@@ -51,6 +54,25 @@ async def pairs(
         for item in weights:
             yield _unpack_pair(item)
             del item
+
+
+async def peeked(
+    items: AsyncIterator[tuple[str, Weight]],
+) -> tuple[torch.device, AsyncIterator[tuple[str, Weight]]]:
+    """Where the first weight of `items` lives (cpu for none), and all of `items` still to
+    come: a first transfer stages its weights where they are (transport.py)."""
+    first = await anext(items, None)
+    device = torch.device("cpu")
+    if first is not None and isinstance(first[1], torch.Tensor | LentTensor):
+        device = first[1].device
+
+    async def chained(held: list[tuple[str, Weight]]) -> AsyncIterator[tuple[str, Weight]]:
+        if held:
+            yield held.pop()  # not held here while the consumer has it
+        async for item in items:
+            yield item
+
+    return device, chained([] if first is None else [first])
 
 
 def _unpack_pair(item: object) -> tuple[str, Weight]:

@@ -5,8 +5,8 @@ that description (transport.py picks the implementation); once it has, the sende
 the staging had (`unlink_names`), so that nothing is left to sweep. Both sides then see the same
 bytes, and every later transfer of the session reuses them.
 
-Implementations: shm.py (/dev/shm segments). CUDA IPC will be a second one, with its own
-description struct in descriptions.py.
+Implementations: shm.py (/dev/shm segments) and cuda_ipc.py (buffers on the sender's GPU,
+shared by handle), each with its own description struct in descriptions.py.
 """
 
 from __future__ import annotations
@@ -38,6 +38,11 @@ class Staging(ABC):
     @abstractmethod
     def view(self, index: int) -> tuple[torch.Tensor, torch.UntypedStorage]:
         """A fresh tensor over buffer `index` and its storage (see `views_alive`)."""
+
+    def kept_views(self, storage: torch.UntypedStorage) -> int:
+        """How many views of a `view`'s storage something other than this staging still holds
+        (0: nothing kept one). An implementation that holds the storage itself says so here."""
+        return views_alive(storage)
 
     @abstractmethod
     def start_fault_in(self) -> None:
