@@ -16,6 +16,7 @@ from timeshare.cycle import CycleHooks
 from timeshare.cycle.commands import CommandFeed
 from timeshare.cycle.nodes import NodeCoordinator
 from timeshare.cycle.telling import Telling
+from timeshare.cycle.workers import Workers
 from timeshare.errors import CycleFailed, NodeLost, StoreError
 from timeshare.protocols.commands import WorkerId
 from timeshare.protocols.store import AsyncJobStore
@@ -28,7 +29,7 @@ R = TypeVar("R")
 Reports = MemoryObjectReceiveStream[Crossed | CycleFailed | Commanded]
 
 
-class NoWorkers:
+class NoWorkers(Workers):
     """Workers for a command feed that only meets a pause: none of them is asked anything."""
 
     async def wait_ready(self, *, timeout_s: float) -> None:

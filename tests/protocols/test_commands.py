@@ -190,8 +190,8 @@ async def test_garbage_on_a_lane_is_ignored_and_calls_go_on(runtime_dir: Path) -
             with anyio.fail_after(10.0), pytest.raises(anyio.EndOfStream):
                 await broken.receive()  # the driver closed it
         finally:
-            for stream in streams:
-                await stream.aclose()
+            for opened in streams:
+                await opened.aclose()
         assert await lanes.call(
             TRAINER, "echo", {"still": "fine"}, deadline_s=10.0, returns=object
         ) == {"still": "fine"}
