@@ -40,9 +40,29 @@ def test_nodes_that_beat_are_alive_and_every_record_is_shown() -> None:
     for beat in range(1, 4):
         other(store, 1, beat)
         other(store, 2, beat)
-        records = leader.beat_once()
+        seen = leader.beat_once()
         time.sleep(LOST_S / 2)
-    assert [(r.node, r.ranks) for r in records] == [(0, [0, 1]), (1, [2, 3]), (2, [4, 5])]
+    assert [(s.record.node, s.record.ranks) for s in seen] == [
+        (0, [0, 1]),
+        (1, [2, 3]),
+        (2, [4, 5]),
+    ]
+
+
+def test_a_beats_age_is_on_the_readers_clock_and_silence_follows_the_deadline() -> None:
+    store = JobStore.host()
+    leader = beats(store, 0)
+    other(store, 1, 1)  # its `at` is 0.0: wall time of 1970, as a host with a wrong clock says
+    other(store, 2, 1)
+    leader.beat_once()
+    time.sleep(0.2)
+    other(store, 2, 2)  # node 2 beats on, node 1 does not
+    seen = {s.record.node: s for s in leader.beat_once()}
+    now = time.monotonic()
+    moved, still = seen[2].view(now, silent_after_s=0.15), seen[1].view(now, silent_after_s=0.15)
+    assert moved["beat_age_s"] < 0.1 and not moved["silent"]  # not 56 years
+    assert 0.2 <= still["beat_age_s"] < 5.0 and still["silent"]
+    assert not seen[1].view(now, silent_after_s=10.0)["silent"]  # a longer node_s: not yet
 
 
 def test_a_node_silent_past_its_deadline_is_lost_naming_its_ranks() -> None:

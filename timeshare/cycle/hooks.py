@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from timeshare.config import DeadlineSection
 from timeshare.cycle.records import Record
 from timeshare.protocols.commands.results import BootstrapResult, CommandResult
-from timeshare.protocols.nodes import NodeRecord
+from timeshare.protocols.nodes import NodeSeen
 from timeshare.state import JobState, Phase
 
 
@@ -46,7 +46,7 @@ class BootstrapReport:
 PhaseObserver = Callable[[PhaseReport | BootstrapReport], Awaitable[None]]
 # Called with the job's state after every transition; synchronous, so it must return at once.
 StateObserver = Callable[[JobState], None]
-NodesObserver = Callable[[list[NodeRecord]], None]
+NodesObserver = Callable[[list[NodeSeen]], None]
 # Every record of the run's timeline (records.py); synchronous, so it must return at once.
 RecordObserver = Callable[[Record], None]
 # The deadlines in force now: a service reloads them while the cycle runs.

@@ -15,7 +15,7 @@ from timeshare.protocols.commands.results import (
     SyncResult,
     TrainResult,
 )
-from timeshare.protocols.nodes import NodeRecord
+from timeshare.protocols.nodes import NodeSeen
 from timeshare.state import JobState
 from timeshare.timing import Clock, process_clock
 
@@ -33,7 +33,7 @@ class Telling:
         if self.hooks.on_state is not None:
             self.hooks.on_state(state)
 
-    def nodes(self, records: list[NodeRecord]) -> None:
+    def nodes(self, records: list[NodeSeen]) -> None:
         if self.hooks.on_nodes is not None:
             self.hooks.on_nodes(records)
 

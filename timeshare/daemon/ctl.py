@@ -132,9 +132,6 @@ def _run(client: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-NODE_QUIET_S = 3.0  # a daemon beats twice a second: quieter than this, it says so
-
-
 def status_table(status: dict[str, Any]) -> str:
     """`timesharectl status` for people."""
     rows = [
@@ -174,8 +171,8 @@ def _node_line(node: dict[str, Any]) -> str:
     ranks = node.get("ranks") or []
     span = f"ranks {ranks[0]}-{ranks[-1]}" if ranks else "no ranks"
     phases = ",".join(node.get("phases") or []) or "-"
-    age = float(node.get("beat_age_s") or 0.0)
-    alive = "alive" if age < NODE_QUIET_S else f"silent for {age:.0f} s"
+    age = float(node.get("beat_age_s") or 0.0)  # on the reporting daemon's clock
+    alive = f"silent for {age:.0f} s" if node.get("silent") else "alive"  # past deadlines.node_s
     where = f"{node.get('host')} pid {node.get('pid')}"
     return f"{span}  {node.get('lifecycle')} step {node.get('step')}  {phases}  {alive} ({where})"
 

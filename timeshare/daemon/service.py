@@ -32,7 +32,7 @@ from timeshare.daemon.systemd import Notifier
 from timeshare.daemon.watchers import Watchers
 from timeshare.errors import CycleFailed
 from timeshare.protocols.control import ServiceStatus
-from timeshare.protocols.nodes import NodeRecord
+from timeshare.protocols.nodes import NodeSeen
 from timeshare.protocols.store import AsyncJobStore
 from timeshare.report.scalars import ScalarWriter
 from timeshare.report.trace import TraceFile
@@ -95,7 +95,7 @@ class Service:
         self.loop_lag = LoopLag()
         self.state = S.IDLE if parts.activated else S.STARTING
         self.job: JobState | None = None  # the running cycle's machine, as last told
-        self.node_records: list[NodeRecord] = []  # several nodes: each one's, as last read
+        self.node_records: list[NodeSeen] = []  # several nodes: each one's, as last read
         self.reason: str | None = None
         if parts.activated:
             self.reason = "socket-activated: `timesharectl resume` starts the cycle"
@@ -132,11 +132,8 @@ class Service:
         )
 
     def _nodes(self) -> list[dict[str, Any]]:
-        now = time.time()
-        return [
-            {**msgspec.to_builtins(record), "beat_age_s": round(max(now - record.at, 0.0), 3)}
-            for record in self.node_records
-        ]
+        now, silent_after_s = time.monotonic(), self.config.deadlines.node_s
+        return [seen.view(now, silent_after_s) for seen in self.node_records]
 
     @property
     def cycle_runs(self) -> bool:
@@ -253,7 +250,7 @@ class Service:
         self.watchers.publish(entry)
         self._wake()
 
-    def _on_nodes(self, records: list[NodeRecord]) -> None:
+    def _on_nodes(self, records: list[NodeSeen]) -> None:
         self.node_records = records
 
     async def _observe(self, report: PhaseReport | BootstrapReport) -> None:

@@ -47,6 +47,25 @@ class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
     reason: str | None = None
 
 
+class NodeSeen(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's record as this node last read it, and since when (this process's
+    `time.monotonic()`) its beat has not moved: its age is measured on the reader's clock, never
+    against the writer's wall clock (hosts' clocks differ)."""
+
+    record: NodeRecord
+    still_since: float
+
+    def view(self, now: float, silent_after_s: float) -> dict[str, Any]:
+        """The record as status shows it: with its beat's age at `now` (monotonic) and whether
+        that is past `silent_after_s` (the job's `deadlines.node_s`)."""
+        age = max(now - self.still_since, 0.0)
+        return {
+            **msgspec.to_builtins(self.record),
+            "beat_age_s": round(age, 3),
+            "silent": age > silent_after_s,
+        }
+
+
 def record_key(node: int) -> str:
     return f"node/{node}"
 
@@ -101,7 +120,7 @@ class NodeBeat:
     def ranks_of(self, node: int) -> range:
         return ranks_of_node(node, self.ranks_per_node)
 
-    def beat_once(self) -> list[NodeRecord]:
+    def beat_once(self) -> list[NodeSeen]:
         """Write this node's record, read every node's; raise `NodeLost` for a node the rules
         say is gone (or for the leader, when the store itself is gone). Blocking: a thread's."""
         self.write()
@@ -111,7 +130,7 @@ class NodeBeat:
             lost = self._judge(record, now)
             if lost is not None:
                 raise lost
-        return records
+        return [NodeSeen(record=r, still_since=self.seen[r.node].moved_at) for r in records]
 
     def others_finished(self) -> bool:
         """Whether every other node has stopped, failed or gone quiet: nobody needs the store
