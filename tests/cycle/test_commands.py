@@ -19,7 +19,7 @@ from tests.cycle.fake_workers import FakeWorkers, spawner
 from tests.cycle.jobs import run
 from timeshare.cycle import CycleHooks, RunSummary
 from timeshare.protocols.commands import WorkerId
-from timeshare.protocols.store import JobStore
+from timeshare.protocols.store import JobStore, state_key
 from timeshare.state import JobState, Lifecycle
 
 WAIT_S = 30.0
@@ -46,7 +46,7 @@ class Job:
         """Until the job store says `lifecycle` (the runner writes it right after telling)."""
         with anyio.fail_after(WAIT_S):
             for _ in range(int(WAIT_S / POLL_S)):
-                if self.store.get("state", timeout_s=WAIT_S)["lifecycle"] == lifecycle:
+                if self.store.get(state_key(0), timeout_s=WAIT_S)["lifecycle"] == lifecycle:
                     return
                 await anyio.sleep(POLL_S)
         raise AssertionError(f"the store never said {lifecycle}")

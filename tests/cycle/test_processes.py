@@ -20,7 +20,7 @@ from tests.cycle.jobs import assert_nothing_left, processes_of, run
 from tests.protocols.weights.peers import wait_until
 from timeshare.cycle.workers import prepare_runtime
 from timeshare.errors import CycleFailed, WorkerDied, WorkerError, WorkerStalled
-from timeshare.protocols.store import JobStore
+from timeshare.protocols.store import JobStore, state_key
 from timeshare.runtime import process_start_time
 
 STALL_S = 1.5
@@ -41,8 +41,9 @@ async def test_a_clean_run_of_two_ranks(runtime_dir: Path) -> None:
     store = JobStore.host()
     summary = await run(config(runtime_dir, job={"ranks": 2, "steps": 2}), store)
     assert (summary.lifecycle, summary.step, summary.reason) == ("stopped", 2, "completed 2 steps")
-    recorded = store.get("state", timeout_s=5.0)
+    recorded = store.get(state_key(0), timeout_s=5.0)
     assert recorded == {
+        "node": 0,
         "lifecycle": "stopped",
         "step": 2,
         "phases": ["rollout", "rollout"],

@@ -413,7 +413,7 @@ class _Cycle:
     async def _publish(self) -> CycleFailed | None:
         """Where the job stands, into the store; the failure if the store is gone."""
         try:
-            await self.store.publish(self.state)
+            await self.store.publish(self.state, node=self.node)
         except StoreError as exc:
             if self.state.lifecycle in LIVE:
                 return self.coordinator.store_lost(exc)

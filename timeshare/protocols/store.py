@@ -28,6 +28,11 @@ PREFIX = "timeshare/"
 COMMAND = "command"  # the generation counter and key prefix of cycle-changing commands
 
 
+def state_key(node: int) -> str:
+    """Where node `node`'s driver publishes where its part of the job stands."""
+    return f"state/node/{node}"
+
+
 class JobCommand(msgspec.Struct, frozen=True):
     """A command that changes the cycle (pause, resume, drain, stop, steps, log_level)."""
 
@@ -198,15 +203,17 @@ class AsyncJobStore:
     async def put(self, key: str, value: Any) -> None:
         await anyio.to_thread.run_sync(self.blocking.put, key, value)
 
-    async def publish(self, state: JobState) -> None:
-        """Where the job stands, under `state`: for every node and for operators."""
+    async def publish(self, state: JobState, *, node: int) -> None:
+        """Where node `node`'s part of the job stands, under `state_key(node)`: for every node
+        and for operators (one key per node: with one for the job, the last writer won)."""
         record = {
+            "node": node,
             "lifecycle": state.lifecycle.value,
             "step": state.step,
             "phases": [p.value for p in state.phases],
             "reason": state.reason,
         }
-        await self.put("state", record)
+        await self.put(state_key(node), record)
 
     async def record_command(self, command: str, **params: Any) -> int:
         return await anyio.to_thread.run_sync(
