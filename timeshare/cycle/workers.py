@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -37,6 +37,7 @@ from timeshare.protocols.commands.results import ROLES
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import sweep_stale, weight_endpoint
 from timeshare.runtime import kill_group, process_start_time, wait_gone
+from timeshare.torch_quiet import as_the_user_had_it
 
 log = structlog.get_logger(__name__)
 
@@ -109,6 +110,14 @@ class Workers(Protocol):
 WorkerSpawner = Callable[[Config, JobStore], AbstractAsyncContextManager[Workers]]
 
 
+def worker_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a worker's environment is: the driver's, less the service manager's variables, and
+    with torch's C++ log level as the user had it (the driver quiets its own: torch_quiet.py)."""
+    env = {k: v for k, v in environ.items() if k not in SERVICE_VARIABLES}
+    as_the_user_had_it(env)
+    return env
+
+
 def worker_ids(ranks: Iterable[int]) -> list[WorkerId]:
     return [WorkerId(role, rank) for rank in ranks for role in ROLES]
 
@@ -168,7 +177,7 @@ async def spawn_workers(config: Config, store: JobStore) -> AsyncIterator[Worker
     """
     runtime = Path(config.job.runtime_dir)
     await anyio.to_thread.run_sync(prepare_runtime, runtime)
-    env = {k: v for k, v in os.environ.items() if k not in SERVICE_VARIABLES}
+    env = worker_environment(os.environ)
     factory = await anyio.to_thread.run_sync(WorkerFactory.start, runtime, env)
     pids: dict[WorkerId, int] = {}
     try:

@@ -8,4 +8,9 @@ requests.py    an operator's requests (pause, resume, drain, stop, reload, log l
 control.py     the control socket's server; ctl.py is its client, `timesharectl`
 progress.py    what the service knows of its job; records.py keeps it on disk
 metrics.py, health.py, systemd.py, watchers.py: Prometheus, the watchdog, sd_notify, `watch`
+Importing this package first keeps torch's C++ warnings off the fronts' stderr (torch_quiet.py).
 """
+
+from timeshare.torch_quiet import quiet_this_process
+
+quiet_this_process()  # before anything here loads torch
