@@ -31,7 +31,7 @@ async def test_no_rank_passes_until_every_rank_came_generation_after_generation(
 
 @pytest.mark.asyncio
 async def test_a_timeout_names_the_ranks_that_did_not_come_by_global_number() -> None:
-    meeting = NodeMeeting(4, first_rank=4)
+    meeting = NodeMeeting(4, first_rank=4, node=1)
     async with anyio.create_task_group() as group:
         group.start_soon(lambda: meeting.meet(3, timeout_s=5.0))
         await anyio.sleep(0.01)  # rank 3 came
@@ -41,7 +41,7 @@ async def test_a_timeout_names_the_ranks_that_did_not_come_by_global_number() ->
     failure = info.value
     assert isinstance(failure, CollectiveTimeout)
     assert failure.missing == [4, 6] and failure.generation == 1
-    assert "on rank 5: ranks [4, 6] did not arrive" in str(failure)
+    assert "on rank 5: ranks [4, 6] did not arrive (node 1)" in str(failure)
 
 
 @pytest.mark.asyncio

@@ -17,19 +17,20 @@ NAME = "barrier"
 
 
 class NodeMeeting:
-    """Ranks 0..ranks-1 of a node (numbered on it; `first_rank` is the global number of its
+    """Ranks 0..ranks-1 of node `node` (numbered on it; `first_rank` is the global number of its
     rank 0) meet, one generation after another: a generation is over when every rank came."""
 
-    def __init__(self, ranks: int, *, first_rank: int = 0) -> None:
+    def __init__(self, ranks: int, *, first_rank: int = 0, node: int = 0) -> None:
         self.ranks = ranks
         self.first_rank = first_rank
+        self.node = node
         self.generation = 1
         self._came: set[int] = set()
         self._all_came = anyio.Event()
 
     async def meet(self, rank: int, *, timeout_s: float) -> None:
         """Rank `rank` comes, and waits until every rank has come; `CollectiveTimeout` naming
-        those that did not (global numbers) after `timeout_s`."""
+        those that did not (global numbers) and their node after `timeout_s`."""
         if not 0 <= rank < self.ranks:
             raise ValueError(f"rank {rank} is not in 0..{self.ranks - 1}")
         generation, came, all_came = self.generation, self._came, self._all_came
@@ -43,7 +44,7 @@ class NodeMeeting:
         missing = [self.first_rank + r for r in range(self.ranks) if r not in came]
         raise CollectiveTimeout(
             f"{NAME} (generation {generation}) timed out after {timeout_s:g} s on rank "
-            f"{self.first_rank + rank}: ranks {missing} did not arrive",
+            f"{self.first_rank + rank}: ranks {missing} did not arrive (node {self.node})",
             name=NAME,
             generation=generation,
             missing=missing,

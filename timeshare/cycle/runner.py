@@ -177,7 +177,8 @@ class _Cycle:
             deadlines=lambda: self.deadlines,
         )
         self.failure: CycleFailed | None = None
-        self.meeting = NodeMeeting(self.ranks, first_rank=self.node_ranks.start)  # at BARRIER
+        # BARRIER's meeting of this node's ranks
+        self.meeting = NodeMeeting(self.ranks, first_rank=self.node_ranks.start, node=self.node)
         self.meetings: dict[int, anyio.CancelScope] = {}
         self.at_barrier: dict[int, _Ran] = {}  # BARRIER answered; reported once the rank met
         self.batches: dict[int, msgspec.Raw] = {}  # rank -> its last ROLLOUT's samples
