@@ -99,6 +99,11 @@ def check_one_trace_of_both_nodes(root: Path) -> None:
     assert all(abs(a - b) < 2_000_000_000 for a, b in zip(met[0], met[1], strict=True))
 
 
+def journal_of(root: Path, node: int) -> list[dict[str, Any]]:
+    lines = (node_dir(root, node) / "state" / "journal.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
 def end(event: dict[str, Any]) -> int:
     return ns(event["ts"]) + ns(event["dur"])
 
@@ -157,10 +162,45 @@ def test_a_pause_given_on_the_follower_pauses_both_nodes_at_the_same_step(
         stopped = follower.ctl("stop")
         assert stopped.returncode == 0, stopped.stderr
         assert [d.process.wait(timeout=90) for d in (leader, follower)] == [0, 0]
-        journal = [
-            json.loads(line)
-            for line in (node_dir(root, 1) / "state" / "journal.jsonl").read_text().splitlines()
-        ]
+        journal = journal_of(root, 1)
         assert any(e.get("kind") == "command" and e.get("command") == "pause" for e in journal)
+    for node in range(2):
+        assert_daemon_left_nothing(node_dir(root, node))
+
+
+@pytest.mark.slow
+def test_one_resume_or_stop_on_either_node_acts_on_both_idle_daemons(runtime_dir: Path) -> None:
+    root = runtime_dir
+    configs = node_configs(root, SERVICE, free_port(), job={"ranks": 4})
+    with (
+        running_daemon(node_dir(root, 0), configs[0]) as leader,
+        running_daemon(node_dir(root, 1), configs[1]) as follower,
+    ):
+        both = (leader, follower)
+        leader.wait_for(lambda s: s["lifecycle"] == "running" and (s["step"] or 0) >= 1)
+        assert leader.ctl("drain", "--wait").returncode == 0  # both drain: idle, steps left
+        drained = [d.wait_for(lambda s: s["lifecycle"] == "idle")["step"] for d in both]
+        # One resume, on the follower: the leader's idle daemon hears it and starts too (else
+        # the follower would wait alone for the leader at the start, and fail).
+        resumed = follower.ctl("resume")
+        assert resumed.returncode == 0, resumed.stderr
+        for daemon, step in zip(both, drained, strict=True):
+
+            def running_past(status: dict[str, Any], step: int = step) -> bool:
+                return bool(status["lifecycle"] == "running" and status["step"] > step)
+
+            daemon.wait_for(running_past, 90.0)
+        assert follower.ctl("drain", "--wait").returncode == 0
+        for daemon in both:
+            daemon.wait_for(lambda s: s["lifecycle"] == "idle")
+        # One stop, on the leader, while both are idle: both daemons exit.
+        assert leader.ctl("stop").returncode == 0
+        assert [d.process.wait(timeout=90) for d in both] == [0, 0]
+    # Each heard the other's, in its journal: the leader a start, the follower a stop.
+    heard = [
+        [e["command"] for e in journal_of(root, node) if e.get("kind") == "node_command"]
+        for node in range(2)
+    ]
+    assert heard == [["start"], ["stop"]]
     for node in range(2):
         assert_daemon_left_nothing(node_dir(root, node))

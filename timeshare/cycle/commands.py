@@ -26,6 +26,8 @@ log = structlog.get_logger(__name__)
 POLL_S = 0.05
 READ_S = 5.0  # a command's generation is taken before its value is written
 LOG_LEVEL_TIMEOUT_S = 5.0
+# For daemons idle on other nodes (daemon/service.py): a running cycle has nothing to do with it.
+IDLE_START = "start"
 
 
 def event_of(command: JobCommand) -> Requested | StepsChanged | None:
@@ -83,6 +85,8 @@ class CommandFeed:
             return
         if command is not None and command.command == "log_level":
             await _set_log_level(self.workers, self.worker_ids, command)
+            return
+        if command is not None and command.command == IDLE_START:
             return
         event = None if command is None else event_of(command)
         if command is None or event is None:

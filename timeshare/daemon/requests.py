@@ -17,7 +17,7 @@ import structlog
 
 from timeshare import logs
 from timeshare.config import changes, load_config, with_live_values
-from timeshare.daemon.service import Service
+from timeshare.daemon.service import START, STOP, Service
 from timeshare.errors import ConfigError, NotRunning, ReloadRefused, WaitTimeout
 from timeshare.protocols.control import Call, LogLevelParams, ServiceStatus, WaitParams
 from timeshare.state import Request
@@ -57,6 +57,7 @@ class OperatorRequests:
         verdict = self._answer(Request.RESUME)
         if verdict is Answer.START_CYCLE:
             await self.service.want_cycle()
+            await self.service.tell_idle_nodes(START)  # (after: this cycle skips it)
         elif verdict is Answer.FORWARD:
             await self.service.command("resume")
         return self.service.status()
@@ -79,6 +80,8 @@ class OperatorRequests:
             service.parts.notifier.stopping(f"stopping: {why}")
         if verdict is Answer.FORWARD:
             await service.command("stop")
+        else:
+            await service.tell_idle_nodes(STOP)
         return service.status()
 
     async def reload(self) -> dict[str, Any]:

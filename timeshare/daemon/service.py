@@ -30,7 +30,7 @@ from timeshare.daemon.progress import JobProgress, SavedProgress
 from timeshare.daemon.records import RecordWriter, journal_entry
 from timeshare.daemon.systemd import Notifier
 from timeshare.daemon.watchers import Watchers
-from timeshare.errors import CycleFailed
+from timeshare.errors import CycleFailed, StoreError
 from timeshare.protocols.control import ServiceStatus
 from timeshare.protocols.nodes import NodeSeen
 from timeshare.protocols.store import AsyncJobStore
@@ -49,6 +49,11 @@ from timeshare.state.service import (
 )
 
 log = structlog.get_logger(__name__)
+
+# What a daemon idle on one node of several hears from the others (`watch_idle_nodes`).
+START, STOP = "start", "stop"
+IDLE_POLL_S = 0.25
+COMMAND_READ_S = 5.0  # a command's generation is taken before its value is written
 S = ServiceLifecycle
 
 
@@ -156,6 +161,48 @@ class Service:
         now on reach it."""
         self._commands_from = await self.parts.store.latest_command()
         self.move(CycleWanted())
+
+    async def tell_idle_nodes(self, command: str) -> None:
+        """Several nodes: `start` or `stop` given here while idle, for every other node's
+        daemon that is idle too (`watch_idle_nodes`); a running cycle reads its own commands."""
+        if self.config.cluster.nodes > 1:
+            await self.command(command)
+
+    async def watch_idle_nodes(self) -> None:
+        """Several nodes: while this daemon is idle, a `start` or `stop` given on another node
+        applies here too, so that one operator's request acts on the whole job. Commands
+        written while a cycle ran were that cycle's to read."""
+        if self.config.cluster.nodes == 1:
+            return
+        store, read, lost = self.parts.store, None, False
+        while self.state not in FINAL:
+            try:
+                latest = await store.latest_command()
+                if read is not None and self.state is S.IDLE:
+                    for generation in range(read + 1, latest + 1):
+                        await self._idle_node_command(generation)
+                read, lost = latest, False
+            except StoreError as exc:  # the leader's daemon is gone: said once, tried again
+                if not lost:
+                    log.warning("service.store.unreachable", error=str(exc))
+                lost = True
+            await anyio.sleep(IDLE_POLL_S)
+
+    async def _idle_node_command(self, generation: int) -> None:
+        try:
+            command = await self.parts.store.command(generation, timeout_s=COMMAND_READ_S)
+        except TimeoutError:  # its writer died between taking the generation and writing
+            return
+        name = None if command is None else command.command
+        if self.state is not S.IDLE or name not in (START, STOP):
+            return  # (pause, drain or resume given while idle change nothing anywhere)
+        log.info("service.node_command.received", command=name, generation=generation)
+        self.journal_add("node_command", command=name, generation=generation)
+        if name == STOP:
+            self.move(StopRequested())
+            self.parts.notifier.stopping("stopping: stop given on another node")
+        elif self.steps_left():
+            await self.want_cycle()
 
     async def run_cycles(self) -> None:
         """Run a cycle whenever one is wanted and steps remain; idle otherwise; until final."""
