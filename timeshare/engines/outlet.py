@@ -1,15 +1,17 @@
 """Where a trainer's weights go out: its `iter_weights`, digested as they pass, off the event loop.
 
 The weight sender runs on the worker's event loop. A trainer's weights may be gathered as they
-are asked for (FSDP's all-gathers block on collectives), so each one is produced in a worker
-thread, never on the loop; and each is digested as it passes, so that no tensor has to be kept
-for the digest after it went into staging: a sharded trainer holds about one bucket of gathered
-weights at a time, never the whole model. A `LentTensor` (a gather straight into staging) is
-digested from the staging bytes it wrote, which are exactly what the receiver gets.
+are asked for (FSDP's all-gathers block on collectives), so they are produced in a worker
+thread, never on the loop, a small batch a trip; and each is digested as it passes, so that no
+tensor has to be kept for the digest after it went into staging: a sharded trainer holds about
+one bucket of gathered weights at a time, never the whole model. A `LentTensor` (a gather
+straight into staging) is digested from the staging bytes it wrote, which are exactly what the
+receiver gets.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator, Iterable, Iterator
 
 import anyio
@@ -20,6 +22,10 @@ from timeshare.protocols.weights.layout import Weight
 from timeshare.protocols.weights.lent import LentTensor
 
 _DONE = object()
+# Weights produced in one trip to a worker thread: a trip costs 0.1-0.2 ms here, and a model's
+# hundreds of norms and biases each took one. Small: a trainer that gathers as it is asked holds
+# at most this much more than the weight the sender packs.
+BATCH_BYTES = 1 << 20
 
 
 class DigestedLent(LentTensor):
@@ -50,16 +56,34 @@ class DigestedLent(LentTensor):
 async def digested(
     named: Iterable[tuple[str, Weight]], digest: WeightsDigest
 ) -> AsyncIterator[tuple[str, Weight]]:
-    """Every (name, weight) of `named`, each produced (and a tensor digested) in a worker
-    thread; a LentTensor is digested when the sender has it write."""
+    """Every (name, weight) of `named`, produced (and a tensor digested) in a worker thread, a
+    batch of them at a time (`BATCH_BYTES`); a LentTensor is digested when the sender has it
+    write."""
     items = iter(named)
     while True:
-        item = await anyio.to_thread.run_sync(_next_digested, items, digest)
-        if item is _DONE:
-            return
-        assert isinstance(item, tuple)
-        yield item
-        del item  # not held while the next one is gathered
+        batch = await anyio.to_thread.run_sync(_next_batch, items, digest)
+        while batch:
+            item = batch.popleft()
+            if item is _DONE:
+                return
+            assert isinstance(item, tuple)
+            yield item
+            del item  # not held while the next one is gathered
+
+
+def _next_batch(items: Iterator[tuple[str, Weight]], digest: WeightsDigest) -> deque[object]:
+    """The next weights, each digested, until they come to BATCH_BYTES (at least one), or the
+    end, or an item the sender is to refuse."""
+    batch: deque[object] = deque()
+    nbytes = 0
+    while nbytes < BATCH_BYTES:
+        item = _next_digested(items, digest)
+        batch.append(item)
+        if not isinstance(item, tuple) or len(item) != 2:
+            break
+        weight = item[1]
+        nbytes += weight.nbytes if isinstance(weight, torch.Tensor | LentTensor) else BATCH_BYTES
+    return batch
 
 
 def _next_digested(items: Iterator[tuple[str, Weight]], digest: WeightsDigest) -> object:
