@@ -174,13 +174,14 @@ class WeightSender:
 
     async def _transfer(self, weights: NamedTensors, version: int) -> TransferReport:
         self._spans.take()  # (what an earlier, failed transfer left)
+        started = time.perf_counter()  # producing the weights is part of the transfer...
         device, items = await peeked(pairs(weights))
         if self._staging is None:  # staged where the weights are (transport.py)
             with self._spans.span("handshake"):
                 await self._handshake(device)
+            started = time.perf_counter()  # ...a first one's handshake is not
         staging = self._staging
         assert staging is not None
-        started = time.perf_counter()
         planner = BucketPlanner(staging.buffer_bytes)
         free = deque(range(len(staging.buffers)))
         in_flight: InFlight | None = None  # the header awaiting its ACK
