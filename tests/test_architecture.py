@@ -3,8 +3,8 @@
 Layers, top to bottom: the programs (daemon) → reading a run back (report) → the cycle runner
 (cycle) → the config → engines →
 protocols → the pure tables (state) and logging → leaf utilities (errors, units, levels, durable,
-runtime), and errors.py under all. A package may import its own modules and anything below it,
-never above.
+runtime, torch_quiet), and errors.py under all. A package may import its own modules and
+anything below it, never above.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ LAYERS = {
     "timeshare.protocols": 2,
     "timeshare.state": 1,
     "timeshare.logs": 1,
+    "timeshare.torch_quiet": 0,  # torch's C++ log level for the fronts, set before torch loads
     "timeshare.errors": -1,  # the root of every error: below everything
     "timeshare.units": 0,
     "timeshare.timing": 0,  # spans: what a process did when (the trace's raw material)

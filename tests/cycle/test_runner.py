@@ -25,7 +25,7 @@ from timeshare.errors import (
     WorkerStalled,
 )
 from timeshare.protocols.commands import WorkerId
-from timeshare.protocols.store import JobStore
+from timeshare.protocols.store import JobStore, state_key
 from timeshare.state import MEMORY_FENCES, Blame, JobState, Lifecycle, Phase
 
 CAUSES = {"raise": WorkerError, "kill": WorkerDied, "hang": WorkerStalled}
@@ -55,7 +55,8 @@ async def test_a_clean_run_goes_round_the_cycle_and_shuts_the_workers_down(tmp_p
         workers.config, store, spawn=spawner(workers), hooks=CycleHooks(on_state=states)
     )
     assert (summary.lifecycle, summary.step, summary.reason) == ("stopped", 2, "completed 2 steps")
-    assert store.get("state", timeout_s=5.0) == {
+    assert store.get(state_key(0), timeout_s=5.0) == {
+        "node": 0,
         "lifecycle": "stopped",
         "step": 2,
         "phases": ["rollout", "rollout"],
