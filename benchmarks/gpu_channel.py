@@ -106,9 +106,12 @@ def sender(args: argparse.Namespace, runtime: Path) -> dict[str, Any]:
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
-        assert json.loads(process.stdout.readline()) == {"ready": True}
+        if not process.stdout.readline():
+            raise SystemExit(f"the receiver exited ({process.wait()}) before it was ready")
         seconds = anyio.run(send_all, endpoint, args, transfers)
-        verdict = json.loads(process.stdout.readline())
+        verdict = json.loads(process.stdout.readline() or "{}")
+        if "bit_identical" not in verdict:
+            raise SystemExit(f"the receiver exited ({process.wait()}) without its verdict")
         process.wait(timeout=60)
     finally:
         if process.poll() is None:
@@ -140,6 +143,10 @@ def main() -> None:
     if args.role == "receiver":
         receiver(json.loads(args.peer_args))
         return
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(
+            f"--device {args.device}: this torch sees no CUDA device (--device cpu: a dry run)"
+        )
     with tempfile.TemporaryDirectory(prefix="ts-gpu-channel-", dir="/tmp") as runtime:
         result = sender(args, Path(runtime))
     result["peak_copy_gbps"] = peak_copy_gbps(args.total_mb, args.device, args.rounds)
