@@ -23,6 +23,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from timeshare.cluster import node_ranks
 from timeshare.config import Config, LoadedConfig
 from timeshare.cycle import BootstrapReport, CycleHooks, PhaseReport, run_cycle
+from timeshare.cycle.commands import IDLE_START, READ_S
 from timeshare.cycle.workers import WorkerSpawner, spawn_workers
 from timeshare.daemon.health import LoopLag, watchdog_fed
 from timeshare.daemon.metrics import Metrics
@@ -50,10 +51,10 @@ from timeshare.state.service import (
 
 log = structlog.get_logger(__name__)
 
-# What a daemon idle on one node of several hears from the others (`watch_idle_nodes`).
-START, STOP = "start", "stop"
+# What a daemon idle on one node of several hears from the others (`watch_idle_nodes`); a
+# running cycle's command feed skips START (cycle/commands.py, which names it).
+START, STOP = IDLE_START, "stop"
 IDLE_POLL_S = 0.25
-COMMAND_READ_S = 5.0  # a command's generation is taken before its value is written
 S = ServiceLifecycle
 
 
@@ -190,7 +191,7 @@ class Service:
 
     async def _idle_node_command(self, generation: int) -> None:
         try:
-            command = await self.parts.store.command(generation, timeout_s=COMMAND_READ_S)
+            command = await self.parts.store.command(generation, timeout_s=READ_S)
         except TimeoutError:  # its writer died between taking the generation and writing
             return
         name = None if command is None else command.command
