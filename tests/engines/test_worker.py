@@ -1,4 +1,5 @@
-"""The worker process itself: abort on the control lane interrupts a hanging generate."""
+"""The worker process itself: abort on the control lane interrupts a hanging generate, and a
+trainer's SYNC, whose sender runs an event loop on the worker's main thread."""
 
 from __future__ import annotations
 
@@ -17,18 +18,21 @@ from timeshare.engines.faults import Fault
 from timeshare.engines.worker import WorkerSpec
 from timeshare.errors import WorkerError
 from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
-from timeshare.protocols.commands.results import RolloutResult
+from timeshare.protocols.commands.results import BootstrapResult, RolloutResult, SyncResult
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import TransferConfig
 
 ROLLOUT = WorkerId("rollout", 0)
+TRAINER = WorkerId("trainer", 0)
 
 
-async def wait_busy(lanes: WorkerLanes, command: str, timeout_s: float = 30.0) -> None:
+async def wait_busy(
+    lanes: WorkerLanes, command: str, timeout_s: float = 30.0, worker: WorkerId = ROLLOUT
+) -> None:
     """Until the worker says, on its control lane, that it runs `command`."""
     with anyio.fail_after(timeout_s):
         for _ in range(int(timeout_s / 0.05)):
-            status = await lanes.control(ROLLOUT, "status", timeout_s=5.0)
+            status = await lanes.control(worker, "status", timeout_s=5.0)
             if status["busy"] == command:
                 return
             await anyio.sleep(0.05)
@@ -79,6 +83,66 @@ async def test_abort_interrupts_a_hanging_generate_within_a_second(runtime_dir: 
                 assert outcome["error"].remote_type == "Aborted"
                 assert outcome["at"] - asked < 1.0
                 await lanes.call(ROLLOUT, "shutdown", deadline_s=10.0, returns=type(None))
+        finally:
+            if process.poll() is None:
+                process.kill()
+            process.wait(timeout=10)
+    assert process.returncode == 0
+    assert socket_files(runtime_dir) == []
+
+
+@pytest.mark.asyncio
+async def test_abort_ends_a_trainers_sync_and_its_sender_frees_staging(runtime_dir: Path) -> None:
+    """The sender waits for a receiver that never joins (its staging already made): the abort
+    cancels the send on the main thread's loop, the call fails as Aborted, and the worker still
+    answers and shuts down cleanly, leaving no segment (the leak check) and no socket file."""
+    store = JobStore.host()
+    host, port = store.address
+    async with WorkerLanes.open(runtime_dir, stall_timeout_s=60.0) as lanes:
+        spec = WorkerSpec(
+            role="trainer",
+            rank=0,
+            world_size=1,
+            work_endpoint=lanes.work_endpoint,
+            control_endpoint=lanes.control_endpoint,
+            weight_endpoint=f"ipc://{runtime_dir}/w-rank0.sock",
+            store_host=host,
+            store_port=port,
+            checkpoint_dir=str(runtime_dir / "ckpt"),
+            transfer=TransferConfig(bucket_mb=1.0, handshake_timeout_s=60.0),
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "timeshare.engines.worker",
+            msgspec.json.encode(spec).decode(),
+        ]
+        process = await anyio.to_thread.run_sync(lambda: subprocess.Popen(argv))
+        outcome: dict[str, Any] = {}
+
+        async def sync() -> None:
+            try:
+                await lanes.call(TRAINER, "sync", deadline_s=60.0, returns=SyncResult)
+            except WorkerError as exc:
+                outcome["error"], outcome["at"] = exc, time.monotonic()
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(watch_process, lanes, TRAINER, process)
+                await lanes.wait_ready([TRAINER], timeout_s=60.0)
+                await lanes.call(TRAINER, "bootstrap", deadline_s=60.0, returns=BootstrapResult)
+                async with anyio.create_task_group() as calls:
+                    calls.start_soon(sync)
+                    await wait_busy(lanes, "sync", worker=TRAINER)
+                    await anyio.sleep(0.3)  # into the handshake's wait
+                    asked = time.monotonic()
+                    assert await lanes.control(TRAINER, "abort", timeout_s=5.0) == "sync"
+                assert outcome["error"].remote_type == "Aborted"
+                assert "sync aborted" in str(outcome["error"])
+                assert outcome["at"] - asked < 2.0
+                status = await lanes.control(TRAINER, "status", timeout_s=5.0)
+                assert status["busy"] is None
+                await lanes.call(TRAINER, "shutdown", deadline_s=10.0, returns=type(None))
         finally:
             if process.poll() is None:
                 process.kill()

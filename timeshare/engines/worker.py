@@ -25,13 +25,13 @@ from typing import Any, Literal
 
 import msgspec
 import structlog
-from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from timeshare import logs
 from timeshare.engines.base import RolloutEngine, RolloutSample, TrainerEngine
 from timeshare.engines.context import EngineContext
 from timeshare.engines.digest import WeightsDigest
 from timeshare.engines.faults import Fault
+from timeshare.engines.main_loop import MainThreadLoop
 from timeshare.engines.outlet import digested
 from timeshare.engines.pairs import build_rollout, build_trainer, workload_of
 from timeshare.engines.spec import EngineSpec
@@ -110,14 +110,13 @@ class TrainerWorker:
         self,
         spec: WorkerSpec,
         engine: TrainerEngine,
-        portal: BlockingPortal,
         server: WorkerServer,
     ) -> None:
         self.spec = spec
         self.server = server
         self.engine = engine
         self.engine.progress = server.report_progress
-        self.portal = portal
+        self.loop = MainThreadLoop(server)  # the sender's, on this (the main) thread
         self.sender = WeightSender(spec.weight_endpoint, spec.transfer)
         self.spans = Spans()  # within the current command (the trace shows them)
 
@@ -151,7 +150,8 @@ class TrainerWorker:
         digest = WeightsDigest()
         weights = digested(self.engine.iter_weights(), digest)
         with self.server.waiting_on_peer(), self.spans.span("send"):
-            report = self.portal.call(partial(self.sender.send, weights, version=self.engine.step))
+            send = partial(self.sender.send, weights, version=self.engine.step)
+            report = self.loop.run(send, "sync")
         self.spans.extend(report.spans)
         with self.spans.span("offload params"):
             self.engine.finish_sync()
@@ -165,7 +165,10 @@ class TrainerWorker:
         try:
             self.sender.close()
         finally:
-            self.engine.close()
+            try:
+                self.loop.close()
+            finally:
+                self.engine.close()
 
 
 class RolloutWorker:
@@ -263,8 +266,7 @@ def run(spec: WorkerSpec) -> None:
             generate_timeout_s=spec.generate_timeout_s,
         )
         if spec.role == "trainer":
-            portal = stack.enter_context(start_blocking_portal())
-            worker = TrainerWorker(spec, build_trainer(context), portal, server)
+            worker = TrainerWorker(spec, build_trainer(context), server)
         else:
             rollout = build_rollout(context)
             stack.callback(rollout.close)  # the engine's processes stop even if the worker fails

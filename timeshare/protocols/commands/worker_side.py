@@ -62,6 +62,7 @@ class WorkerServer:
         self._waiting = False
         self._busy: frames.Call | None = None
         self._armed = False  # an abort signal may raise Aborted now
+        self._abort_instead: Callable[[], object] | None = None  # see aborting_with
         self._stop = threading.Event()
         self._parent = os.getppid()
 
@@ -80,6 +81,18 @@ class WorkerServer:
             yield
         finally:
             self._waiting = False
+
+    @contextmanager
+    def aborting_with(self, abort: Callable[[], object]) -> Iterator[None]:
+        """While inside, the driver's abort calls `abort` instead of raising `Aborted` where the
+        main thread stands. For a call that runs an event loop on the main thread: an exception
+        raised inside the loop's own machinery would leave the loop broken, so `abort` only
+        schedules the cancellation of what the loop runs (it is called from a signal handler)."""
+        self._abort_instead = abort
+        try:
+            yield
+        finally:
+            self._abort_instead = None
 
     def serve(self) -> None:
         """Answer work calls until `shutdown` or until the parent process (the zygote that forked
@@ -156,6 +169,9 @@ class WorkerServer:
     def _on_abort_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._armed:
             self._armed = False  # at most one Aborted per call
+            if self._abort_instead is not None:
+                self._abort_instead()
+                return
             raise Aborted(f"{self._busy.command if self._busy else 'call'} aborted by the driver")
 
     # -- control lane -------------------------------------------------------------------------
