@@ -1,7 +1,7 @@
 """The package's shape: imports only run downwards and never in a circle; every error in one place.
 
 Layers, top to bottom: the programs (daemon) → reading a run back (report) → the cycle runner
-(cycle) → the config → engines →
+(cycle) and the dry run of a job (plan) → the config → engines →
 protocols → the pure tables (state) and logging → leaf utilities (errors, units, levels, durable,
 runtime, torch_quiet), and errors.py under all. A package may import its own modules and
 anything below it, never above.
@@ -25,6 +25,7 @@ LAYERS = {
     "timeshare.daemon": 7,
     "timeshare.report": 6,  # what a run did, read back from its directory
     "timeshare.cycle": 5,
+    "timeshare.capacity": 5,  # whether a job fits its cluster, from its config alone (a dry run)
     "timeshare.config": 4,
     "timeshare.engines": 3,
     "timeshare.protocols": 2,

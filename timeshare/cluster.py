@@ -28,6 +28,9 @@ class ClusterSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ranks_per_node: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: job.ranks / nodes
     leader_addr: str = "127.0.0.1"  # where the leader's daemon hosts the job store
     leader_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 29400
+    # What `timeshare plan` checks a job against (the running job reads neither):
+    device_gib: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # one rank's accelerator; 0: unstated
+    sync_gbps: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0  # one rank's SYNC rate, GB/s
 
 
 def _port(raw: str) -> int:

@@ -124,8 +124,18 @@ class LoadedConfig:
         return self.sources.get(key, "default")
 
 
-def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> LoadedConfig:
-    """Read `path` (if any), apply TIMESHARE_* overrides, validate everything."""
+def load_config(
+    path: Path | None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    overrides: Mapping[str, tuple[Any, str]] | None = None,
+    probe: bool = True,
+) -> LoadedConfig:
+    """Read `path` (if any), apply TIMESHARE_* overrides, validate everything.
+
+    `overrides`: key -> (value, where it came from), over the file and the environment (a
+    command line's). `probe=False`: the engines' probes are left out (check_engines).
+    """
     environ = os.environ if environ is None else environ
     data: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -138,6 +148,9 @@ def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> 
             key = _env_key(name)
             _set(data, key, _env_value(raw))
             sources[key] = f"env {name}"
+    for key, (value, source) in (overrides or {}).items():
+        _set(data, key, value)
+        sources[key] = source
     _apply_launcher(data, sources, environ)
     # A section given in part keeps the job's defaults for the rest (a [transfer] that sets only
     # bucket_mb keeps the SYNC-nested timeouts, not the channel's standalone ones).
@@ -145,7 +158,12 @@ def load_config(path: Path | None, environ: Mapping[str, str] | None = None) -> 
     _check_nesting(config, sources)
     _check_runtime_dir(config, sources)
     check_cluster(config.cluster, config.job.ranks, lambda key: sources.get(key, "default"))
-    check_engines(config.engine, lambda key: sources.get(key, "default"), ranks=config.job.ranks)
+    check_engines(
+        config.engine,
+        lambda key: sources.get(key, "default"),
+        ranks=config.job.ranks,
+        probe=probe,
+    )
     return LoadedConfig(config, sources)
 
 

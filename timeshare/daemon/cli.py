@@ -3,6 +3,11 @@
     timeshare run CONFIG [--summary PATH] [--ranks N] [--steps N]
                                     run the cycle in the foreground
     timeshare config show CONFIG    the effective config, each key with where it came from
+    timeshare plan CONFIG [--nodes N] [--ranks-per-node N] [--device-gib G] [--sync-gbps R]
+                   [--json PATH]    whether the job fits its cluster: the sizes that must
+                                    divide, each rank's device memory per phase, the SYNC
+                                    against its deadline; no engine starts (exit 2: it does
+                                    not fit, each problem naming its key and numbers)
     timeshare state diagram [job|service]
                                     the job's phase machine, or the service's lifecycle,
                                     as a Mermaid diagram
@@ -30,12 +35,15 @@ unusable config names the key and its source), 128 + signal number when stopped 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 
+from timeshare.capacity import plan_job
+from timeshare.capacity import report as plan_report
 from timeshare.config import Config, effective_lines, load_config
 from timeshare.engines import registry
 from timeshare.engines.model_dir import ARCHITECTURES, ModelShape, init_model_dir
@@ -52,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "config":
             lines = effective_lines(load_config(args.config))
             sys.stdout.write("\n".join([*(f"# {line}" for line in _engines()), *lines]) + "\n")
+        elif args.command == "plan":
+            return _plan(args)
         elif args.command == "state":
             sys.stdout.write(DIAGRAMS[args.table]())
         elif args.command == "model":
@@ -70,6 +80,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"timeshare: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    file = load_config(args.config, probe=False).config
+    plan = plan_job(load_config(args.config, overrides=_plan_overrides(args, file), probe=False))
+    sys.stdout.write(plan_report.text(plan, str(args.config)))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(plan_report.as_json(plan), indent=1) + "\n")
+    for problem in plan.problems:
+        print(f"timeshare plan: [{problem.rule}] {problem.message}", file=sys.stderr)
+    return 0 if plan.feasible else EXIT_BAD_INPUT
+
+
+def _plan_overrides(args: argparse.Namespace, file: Config) -> dict[str, tuple[object, str]]:
+    """The command line's cluster shape over the file's; a new shape sets job.ranks to match."""
+    given = {
+        "cluster.nodes": args.nodes,
+        "cluster.ranks_per_node": args.ranks_per_node,
+        "cluster.device_gib": args.device_gib,
+        "cluster.sync_gbps": args.sync_gbps,
+    }
+    overrides: dict[str, tuple[object, str]] = {
+        key: (value, f"--{key.partition('.')[2].replace('_', '-')}")
+        for key, value in given.items()
+        if value is not None
+    }
+    if args.nodes is not None or args.ranks_per_node is not None:
+        nodes = args.nodes or file.cluster.nodes
+        per_node = args.ranks_per_node or file.job.ranks // file.cluster.nodes
+        overrides["cluster.ranks_per_node"] = (per_node, "--ranks-per-node")
+        overrides["job.ranks"] = (nodes * per_node, "--nodes x --ranks-per-node")
+    return overrides
 
 
 def _report(path: Path, *, text: bool, out: Path | None, steps: int) -> int:
@@ -210,6 +253,15 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     show.add_argument("config", type=Path)
+    plan = commands.add_parser(
+        "plan", help="whether the job fits its cluster, before anything runs (a dry run)"
+    )
+    plan.add_argument("config", type=Path)
+    plan.add_argument("--nodes", type=int, help="override cluster.nodes")
+    plan.add_argument("--ranks-per-node", type=int, help="override cluster.ranks_per_node")
+    plan.add_argument("--device-gib", type=float, help="one rank's accelerator memory, GiB")
+    plan.add_argument("--sync-gbps", type=float, help="one rank's SYNC rate, GB/s")
+    plan.add_argument("--json", type=Path, help="also write the plan to this JSON file")
     state = commands.add_parser("state", help="the tables every decision of the job comes from")
     state_commands = state.add_subparsers(dest="state_command", required=True)
     diagram = state_commands.add_parser("diagram", help="print a table as a Mermaid diagram")

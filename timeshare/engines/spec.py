@@ -139,14 +139,19 @@ Sources = Callable[[str], str]  # where a key's value came from ("file job.toml"
 
 
 def check_engines(
-    spec: EngineChoice, source_of: Sources = lambda key: "default", *, ranks: int | None = None
+    spec: EngineChoice,
+    source_of: Sources = lambda key: "default",
+    *,
+    ranks: int | None = None,
+    probe: bool = True,
 ) -> None:
     """What the job's engines must accept, before any worker starts, quickest first: the
     choice itself, the trainer's split of the job's `ranks` (when given), each engine's own
     check, the task against the model, and last each engine's probe (what needs its library,
     in a child process, or the model's files), the trainer's first: its library names a
     directory it cannot read more precisely than a rollout would. `source_of` names where a
-    key's value came from, for the error."""
+    key's value came from, for the error. `probe=False` leaves the probes out (`timeshare
+    plan`: a model's config.json alone, no weights, no engine library asked)."""
     check_choice(spec, source_of)
     trainer = spec.section(spec.trainer)
     if ranks is not None and isinstance(trainer, SplitsRanks):
@@ -158,8 +163,8 @@ def check_engines(
     if trained is not None:
         spec.task.check_model(trained.config, trained.where)
     for name, roles in spec.roles().items():
-        if probe := registry.ENGINES[name].probe:
-            registry.load(probe)(spec, roles)
+        if probe and (probed := registry.ENGINES[name].probe):
+            registry.load(probed)(spec, roles)
 
 
 def check_choice(spec: EngineChoice, source_of: Sources) -> None:

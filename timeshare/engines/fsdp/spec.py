@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from timeshare.engines.footprint import DTYPE_BYTES, TrainerFootprint
 from timeshare.engines.model_config import ModelConfig, TrainedModel
 from timeshare.errors import ConfigError
 
@@ -52,6 +53,20 @@ class FsdpSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 'engine.fsdp.model_dir: trainer = "fsdp" trains a transformers model '
                 "directory; name one (`timeshare model init DIR` makes a small one)"
             )
+
+    def trainer_footprint(self, ranks: int) -> TrainerFootprint:
+        """FSDP2 over a 1-D mesh of every rank: parameters, gradients and AdamW all sharded
+        `ranks` ways; each decoder layer gathered whole, in param_dtype, to compute."""
+        return TrainerFootprint(
+            tensor_parallel=1,
+            tp_key="",
+            parameter_shards=ranks,
+            optimizer_shards=ranks,
+            compute_bytes=DTYPE_BYTES[self.param_dtype],
+            sync_bytes=DTYPE_BYTES[self.param_dtype],
+            gathers_layers=True,
+            micro_batch=self.micro_batch_size,
+        )
 
     def trained_model(self) -> TrainedModel:
         """The model directory's model: every rollout engine starts from it."""

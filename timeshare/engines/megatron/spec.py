@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from timeshare.engines.footprint import DTYPE_BYTES, TrainerFootprint
 from timeshare.engines.model_config import ModelConfig, TrainedModel
 from timeshare.errors import ConfigError
 
@@ -54,6 +55,21 @@ class MegatronSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 f"divide job.ranks ({ranks}): the trainer ranks split into tensor-parallel "
                 "groups, data-parallel size = job.ranks / tensor_parallel_size"
             )
+
+    def trainer_footprint(self, ranks: int) -> TrainerFootprint:
+        """Tensor-parallel layers; on CUDA megatron's distributed optimizer also splits AdamW's
+        moments over the data-parallel ranks (on CPU torch's AdamW keeps them whole)."""
+        distributed_optimizer = self.device != "cpu"
+        return TrainerFootprint(
+            tensor_parallel=self.tensor_parallel_size,
+            tp_key="engine.megatron.tensor_parallel_size",
+            parameter_shards=self.tensor_parallel_size,
+            optimizer_shards=ranks if distributed_optimizer else self.tensor_parallel_size,
+            compute_bytes=4,  # float32 on every device (see param_dtype)
+            sync_bytes=DTYPE_BYTES[self.param_dtype],
+            gathers_layers=False,
+            micro_batch=self.micro_batch_size,
+        )
 
     def trained_model(self) -> TrainedModel:
         """The model directory's model: every rollout engine starts from it."""

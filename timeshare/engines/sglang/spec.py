@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from timeshare.engines.footprint import DTYPE_BYTES, RolloutFootprint
 from timeshare.engines.model_config import TrainedModel
 from timeshare.errors import ConfigError
 from timeshare.units import Seconds
@@ -67,6 +68,19 @@ class SglangSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # A generate still running after this is aborted inside SGLang (the engine stays usable).
     generate_timeout_s: Seconds = 20.0
     server_args: dict[str, Any] = {}
+
+    def rollout_footprint(self, sequences: int) -> RolloutFootprint:
+        """Weights in `dtype` on one scheduler; a KV cache of max_total_tokens tokens."""
+        return RolloutFootprint(
+            tensor_parallel=self.tp_size,
+            tp_key="engine.sglang.tp_size",
+            weight_bytes=DTYPE_BYTES.get(self.dtype),
+            kv_cache_bytes=None,
+            kv_cache_tokens=self.max_total_tokens,
+            memory_fraction=None,
+            kv_key="engine.sglang.max_total_tokens",
+            longest_sequence=self.context_length or 0,  # 0: the model's own
+        )
 
     def __post_init__(self) -> None:
         for key in self.server_args:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
+from timeshare.engines.footprint import RolloutFootprint, TrainerFootprint
 from timeshare.engines.model_config import ModelConfig, TrainedModel
 from timeshare.errors import ConfigError
 from timeshare.units import Seconds
@@ -31,6 +32,32 @@ class TorchRefSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # A generate still running after this is aborted (the engine stays usable); None: 0.9 of
     # the ROLLOUT command's deadline, which it runs inside.
     generate_timeout_s: Seconds | None = None
+
+    def trainer_footprint(self, ranks: int) -> TrainerFootprint:
+        """A whole float32 copy of the model and of AdamW on every rank (gradients averaged)."""
+        return TrainerFootprint(
+            tensor_parallel=1,
+            tp_key="",
+            parameter_shards=1,
+            optimizer_shards=1,
+            compute_bytes=4,
+            sync_bytes=4,
+            gathers_layers=False,
+            micro_batch=0,
+        )
+
+    def rollout_footprint(self, sequences: int) -> RolloutFootprint:
+        """A float32 copy; a KV cache of kv_cache_len tokens for each sequence of the batch."""
+        return RolloutFootprint(
+            tensor_parallel=1,
+            tp_key="",
+            weight_bytes=4,
+            kv_cache_bytes=None,
+            kv_cache_tokens=self.kv_cache_len * sequences,
+            memory_fraction=None,
+            kv_key="engine.torch_ref.kv_cache_len",
+            longest_sequence=self.kv_cache_len,
+        )
 
     def trained_model(self) -> TrainedModel:
         """The model the reference trainer trains: the local checkpoint's config, else `model`.

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from timeshare.engines.footprint import DTYPE_BYTES, RolloutFootprint
 from timeshare.engines.model_config import TrainedModel
 from timeshare.errors import ConfigError
 from timeshare.units import Seconds
@@ -77,6 +78,21 @@ class VllmSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 raise ConfigError(
                     f"engine.vllm.engine_args.{key}: use engine.vllm.{TYPED_ARGS[key]} instead"
                 )
+
+    def rollout_footprint(self, sequences: int) -> RolloutFootprint:
+        """Weights in `dtype`, split over tensor_parallel_size ranks; the KV cache a size per
+        rank, or what gpu_memory_utilization of the device leaves beside the weights."""
+        by_size = self.kv_cache_mb is not None
+        return RolloutFootprint(
+            tensor_parallel=self.tensor_parallel_size,
+            tp_key="engine.vllm.tensor_parallel_size",
+            weight_bytes=DTYPE_BYTES.get(self.dtype),
+            kv_cache_bytes=self.kv_cache_mb * (1 << 20) if self.kv_cache_mb is not None else None,
+            kv_cache_tokens=None,
+            memory_fraction=self.gpu_memory_utilization,
+            kv_key="engine.vllm.kv_cache_mb" if by_size else "engine.vllm.gpu_memory_utilization",
+            longest_sequence=self.max_model_len,
+        )
 
     def typed_args(self) -> dict[str, Any]:
         """The typed keys as vLLM's engine arguments."""
