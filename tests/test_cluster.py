@@ -80,6 +80,12 @@ def test_two_launchers_that_disagree_are_named(tmp_path: Path) -> None:
         ({"NODE_RANK": "3"}, "", r"cluster\.node_rank \(3, from NODE_RANK=3 \(torchrun\)\)"),
         ({}, "[cluster]\nranks_per_node = 3\n", r"job\.ranks \(2, from default\) is not"),
         ({"NNODES": "4"}, "", r"job\.ranks \(2, from default\) is not cluster\.nodes \(4\)"),
+        (
+            {"NNODES": "1"},
+            "[cluster]\nmin_nodes = 2\n",
+            r"cluster\.nodes \(1, from NNODES=1 \(torchrun\)\) is fewer than cluster\.min_nodes "
+            r"\(2, from file .*\): the job does not run on fewer nodes",
+        ),
     ],
 )
 def test_what_cannot_run_is_one_error_naming_key_and_source(

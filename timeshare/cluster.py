@@ -28,6 +28,10 @@ class ClusterSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     ranks_per_node: Annotated[int, msgspec.Meta(ge=0)] = 0  # 0: job.ranks / nodes
     leader_addr: str = "127.0.0.1"  # where the leader's daemon hosts the job store
     leader_port: Annotated[int, msgspec.Meta(ge=1, le=65535)] = 29400
+    # The fewest nodes the job may run on. 0: as many as its checkpoint was written by (the FSDP
+    # trainer refuses a checkpoint of more ranks); n: a restart on as few as n nodes resumes
+    # from the committed step, the trainer's checkpoint resharded to the ranks there are.
+    min_nodes: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
     # What `timeshare plan` checks a job against (the running job reads neither):
     device_gib: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # one rank's accelerator; 0: unstated
     sync_gbps: Annotated[float, msgspec.Meta(gt=0.0)] = 10.0  # one rank's SYNC rate, GB/s
@@ -85,6 +89,12 @@ def check_cluster(cluster: ClusterSection, ranks: int, where: Callable[[str], st
         raise ConfigError(
             f"cluster.node_rank ({cluster.node_rank}, from {where('cluster.node_rank')}) must "
             f"be below cluster.nodes ({cluster.nodes}, from {where('cluster.nodes')})"
+        )
+    if cluster.min_nodes > cluster.nodes:
+        raise ConfigError(
+            f"cluster.nodes ({cluster.nodes}, from {where('cluster.nodes')}) is fewer than "
+            f"cluster.min_nodes ({cluster.min_nodes}, from {where('cluster.min_nodes')}): the "
+            "job does not run on fewer nodes than that"
         )
     per_node = ranks_per_node(cluster, ranks)
     if per_node * cluster.nodes != ranks:

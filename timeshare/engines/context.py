@@ -31,3 +31,5 @@ class EngineContext:
     runtime_dir: Path = Path()
     # A rollout's generate, unless its own settings give one (inside ROLLOUT's deadline).
     generate_timeout_s: float = 27.0
+    # A checkpoint written by more ranks may be resumed, resharded ([cluster] min_nodes).
+    resume_on_fewer_ranks: bool = False

@@ -77,6 +77,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     generate_timeout_s: float = 27.0  # a rollout's generate, unless its settings give one
     log_file: str = ""
     log_level: str = "info"
+    resume_on_fewer_ranks: bool = False  # [cluster] min_nodes set: a checkpoint is resharded
 
 
 def fire_faults(spec: WorkerSpec, phase: str, step: int | None) -> None:
@@ -264,6 +265,7 @@ def run(spec: WorkerSpec) -> None:
             call_timeout_s=spec.engine_call_timeout_s,
             runtime_dir=Path(spec.runtime_dir),
             generate_timeout_s=spec.generate_timeout_s,
+            resume_on_fewer_ranks=spec.resume_on_fewer_ranks,
         )
         if spec.role == "trainer":
             worker = TrainerWorker(spec, build_trainer(context), server)

@@ -40,11 +40,20 @@ def test_a_step_is_committed_only_with_metadata_and_every_ranks_file(tmp_path: P
     assert checkpoint.committed_step(tmp_path / "elsewhere") is None
 
 
-def test_a_step_of_another_rank_count_is_refused(tmp_path: Path) -> None:
+def test_a_step_of_more_ranks_is_resumed_only_where_min_nodes_allows(tmp_path: Path) -> None:
+    directory = make_step(tmp_path, 1, 4, [0, 1, 2, 3])
+    assert checkpoint.check_ranks(directory, 4, fewer_allowed=False) == 4
+    with pytest.raises(
+        CheckpointError, match=r"written by 4 ranks; this job has 2: set \[cluster\] min_nodes"
+    ):
+        checkpoint.check_ranks(directory, 2, fewer_allowed=False)
+    assert checkpoint.check_ranks(directory, 2, fewer_allowed=True) == 4  # resharded on load
+
+
+def test_a_step_of_fewer_ranks_is_refused(tmp_path: Path) -> None:
     directory = make_step(tmp_path, 1, 2, [0, 1])
-    checkpoint.check_ranks(directory, 2)
-    with pytest.raises(CheckpointError, match=r"written by 2 ranks; this job has 4"):
-        checkpoint.check_ranks(directory, 4)
+    with pytest.raises(CheckpointError, match=r"written by 2 ranks; this job has 4 .*not to more"):
+        checkpoint.check_ranks(directory, 4, fewer_allowed=True)
 
 
 def test_pruning_keeps_the_newest_committed_and_nothing_older_that_never_was(

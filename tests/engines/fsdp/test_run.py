@@ -8,6 +8,7 @@ both engines start from it where training left off.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -142,6 +143,43 @@ def test_a_run_killed_mid_step_resumes_with_the_same_rewards(
     assert [s["step"] for s in steps if s["resumed"]] == [3]
     assert all(s["weights_match"] for s in steps)
     assert (partial / "rank1.pt").exists()  # step 4 was redone whole
+    assert_nothing_left(runtime_dir)
+
+
+def test_a_job_on_fewer_ranks_resumes_resharded_where_min_nodes_allows(
+    learned: Learned, runtime_dir: Path
+) -> None:
+    """The learned run's checkpoint (2 ranks) on one rank: refused while [cluster] min_nodes is
+    unset; with it, DCP reshards the model and AdamW and the job goes on from step 30."""
+    assert learned.done.returncode == 0, learned.done.stderr
+    shutil.copytree(learned.root / "checkpoints", runtime_dir / "checkpoints")
+    summary = runtime_dir / "summary.json"
+
+    def config(**cluster: int) -> Path:
+        sections = {"model_dir": str(learned.model_dir)}
+        return toml_file(
+            runtime_dir,
+            FSDP_JOB,
+            job={"steps": STEPS + 1, "ranks": 1},
+            engine={"fsdp": sections},
+            log={"file": f"{runtime_dir}/log.jsonl"},
+            cluster=cluster,
+        )
+
+    refused = timeshare_run(config(), summary)
+    assert refused.returncode == 1
+    assert "written by 2 ranks; this job has 1: set [cluster] min_nodes" in refused.stderr
+
+    done = timeshare_run(config(min_nodes=1), summary)
+    assert done.returncode == 0, done.stderr
+    steps = steps_of(summary)
+    assert [(s["step"], s["resumed"], s["weights_match"]) for s in steps] == [
+        (STEPS, True, True),
+        (STEPS + 1, False, True),
+    ]
+    events = [json.loads(line) for line in (runtime_dir / "log.jsonl").read_text().splitlines()]
+    resharded = [e for e in events if e["event"] == "trainer.checkpoint.resharded"]
+    assert [(e["written_by_ranks"], e["ranks"], e["step"]) for e in resharded] == [(2, 1, STEPS)]
     assert_nothing_left(runtime_dir)
 
 

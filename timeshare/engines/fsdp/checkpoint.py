@@ -120,14 +120,23 @@ def _start_step(directory: Path, ranks: int, model_dir: Path) -> None:
     write_atomically(directory / RANKS_FILE, json.dumps({"ranks": ranks}).encode())
 
 
-def check_ranks(directory: Path, ranks: int) -> None:
-    """A step written by another number of ranks is not resumed silently."""
+def check_ranks(directory: Path, ranks: int, *, fewer_allowed: bool) -> int:
+    """The ranks that wrote the step in `directory`: this job's, or more when `fewer_allowed`
+    ([cluster] min_nodes: DCP reshards the model and AdamW on load). Never resumed silently."""
     written = ranks_of(directory)
-    if written != ranks:
+    if written is None or written == ranks:
+        return ranks
+    if written > ranks and not fewer_allowed:
         raise CheckpointError(
-            f"{directory} was written by {written} ranks; this job has {ranks} (resharding a "
-            "checkpoint to another rank count is not supported: start from an export)"
+            f"{directory} was written by {written} ranks; this job has {ranks}: set [cluster] "
+            "min_nodes to resume a job on fewer nodes (its checkpoint is then resharded)"
         )
+    if written < ranks:
+        raise CheckpointError(
+            f"{directory} was written by {written} ranks; this job has {ranks} (a checkpoint "
+            "is resharded to fewer ranks, not to more: start from an export)"
+        )
+    return written
 
 
 def load(

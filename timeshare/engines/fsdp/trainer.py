@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import cast
+from typing import Self, cast
 
 import msgspec
 import structlog
@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from timeshare.engines import step_dirs
 from timeshare.engines.base import RolloutSample
+from timeshare.engines.context import EngineContext
 from timeshare.engines.fsdp import checkpoint
 from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
 from timeshare.engines.fsdp.spec import FsdpSpec
@@ -127,6 +128,7 @@ class FsdpTrainer(GrpoTrainer):
         self.model_dir = Path(spec.model_dir)
         self.step = 0
         self.checkpoint_root: Path | None = None
+        self.resume_on_fewer_ranks = False  # [cluster] min_nodes: see from_context
         self.optimizer_store = HostStore()  # optimiser state and gradients while offloaded
         self.param_store = HostStore()  # parameter shards while offloaded
         # Built in `bootstrap`: sharding needs the process group.
@@ -354,7 +356,18 @@ class FsdpTrainer(GrpoTrainer):
         if step is None:
             self.step = 0
             return
-        checkpoint.check_ranks(checkpoint.step_dir(self.checkpoint_root, step), self.world_size)
+        directory = checkpoint.step_dir(self.checkpoint_root, step)
+        written = checkpoint.check_ranks(
+            directory, self.world_size, fewer_allowed=self.resume_on_fewer_ranks
+        )
+        if written != self.world_size and self.rank == 0:
+            log.warning(
+                "trainer.checkpoint.resharded",
+                step=step,
+                written_by_ranks=written,
+                ranks=self.world_size,
+                directory=str(directory),
+            )
         own = checkpoint.load(
             self.checkpoint_root, step, self.module, self.optimizer, rank=self.rank
         )
@@ -366,6 +379,13 @@ class FsdpTrainer(GrpoTrainer):
     def commit(self) -> None:
         if self.checkpoint_root is not None:
             self.save_checkpoint(self.checkpoint_root / f"rank{self.rank}")
+
+
+    @classmethod
+    def from_context(cls, context: EngineContext) -> Self:
+        trainer = super().from_context(context)
+        trainer.resume_on_fewer_ranks = context.resume_on_fewer_ranks
+        return trainer
 
 
 build = FsdpTrainer.from_context  # the registry's builder (registry.py)
