@@ -97,7 +97,10 @@ def test_no_sglang_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path)
     before = set(os.listdir(SHM))  # (make test runs the SGLang tests one at a time)
     run = start_run(runtime_dir, write_config(runtime_dir, job={"steps": 1000}))
     try:
-        wait_for("a step", lambda: steps_of(runtime_dir / "summary.json"), 300, run)
+        processes = wait_for("SGLang", lambda: recorded_processes(runtime_dir / "run"), 240, run)
+        scheduler = next(pid for pid in processes if is_scheduler(pid))
+        # Killed in the first SYNC: every process of the job is up, staging mapped everywhere.
+        wait_for("staging", lambda: mapped_segments(scheduler, SEGMENT_PREFIX), 240, run)
         processes = recorded_processes(runtime_dir / "run")
         assert sum(is_scheduler(pid) for pid in processes) == 1
         run.send_signal(signal.SIGKILL)

@@ -103,10 +103,14 @@ def test_a_vllm_worker_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Pat
 def test_no_vllm_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -> None:
     run = start_run(runtime_dir, write_config(runtime_dir, job={"steps": 1000}))
     try:
-        wait_for("a step", lambda: steps_of(runtime_dir / "summary.json"), 300, run)
+        processes = wait_for("vLLM", lambda: recorded_processes(runtime_dir / "run"), 240, run)
+        worker = next(pid for pid in processes if "VLLM::Worker" in psutil.Process(pid).name())
+        # Killed in the first SYNC: every process of the job is up, staging mapped everywhere.
+        wait_for("staging", lambda: mapped_segments(worker, SEGMENT_PREFIX), 240, run)
         processes = recorded_processes(runtime_dir / "run")
         segments = recorded_segments(runtime_dir / "run")
         assert len(processes) >= 3  # the rollout worker, VLLM::EngineCore, VLLM::Worker
+        assert segments  # vLLM's message queues
         run.send_signal(signal.SIGKILL)
         run.wait(timeout=10)
     finally:
