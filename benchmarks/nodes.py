@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from timeshare.report.summary import read_summary
+
 JOB = Path(__file__).resolve().parent.parent / "examples" / "cluster" / "job.toml"
 PHASES = ("train", "offload", "sync", "barrier", "resume", "rollout")
 
@@ -63,9 +65,7 @@ def run_layout(root: Path, nodes: int, steps: int) -> tuple[list[list[dict[str, 
     seconds = time.monotonic() - started
     if any(codes):
         raise SystemExit(f"{nodes} node(s): timeshare run exited {codes}")
-    return [json.loads((root / f"node{n}.json").read_text())["steps"] for n in range(nodes)], (
-        seconds
-    )
+    return [read_summary(root / f"node{n}.json").steps for n in range(nodes)], seconds
 
 
 def medians(by_node: list[list[dict[str, Any]]]) -> dict[str, float]:

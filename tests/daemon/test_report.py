@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import statistics
@@ -25,6 +26,7 @@ from timeshare.protocols.commands.results import ROLES
 from timeshare.report import picture
 from timeshare.report.run_dir import RunDir
 from timeshare.report.scalars import scalars_of
+from timeshare.report.summary import read_summary
 from timeshare.report.trace import BARRIER_WAIT, DRIVER_TID, track_of
 
 STEPS = 4
@@ -235,6 +237,26 @@ def test_the_text_report_is_the_runs_per_phase_table(run: FinishedRun) -> None:
     )
     bubble = 100 * sum(s.bubble_s for s in steps) / sum(s.step_s for s in steps)
     assert lines[10] == f"bubble   {bubble:.1f} % of the step time"
+
+
+@pytest.mark.slow
+def test_the_report_reads_older_summaries_and_skips_a_line_cut_short(
+    run: FinishedRun, tmp_path: Path
+) -> None:
+    """The summary was one JSON object rewritten every step; it is now a line per step. Both
+    give the same table, and so does a file whose last line a crash cut short."""
+    data = read_summary(run.root / "summary.json")
+    older, cut = tmp_path / "older", tmp_path / "cut"
+    older.mkdir()
+    cut.mkdir()
+    legacy = {"config": data.config, "ranks": data.ranks, "steps": data.steps}
+    (older / "summary.json").write_text(json.dumps(legacy, indent=1))
+    text = (run.root / "summary.json").read_text()
+    (cut / "summary.json").write_text(text + '{"step": 5, "per_ra')
+    tables = [timeshare("report", str(d), "--text") for d in (run.root, older, cut)]
+    assert [t.returncode for t in tables] == [0, 0, 0], [t.stderr for t in tables]
+    bodies = {"\n".join(t.stdout.splitlines()[1:]) for t in tables}
+    assert len(bodies) == 1 and f"steps 1-{STEPS} ({STEPS})" in tables[1].stdout
 
 
 @pytest.mark.slow

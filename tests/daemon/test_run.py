@@ -22,6 +22,7 @@ import pytest
 from tests.configs import TINY, toml_file
 from tests.cycle.jobs import assert_nothing_left
 from timeshare.cycle.steps import StepFigures
+from timeshare.report.summary import read_summary
 
 
 def write_config(
@@ -47,8 +48,7 @@ def timeshare_run(
 def steps_of(summary: Path) -> list[dict[str, Any]]:
     if not summary.exists():
         return []
-    steps: list[dict[str, Any]] = json.loads(summary.read_text())["steps"]
-    return steps
+    return read_summary(summary).steps
 
 
 @dataclass(frozen=True)
@@ -95,9 +95,12 @@ def test_a_run_writes_every_figure_of_every_step(five_steps: FinishedRun) -> Non
     done, root = five_steps.done, five_steps.root
     assert done.returncode == 0, done.stderr
     assert "stopped at step 5" in done.stdout
-    data = json.loads(five_steps.summary.read_text())
-    assert data["ranks"] == 2
-    steps = data["steps"]
+    data = read_summary(five_steps.summary)
+    assert data.ranks == 2
+    steps = data.steps
+    # One line per step, appended: the file is never rewritten as steps end
+    lines = five_steps.summary.read_text().splitlines()
+    assert [json.loads(line).get("step") for line in lines] == [None, 1, 2, 3, 4, 5]
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
     for entry in steps:
         assert entry["weight_version"] == entry["step"]

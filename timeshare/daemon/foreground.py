@@ -27,8 +27,8 @@ from timeshare.cycle import (
     run_cycle,
 )
 from timeshare.cycle.steps import StepFigures, StepLog
-from timeshare.daemon.summary import SummaryFile
 from timeshare.errors import Interrupted
+from timeshare.report.summary import SummaryFile
 from timeshare.report.writers import RunWriters, open_writers
 
 
@@ -88,7 +88,11 @@ async def run_foreground(config: Config, summary_path: Path | None, name: str = 
         summary = SummaryFile(summary_path, config.job.ranks, name) if summary_path else None
         observe = _observer(config, summary, writers, progress)
         trace = writers.trace
-        hooks = CycleHooks(observer=observe, on_record=None if trace is None else trace.add)
+        hooks = CycleHooks(
+            observer=observe,
+            on_record=None if trace is None else trace.add,
+            keep_reports=False,  # every report is told as it comes: memory must not grow with steps
+        )
         try:
             async with anyio.create_task_group() as group:
                 group.start_soon(_stop_on_signal)

@@ -14,6 +14,7 @@ import msgspec
 from timeshare.cycle.records import PhaseRecord, Record, record_of_line
 from timeshare.cycle.steps import StepFigures
 from timeshare.errors import ReportError
+from timeshare.report.summary import read_summary
 
 SUMMARY = "summary.json"
 LOG = "log.jsonl"
@@ -50,10 +51,10 @@ class RunDir:
                 f"--summary {summary}`)"
             )
         try:
-            data = json.loads(summary.read_text())
-            steps = msgspec.convert(data["steps"], list[StepFigures])
-            ranks = int(data["ranks"])
-            config = str(data.get("config") or self.name)
+            data = read_summary(summary)
+            steps = msgspec.convert(data.steps, list[StepFigures])
+            ranks = data.ranks
+            config = data.config or self.name
         except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError) as exc:
             raise ReportError(f"{summary}: not a run's summary: {exc}") from exc
         if not steps:

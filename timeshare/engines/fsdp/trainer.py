@@ -380,7 +380,6 @@ class FsdpTrainer(GrpoTrainer):
         if self.checkpoint_root is not None:
             self.save_checkpoint(self.checkpoint_root / f"rank{self.rank}")
 
-
     @classmethod
     def from_context(cls, context: EngineContext) -> Self:
         trainer = super().from_context(context)
