@@ -38,6 +38,7 @@ LAYERS = {
     "timeshare.levels": 0,
     "timeshare.durable": 0,
     "timeshare.runtime": 0,
+    "timeshare.rotating": 0,  # a file several processes append lines to, rotated at a size
     "timeshare.cluster": 0,  # [cluster], from the file or a launcher (config reads it)
 }
 

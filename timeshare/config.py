@@ -70,6 +70,10 @@ class LogSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     file: str = ""  # structlog JSON lines of the run and its workers; "" for none
     tensorboard: str = ""  # a directory: TensorBoard scalars of every step; "" for none
     trace: str = ""  # a file: the run's timeline as a Chrome trace (Perfetto); "" for none
+    # `file` and `trace` each start anew at this size, the full one kept as <name>.1 (older
+    # ones as .2, ...), `keep` of them: a job of days stays within (1 + keep) x max_mb each.
+    max_mb: Annotated[float, msgspec.Meta(ge=0.0)] = 256.0  # 0: never
+    keep: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 4
 
 
 class DaemonSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

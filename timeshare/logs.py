@@ -1,7 +1,8 @@
 """Logging set-up shared by the front ends and the worker processes.
 
 With a log file, every process of a run appends structlog JSON lines to it (one line per event,
-written whole, so processes do not tear each other's lines); without one, events go to stderr:
+written whole, so processes do not tear each other's lines), rotated at `max_mb` (rotating.py:
+`log.jsonl.1`, `.2`, ... up to `keep`); without one, events go to stderr:
 readable on a terminal, JSON lines otherwise (`service=True`, the daemon under systemd), each
 prefixed `<N>` with its syslog priority when stderr is the journal ($JOURNAL_STREAM). Events
 carry the process id, and whatever is bound through contextvars (rank, role, step, phase,
@@ -15,12 +16,13 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import structlog
 
 from timeshare.errors import ConfigError
 from timeshare.levels import LOG_LEVELS
+from timeshare.rotating import MIB, RotatingFile
 
 LEVELS: dict[str, int] = {
     "debug": logging.DEBUG,
@@ -36,10 +38,17 @@ PRIORITIES = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2, "e
 
 
 def configure(
-    level: str = "info", file: str = "", *, stderr_level: str = "warning", service: bool = False
+    level: str = "info",
+    file: str = "",
+    *,
+    stderr_level: str = "warning",
+    service: bool = False,
+    max_mb: float = 0.0,
+    keep: int = 0,
 ) -> None:
-    """Where events go: JSON lines at `level` into `file` if given; else stderr, at
-    `stderr_level` (at `level` for a service), readable on a terminal, JSON otherwise."""
+    """Where events go: JSON lines at `level` into `file` if given (rotated at `max_mb`, 0:
+    never, `keep` old files); else stderr, at `stderr_level` (at `level` for a service),
+    readable on a terminal, JSON otherwise."""
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -49,7 +58,7 @@ def configure(
     if file:
         try:
             Path(file).parent.mkdir(parents=True, exist_ok=True)
-            sink: TextIO = open(file, "a", buffering=1)  # noqa: SIM115 - lives with the process
+            sink: TextIO = cast(TextIO, RotatingFile(Path(file), int(max_mb * MIB), keep))
         except OSError as exc:
             raise ConfigError(f"log.file: cannot open {file}: {exc}") from exc
         renderer: Any = structlog.processors.JSONRenderer()

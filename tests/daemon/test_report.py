@@ -260,6 +260,21 @@ def test_the_report_reads_older_summaries_and_skips_a_line_cut_short(
 
 
 @pytest.mark.slow
+def test_the_timeline_is_read_across_the_logs_rotated_generations(
+    run: FinishedRun, tmp_path: Path
+) -> None:
+    lines = (run.root / "log.jsonl").read_text().splitlines(keepends=True)
+    third = len(lines) // 3
+    for name, part in (
+        ("log.jsonl.2", lines[:third]),
+        ("log.jsonl.1", lines[third : 2 * third]),
+        ("log.jsonl", lines[2 * third :]),
+    ):
+        (tmp_path / name).write_text("".join(part))
+    assert RunDir.at(tmp_path).records() == RunDir.at(run.root).records()
+
+
+@pytest.mark.slow
 def test_tensorboard_holds_every_scalar_of_every_step(run: FinishedRun) -> None:
     accumulator = EventAccumulator(str(run.root / "tensorboard"))
     accumulator.Reload()  # TensorBoard's own reader

@@ -19,10 +19,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from tests.configs import TINY, toml_file
+from tests.configs import FAST, TINY, toml_file
 from tests.cycle.jobs import assert_nothing_left
+from timeshare.cycle.records import PhaseRecord
 from timeshare.cycle.steps import StepFigures
+from timeshare.report.run_dir import RunDir
 from timeshare.report.summary import read_summary
+from timeshare.rotating import rotated_paths
 
 
 def write_config(
@@ -186,3 +189,22 @@ def test_a_bad_config_is_one_line_and_exit_2(runtime_dir: Path) -> None:
     assert done.stderr.count("\n") == 1
     assert "engine.torch_ref.modle" in done.stderr
     assert not (runtime_dir / "run").exists()
+
+
+def test_log_rotation_keys_reach_the_front_and_every_worker(runtime_dir: Path) -> None:
+    """[log] max_mb and keep: the front and the workers all write the one log, rotated at the
+    size asked, and what they wrote is read back across the generations."""
+    log = runtime_dir / "log.jsonl"
+    rotation = {"file": str(log), "max_mb": 0.004, "keep": 500}
+    config = toml_file(runtime_dir, FAST, job={"steps": 3}, log=rotation)
+    done = timeshare_run(config, runtime_dir / "summary.json")
+    assert done.returncode == 0, done.stderr
+    files = rotated_paths(log)
+    assert len(files) > 3
+    roles = set()
+    for file in files:
+        assert file.stat().st_size < 4096 + 4096  # the size, and the lines past it at once
+        roles |= {json.loads(line).get("role") for line in file.read_text().splitlines()}
+    assert {None, "trainer", "rollout"} <= roles  # the front's own lines, and the workers'
+    phases = [r for r in RunDir.at(runtime_dir).records() if isinstance(r, PhaseRecord)]
+    assert len(phases) == len({(r.rank, r.phase, r.step) for r in phases}) > 3 * 6

@@ -24,6 +24,7 @@ from timeshare.report.trace import (
     track_of,
     write_trace,
 )
+from timeshare.rotating import rotated_paths
 from timeshare.state import Phase
 from timeshare.timing import Clock, Span
 
@@ -237,3 +238,42 @@ def test_a_record_the_writer_cannot_write_ends_the_live_trace_not_the_run(
     live.close()
     names = {e["name"] for e in load_trace(tmp_path / "trace.json")}
     assert "SYNC" in names and "bad" not in names
+
+
+def test_a_live_trace_past_its_size_starts_a_new_file_each_whole_and_named(
+    tmp_path: Path,
+) -> None:
+    """[log] max_mb: every generation is a whole JSON array whose tracks are named in it, no
+    event is lost while `keep` allows, and none older than `keep` generations is kept."""
+    path = tmp_path / "trace.json"
+    records = [sync(rank, 101.0 + step) for step in range(12) for rank in (0, 1)]
+    live = TraceFile(path, CLOCK.wall_ns, max_bytes=4096, keep=100)
+    for record in records:
+        live.add(record)
+    live.close()
+    files = rotated_paths(path)
+    assert len(files) > 3
+    slices = 0
+    for file in files:
+        events = load_trace(file)
+        check_events(events)
+        check_timeline(events)
+        named = {e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+        assert {e["tid"] for e in events if e["ph"] == "X"} <= named, file
+        slices += sum(e["ph"] == "X" for e in events)
+    assert slices == sum(e["ph"] == "X" for e in load_trace_of(records, tmp_path))
+
+    kept = TraceFile(tmp_path / "kept.json", CLOCK.wall_ns, max_bytes=4096, keep=2)
+    for record in records:
+        kept.add(record)
+    kept.close()
+    assert [p.name for p in rotated_paths(tmp_path / "kept.json")] == [
+        "kept.json.2",
+        "kept.json.1",
+        "kept.json",
+    ]
+
+
+def load_trace_of(records: list[PhaseRecord], directory: Path) -> list[dict[str, object]]:
+    write_trace(list(records), directory / "whole.json")
+    return load_trace(directory / "whole.json")

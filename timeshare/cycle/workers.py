@@ -262,6 +262,8 @@ def worker_spec(
         generate_timeout_s=0.9 * config.deadlines.for_command("rollout"),
         log_file=config.log.file,
         log_level=config.log.level,
+        log_max_mb=config.log.max_mb,
+        log_keep=config.log.keep,
         resume_on_fewer_ranks=config.cluster.min_nodes > 0,
     )
 

@@ -205,7 +205,9 @@ def _run(config: Config, summary: Path | None, name: str) -> int:
     from timeshare import logs  # noqa: PLC0415
     from timeshare.daemon.foreground import run_foreground  # noqa: PLC0415
 
-    logs.configure(config.log.level, config.log.file)
+    logs.configure(
+        config.log.level, config.log.file, max_mb=config.log.max_mb, keep=config.log.keep
+    )
     try:
         result = anyio.run(run_foreground, config, summary, name)
     except CycleFailed as failed:

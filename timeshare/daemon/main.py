@@ -103,7 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         loaded = load_config(args.config)
         config, paths = resolve(loaded, args.config, os.environ)
-        logs.configure(config.log.level, config.log.file, service=True)
+        logs.configure(
+            config.log.level,
+            config.log.file,
+            service=True,
+            max_mb=config.log.max_mb,
+            keep=config.log.keep,
+        )
         paths.state_dir.mkdir(parents=True, exist_ok=True)
     except (ConfigError, OSError) as exc:
         print(f"timeshared: {exc}", file=sys.stderr)

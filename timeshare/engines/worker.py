@@ -77,6 +77,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     generate_timeout_s: float = 27.0  # a rollout's generate, unless its settings give one
     log_file: str = ""
     log_level: str = "info"
+    log_max_mb: float = 0.0  # the job's [log] rotation: every writer of the file follows it
+    log_keep: int = 0
     resume_on_fewer_ranks: bool = False  # [cluster] min_nodes set: a checkpoint is resharded
 
 
@@ -238,7 +240,7 @@ class RolloutWorker:
 
 
 def run(spec: WorkerSpec) -> None:
-    logs.configure(spec.log_level, spec.log_file)
+    logs.configure(spec.log_level, spec.log_file, max_mb=spec.log_max_mb, keep=spec.log_keep)
     structlog.contextvars.bind_contextvars(
         rank=spec.rank,
         role=spec.role,

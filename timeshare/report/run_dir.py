@@ -15,6 +15,7 @@ from timeshare.cycle.records import PhaseRecord, Record, record_of_line
 from timeshare.cycle.steps import StepFigures
 from timeshare.errors import ReportError
 from timeshare.report.summary import read_summary
+from timeshare.rotating import rotated_paths
 
 SUMMARY = "summary.json"
 LOG = "log.jsonl"
@@ -62,8 +63,9 @@ class RunDir:
         return Summary(config, ranks, steps)
 
     def records(self) -> list[Record]:
-        """The timeline's records in the log, in the order they were logged (at least one
-        phase). A line cut short by a crash, or not JSON, is skipped."""
+        """The timeline's records in the log and its rotated generations, in the order they
+        were logged (at least one phase). A line cut short by a crash, or not JSON, is
+        skipped."""
         log = self.path / LOG
         if not log.is_file():
             raise ReportError(
@@ -71,14 +73,15 @@ class RunDir:
                 f'`[log] file = "{log}"`)'
             )
         records: list[Record] = []
-        try:
-            with log.open(encoding="utf-8", errors="replace") as lines:
-                for number, line in enumerate(lines, 1):
-                    record = _record(line, log, number)
-                    if record is not None:
-                        records.append(record)
-        except OSError as exc:
-            raise ReportError(f"{log}: {exc}") from exc
+        for generation in rotated_paths(log):  # rotated ones first ([log] max_mb)
+            try:
+                with generation.open(encoding="utf-8", errors="replace") as lines:
+                    for number, line in enumerate(lines, 1):
+                        record = _record(line, generation, number)
+                        if record is not None:
+                            records.append(record)
+            except OSError as exc:
+                raise ReportError(f"{generation}: {exc}") from exc
         if not any(isinstance(record, PhaseRecord) for record in records):
             raise ReportError(
                 f"{log}: no phase of the run is in it (the cycle logs each at level info: "

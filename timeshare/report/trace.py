@@ -32,6 +32,7 @@ import structlog
 from timeshare.cycle.records import MarkRecord, PhaseRecord, Record
 from timeshare.errors import ReportError
 from timeshare.protocols.commands.results import ROLES
+from timeshare.rotating import rotate_generations
 from timeshare.state import Phase
 from timeshare.timing import Clock, Span
 
@@ -133,6 +134,10 @@ class TraceBuilder:
             event["args"] = args
         return event
 
+    def start_file(self) -> None:
+        """The next events open a new file: each track is named again there."""
+        self._named.clear()
+
     def _name(self, node: int, tid: int, name: str) -> list[TraceEvent]:
         """The metadata naming a track (and its node), once each."""
         events: list[TraceEvent] = []
@@ -188,6 +193,10 @@ class _TraceText:
         self._file.write("[")
         self._first = True
 
+    @property
+    def size(self) -> int:
+        return self._file.tell()
+
     def write(self, events: list[TraceEvent]) -> None:
         for event in events:
             self._file.write(("\n" if self._first else ",\n") + json.dumps(event, allow_nan=False))
@@ -213,10 +222,16 @@ def previous_of(path: Path) -> Path:
 class TraceFile:
     """`[log].trace`: the records of this process's runs as they come, written by a thread so
     that `add` never waits for the disk (the cycle calls it from its event loop). A trace an
-    earlier process left at the path (a run killed, then resumed) is kept as `previous_of`."""
+    earlier process left at the path (a run killed, then resumed) is kept as `previous_of`.
 
-    def __init__(self, path: Path, origin_ns: int) -> None:
+    At `max_bytes` (0: never) the file is closed, a whole JSON array, and kept as `<path>.1`
+    (older ones as .2, ..., `keep` of them, as the log's: rotating.py); the next starts anew,
+    its tracks named again, so that each file opens on its own in Perfetto."""
+
+    def __init__(self, path: Path, origin_ns: int, max_bytes: int = 0, keep: int = 0) -> None:
         self.path = path
+        self.max_bytes = max_bytes
+        self.keep = keep
         self._builder = TraceBuilder(origin_ns)
         self._text = _TraceText(path, keep_previous=True)  # OSError: the caller's to report
         self._queue: queue.SimpleQueue[Record | None] = queue.SimpleQueue()
@@ -232,10 +247,18 @@ class TraceFile:
         self._queue.put(None)
         self._thread.join(CLOSE_S)
 
+    def _start_next_file(self) -> None:
+        self._text.close()
+        rotate_generations(self.path, self.keep)
+        self._text = _TraceText(self.path)
+        self._builder.start_file()
+
     def _write(self) -> None:
         try:
             while (record := self._queue.get()) is not None:
                 self._text.write(self._builder.events(record))
+                if self.max_bytes and self._text.size >= self.max_bytes:
+                    self._start_next_file()
         except Exception as exc:  # a full disk must not end the run: its log keeps the records
             log.warning("trace.write.failed", path=str(self.path), error=repr(exc))
         finally:

@@ -14,6 +14,7 @@ from timeshare.config import LogSection
 from timeshare.errors import ConfigError
 from timeshare.report.scalars import ScalarWriter
 from timeshare.report.trace import TraceFile
+from timeshare.rotating import MIB
 from timeshare.timing import process_clock
 
 
@@ -31,7 +32,9 @@ async def open_writers(log: LogSection, stack: AsyncExitStack) -> RunWriters:
         try:
             # Its times count from this process's clock anchor, as `timeshare trace` would.
             origin = process_clock().wall_ns
-            trace = await anyio.to_thread.run_sync(TraceFile, Path(log.trace), origin)
+            trace = await anyio.to_thread.run_sync(
+                TraceFile, Path(log.trace), origin, int(log.max_mb * MIB), log.keep
+            )
         except OSError as exc:
             raise ConfigError(f"log.trace: cannot write {log.trace}: {exc}") from exc
         stack.push_async_callback(close_off_loop, trace.close)
