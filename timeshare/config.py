@@ -50,6 +50,9 @@ class JobSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     steps: Annotated[int, msgspec.Meta(ge=1)] = 2
     runtime_dir: str = "/tmp/timeshare"  # noqa: S108 - a default; systemd gives RUNTIME_DIRECTORY
     checkpoint_dir: str = "runs/checkpoints"
+    # The newest committed steps each trainer keeps; older ones are deleted as new ones commit
+    # (never the one a resume needs: the newest committed step is always among them).
+    keep_checkpoints: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
 
 
 class DeadlineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

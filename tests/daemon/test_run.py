@@ -29,11 +29,15 @@ from timeshare.rotating import rotated_paths
 
 
 def write_config(
-    root: Path, steps: int, log: dict[str, Any] | None = None, **sections: Any
+    root: Path,
+    steps: int,
+    log: dict[str, Any] | None = None,
+    job: dict[str, Any] | None = None,
+    **sections: Any,
 ) -> Path:
     """The reference engine at its smallest, logging to `root`/log.jsonl (and `log` besides)."""
     log = {"file": f"{root}/log.jsonl", **(log or {})}
-    return toml_file(root, TINY, job={"steps": steps}, log=log, **sections)
+    return toml_file(root, TINY, job={"steps": steps, **(job or {})}, log=log, **sections)
 
 
 def timeshare_run(
@@ -75,13 +79,15 @@ class FinishedRun:
 
 
 @contextmanager
-def finished_run(steps: int, inside: dict[str, str] | None = None) -> Iterator[FinishedRun]:
+def finished_run(
+    steps: int, inside: dict[str, str] | None = None, job: dict[str, Any] | None = None
+) -> Iterator[FinishedRun]:
     """Run `steps` steps in a directory of their own; `inside`: more [log] keys, each naming a
-    path inside that directory."""
+    path inside that directory; `job`: more [job] keys."""
     root = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))  # short: ipc paths are bounded
     try:
         log = {key: f"{root}/{name}" for key, name in (inside or {}).items()}
-        config = write_config(root, steps=steps, log=log)
+        config = write_config(root, steps=steps, log=log, job=job)
         yield FinishedRun(root, timeshare_run(config, root / "summary.json"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -89,7 +95,7 @@ def finished_run(steps: int, inside: dict[str, str] | None = None) -> Iterator[F
 
 @pytest.fixture(scope="module")
 def five_steps() -> Iterator[FinishedRun]:
-    with finished_run(5) as run:
+    with finished_run(5, job={"keep_checkpoints": 1}) as run:
         yield run
 
 
@@ -98,6 +104,9 @@ def test_a_run_writes_every_figure_of_every_step(five_steps: FinishedRun) -> Non
     done, root = five_steps.done, five_steps.root
     assert done.returncode == 0, done.stderr
     assert "stopped at step 5" in done.stdout
+    for rank in (0, 1):  # [job] keep_checkpoints = 1: step 5, and the one a rank may be ahead
+        kept = sorted(p.name for p in (root / "checkpoints" / f"rank{rank}").iterdir())
+        assert kept == ["step-00000004", "step-00000005"]
     data = read_summary(five_steps.summary)
     assert data.ranks == 2
     steps = data.steps

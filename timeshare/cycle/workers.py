@@ -265,6 +265,7 @@ def worker_spec(
         log_max_mb=config.log.max_mb,
         log_keep=config.log.keep,
         resume_on_fewer_ranks=config.cluster.min_nodes > 0,
+        keep_checkpoints=config.job.keep_checkpoints,
     )
 
 

@@ -33,3 +33,4 @@ class EngineContext:
     generate_timeout_s: float = 27.0
     # A checkpoint written by more ranks may be resumed, resharded ([cluster] min_nodes).
     resume_on_fewer_ranks: bool = False
+    keep_checkpoints: int = 3  # [job]: the newest committed steps a trainer keeps

@@ -129,6 +129,9 @@ class GrpoTrainer(TrainerEngine):
     rank: int
     task: TaskSpec
     grpo: GrpoSpec
+    # From the job ([job], [cluster]), set by from_context:
+    keep_checkpoints: int = 3  # the newest committed steps kept on disk
+    resume_on_fewer_ranks: bool = False  # a checkpoint of more ranks is resharded (min_nodes)
 
     @abstractmethod
     def __init__(
@@ -144,13 +147,16 @@ class GrpoTrainer(TrainerEngine):
     @classmethod
     def from_context(cls, context: EngineContext) -> Self:
         """The registry's builder (registry.py): this trainer of `context`'s rank."""
-        return cls(
+        trainer = cls(
             context.rank,
             context.world_size,
             context.spec,
             store=context.store,
             collective_timeout_s=context.collective_timeout_s,
         )
+        trainer.keep_checkpoints = context.keep_checkpoints
+        trainer.resume_on_fewer_ranks = context.resume_on_fewer_ranks
+        return trainer
 
     def train_step(self, batch: list[RolloutSample]) -> TrainFigures:
         started = time.perf_counter()

@@ -80,6 +80,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     log_max_mb: float = 0.0  # the job's [log] rotation: every writer of the file follows it
     log_keep: int = 0
     resume_on_fewer_ranks: bool = False  # [cluster] min_nodes set: a checkpoint is resharded
+    keep_checkpoints: int = 3  # [job]
 
 
 def fire_faults(spec: WorkerSpec, phase: str, step: int | None) -> None:
@@ -268,6 +269,7 @@ def run(spec: WorkerSpec) -> None:
             runtime_dir=Path(spec.runtime_dir),
             generate_timeout_s=spec.generate_timeout_s,
             resume_on_fewer_ranks=spec.resume_on_fewer_ranks,
+            keep_checkpoints=spec.keep_checkpoints,
         )
         if spec.role == "trainer":
             worker = TrainerWorker(spec, build_trainer(context), server)

@@ -215,9 +215,23 @@ def test_checkpoints_are_atomic_and_committed_only_when_every_rank_has_them(
     assert checkpoint.committed_step(job, 2) == 1
     for step in range(2, 7):
         checkpoint.write(job / "rank1", step, {"step": step})
-    assert checkpoint.durable_steps(job / "rank1") == {4, 5, 6}  # the newest KEEP
+    # the newest 3 committed steps, and the one a rank may be ahead by
+    assert checkpoint.durable_steps(job / "rank1") == {3, 4, 5, 6}
     assert not (job / "rank1" / ".step-00000002.tmp-999999").exists()
     assert checkpoint.read(job / "rank1", 6) == {"step": 6}
+
+
+def test_keep_checkpoints_never_loses_the_step_a_resume_needs(tmp_path: Path) -> None:
+    """[job] keep_checkpoints = 1: rank 0 a step ahead (rank 1 died before writing it) still
+    holds the committed step, and the job resumes from it."""
+    job = tmp_path / "checkpoints"
+    for step in range(1, 6):
+        checkpoint.write(job / "rank1", step, {"step": step}, keep=1)
+    for step in range(1, 7):
+        checkpoint.write(job / "rank0", step, {"step": step}, keep=1)
+    assert checkpoint.durable_steps(job / "rank0") == {5, 6}
+    assert checkpoint.durable_steps(job / "rank1") == {4, 5}
+    assert checkpoint.committed_step(job, 2) == 5
 
 
 def test_a_trainer_resumes_from_the_committed_step(tmp_path: Path) -> None:

@@ -87,6 +87,7 @@ def save(
     rank: int,
     ranks: int,
     model_dir: Path,
+    keep: int = step_dirs.KEEP,
 ) -> Path:
     """Write `step` with every rank (a collective); return once this rank's part is durable."""
     directory = step_dir(root, step)
@@ -104,7 +105,7 @@ def save(
     except (OSError, CheckpointException) as exc:
         raise CheckpointError(f"cannot write checkpoint {directory}: {exc}") from exc
     if rank == 0:
-        step_dirs.prune(root, SUBDIR, is_committed)
+        step_dirs.prune(root, SUBDIR, is_committed, keep)
     return directory
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Self, cast
+from typing import cast
 
 import msgspec
 import structlog
@@ -29,7 +29,6 @@ from torch.distributed.tensor import DTensor
 
 from timeshare.engines import step_dirs
 from timeshare.engines.base import RolloutSample
-from timeshare.engines.context import EngineContext
 from timeshare.engines.fsdp import checkpoint
 from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
 from timeshare.engines.fsdp.spec import FsdpSpec
@@ -128,7 +127,6 @@ class FsdpTrainer(GrpoTrainer):
         self.model_dir = Path(spec.model_dir)
         self.step = 0
         self.checkpoint_root: Path | None = None
-        self.resume_on_fewer_ranks = False  # [cluster] min_nodes: see from_context
         self.optimizer_store = HostStore()  # optimiser state and gradients while offloaded
         self.param_store = HostStore()  # parameter shards while offloaded
         # Built in `bootstrap`: sharding needs the process group.
@@ -340,6 +338,7 @@ class FsdpTrainer(GrpoTrainer):
             rank=self.rank,
             ranks=self.world_size,
             model_dir=self.model_dir,
+            keep=self.keep_checkpoints,
         )
         if params_offloaded:
             self.offload_params()
@@ -379,12 +378,6 @@ class FsdpTrainer(GrpoTrainer):
     def commit(self) -> None:
         if self.checkpoint_root is not None:
             self.save_checkpoint(self.checkpoint_root / f"rank{self.rank}")
-
-    @classmethod
-    def from_context(cls, context: EngineContext) -> Self:
-        trainer = super().from_context(context)
-        trainer.resume_on_fewer_ranks = context.resume_on_fewer_ranks
-        return trainer
 
 
 build = FsdpTrainer.from_context  # the registry's builder (registry.py)

@@ -92,6 +92,7 @@ def save(
     shards: dict[str, Any] | None,
     *,
     model_dir: Path,
+    keep: int = step_dirs.KEEP,
 ) -> Path:
     """Write `step` with every rank (a collective); return once this rank's part is durable.
     `shards`: this TP rank's parameters and optimiser state (None on the replicas that do not
@@ -112,7 +113,7 @@ def save(
     if layout.world > 1:
         dist.barrier()  # every part durable before rank 0 prunes an older step
     if layout.rank == 0:
-        step_dirs.prune(root, SUBDIR, is_committed)
+        step_dirs.prune(root, SUBDIR, is_committed, keep)
     return directory
 
 

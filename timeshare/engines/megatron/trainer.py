@@ -313,7 +313,13 @@ class MegatronTrainer(GrpoTrainer):
                 "optimizer": optimizer,
             }
         checkpoint.save(
-            directory.parent, self.step, self.layout, own, shards, model_dir=self.model_dir
+            directory.parent,
+            self.step,
+            self.layout,
+            own,
+            shards,
+            model_dir=self.model_dir,
+            keep=self.keep_checkpoints,
         )
         if params_offloaded:
             self.offload_params()

@@ -3,7 +3,8 @@
 Each rank writes `<job dir>/rank<r>/step-<k>/state.pt`: into a temporary directory first, the
 file and the directory fsynced, then renamed into place and the parent fsynced. A step is
 committed when every rank holds it durably; a run resumes from the newest committed step. The
-newest KEEP steps of a rank are kept, so the committed one survives a rank that ran ahead.
+newest `keep` committed steps of the job are kept: a rank keeps one more of its own, as it may be
+a step ahead of the job's committed step, which must survive.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def step_dir(rank_dir: Path, step: int) -> Path:
     return rank_dir / f"step-{step:08d}"
 
 
-def write(rank_dir: Path, step: int, state: dict[str, Any]) -> Path:
+def write(rank_dir: Path, step: int, state: dict[str, Any], *, keep: int = KEEP) -> Path:
     """Write `state` as `step` of this rank; return once it is durable."""
     rank_dir.mkdir(parents=True, exist_ok=True)
     final = step_dir(rank_dir, step)
@@ -48,7 +49,7 @@ def write(rank_dir: Path, step: int, state: dict[str, Any]) -> Path:
     except OSError as exc:
         shutil.rmtree(temporary, ignore_errors=True)
         raise CheckpointError(f"cannot write checkpoint {final}: {exc}") from exc
-    _prune(rank_dir)
+    _prune(rank_dir, keep + 1)
     return final
 
 
@@ -77,8 +78,8 @@ def read(rank_dir: Path, step: int) -> dict[str, Any]:
     return state
 
 
-def _prune(rank_dir: Path) -> None:
-    for step in sorted(durable_steps(rank_dir))[:-KEEP]:
+def _prune(rank_dir: Path, kept: int) -> None:
+    for step in sorted(durable_steps(rank_dir))[:-kept]:
         shutil.rmtree(step_dir(rank_dir, step), ignore_errors=True)
     for entry in rank_dir.iterdir():  # temporaries of writers that died
         if entry.name.startswith(".step-") and not _owner_alive(entry.name):

@@ -219,7 +219,7 @@ class TorchRefTrainer(GrpoTrainer):
             "data_position": self.step,  # prompts are a function of (seed, rank, step)
             "train": None if self.last_train is None else msgspec.to_builtins(self.last_train),
         }
-        checkpoint.write(directory, self.step, state)
+        checkpoint.write(directory, self.step, state, keep=self.keep_checkpoints)
         if was_offloaded:
             self.offload_params()
 
