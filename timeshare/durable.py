@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -15,12 +16,13 @@ def fsync_directory(path: Path) -> None:
         os.close(descriptor)
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` whole: a temporary file, fsync, rename, fsync of the directory."""
+def write_atomically(path: Path, data: bytes | Iterable[bytes]) -> None:
+    """Replace `path` with `data` whole: a temporary file, fsync, rename, fsync of the directory.
+    `data` may come in pieces (a long file need not be held in memory at once)."""
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(temporary, "wb") as file:
-            file.write(data)
+            file.writelines([data] if isinstance(data, bytes) else data)
             file.flush()
             os.fsync(file.fileno())
         temporary.replace(path)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import pytest
 
 from tests.conftest import socket_files
 from timeshare.engines.faults import Fault
-from timeshare.engines.worker import WorkerSpec
+from timeshare.engines.worker import Role, WorkerSpec
 from timeshare.errors import WorkerError
 from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
 from timeshare.protocols.commands.results import BootstrapResult, RolloutResult, SyncResult
@@ -38,31 +40,51 @@ async def wait_busy(
             await anyio.sleep(0.05)
 
 
+def spec_of(
+    lanes: WorkerLanes, runtime_dir: Path, store: JobStore, role: Role, **settings: Any
+) -> WorkerSpec:
+    """A worker of rank 0 of 1 on `lanes`, reaching `store` (the caller keeps it alive)."""
+    host, port = store.address
+    return WorkerSpec(
+        role=role,
+        rank=0,
+        world_size=1,
+        work_endpoint=lanes.work_endpoint,
+        control_endpoint=lanes.control_endpoint,
+        weight_endpoint=f"ipc://{runtime_dir}/w-rank0.sock",
+        store_host=host,
+        store_port=port,
+        checkpoint_dir=str(runtime_dir / "ckpt"),
+        **settings,
+    )
+
+
+@asynccontextmanager
+async def running(lanes: WorkerLanes, spec: WorkerSpec) -> AsyncIterator[subprocess.Popen[bytes]]:
+    """The worker of `spec` in a process of its own, watched and ready; it must exit 0 (asked to
+    shut down) by the end, else it is killed; no socket file is left either way."""
+    worker = WorkerId(spec.role, spec.rank)
+    argv = [sys.executable, "-m", "timeshare.engines.worker", msgspec.json.encode(spec).decode()]
+    process = await anyio.to_thread.run_sync(lambda: subprocess.Popen(argv))
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(watch_process, lanes, worker, process)
+            await lanes.wait_ready([worker], timeout_s=60.0)
+            yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+    assert process.returncode == 0
+
+
 @pytest.mark.asyncio
 async def test_abort_interrupts_a_hanging_generate_within_a_second(runtime_dir: Path) -> None:
     store = JobStore.host()
-    host, port = store.address
     async with WorkerLanes.open(runtime_dir, stall_timeout_s=60.0) as lanes:
-        spec = WorkerSpec(
-            role="rollout",
-            rank=0,
-            world_size=1,
-            work_endpoint=lanes.work_endpoint,
-            control_endpoint=lanes.control_endpoint,
-            weight_endpoint=f"ipc://{runtime_dir}/w-rank0.sock",
-            store_host=host,
-            store_port=port,
-            checkpoint_dir=str(runtime_dir / "ckpt"),
-            transfer=TransferConfig(bucket_mb=1.0),
-            faults=[Fault("rollout", 0, "rollout", "hang")],
-        )
-        argv = [
-            sys.executable,
-            "-m",
-            "timeshare.engines.worker",
-            msgspec.json.encode(spec).decode(),
-        ]
-        process = await anyio.to_thread.run_sync(lambda: subprocess.Popen(argv))
+        hang = [Fault("rollout", 0, "rollout", "hang")]
+        transfer = TransferConfig(bucket_mb=1.0)
+        spec = spec_of(lanes, runtime_dir, store, "rollout", transfer=transfer, faults=hang)
         outcome: dict[str, Any] = {}
 
         async def generate() -> None:
@@ -71,23 +93,15 @@ async def test_abort_interrupts_a_hanging_generate_within_a_second(runtime_dir: 
             except WorkerError as exc:
                 outcome["error"], outcome["at"] = exc, time.monotonic()
 
-        try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(watch_process, lanes, ROLLOUT, process)
-                await lanes.wait_ready([ROLLOUT], timeout_s=60.0)
-                async with anyio.create_task_group() as calls:
-                    calls.start_soon(generate)
-                    await wait_busy(lanes, "rollout")
-                    asked = time.monotonic()
-                    assert await lanes.control(ROLLOUT, "abort", timeout_s=5.0) == "rollout"
-                assert outcome["error"].remote_type == "Aborted"
-                assert outcome["at"] - asked < 1.0
-                await lanes.call(ROLLOUT, "shutdown", deadline_s=10.0, returns=type(None))
-        finally:
-            if process.poll() is None:
-                process.kill()
-            process.wait(timeout=10)
-    assert process.returncode == 0
+        async with running(lanes, spec):
+            async with anyio.create_task_group() as calls:
+                calls.start_soon(generate)
+                await wait_busy(lanes, "rollout")
+                asked = time.monotonic()
+                assert await lanes.control(ROLLOUT, "abort", timeout_s=5.0) == "rollout"
+            assert outcome["error"].remote_type == "Aborted"
+            assert outcome["at"] - asked < 1.0
+            await lanes.call(ROLLOUT, "shutdown", deadline_s=10.0, returns=type(None))
     assert socket_files(runtime_dir) == []
 
 
@@ -97,27 +111,9 @@ async def test_abort_ends_a_trainers_sync_and_its_sender_frees_staging(runtime_d
     cancels the send on the main thread's loop, the call fails as Aborted, and the worker still
     answers and shuts down cleanly, leaving no segment (the leak check) and no socket file."""
     store = JobStore.host()
-    host, port = store.address
     async with WorkerLanes.open(runtime_dir, stall_timeout_s=60.0) as lanes:
-        spec = WorkerSpec(
-            role="trainer",
-            rank=0,
-            world_size=1,
-            work_endpoint=lanes.work_endpoint,
-            control_endpoint=lanes.control_endpoint,
-            weight_endpoint=f"ipc://{runtime_dir}/w-rank0.sock",
-            store_host=host,
-            store_port=port,
-            checkpoint_dir=str(runtime_dir / "ckpt"),
-            transfer=TransferConfig(bucket_mb=1.0, handshake_timeout_s=60.0),
-        )
-        argv = [
-            sys.executable,
-            "-m",
-            "timeshare.engines.worker",
-            msgspec.json.encode(spec).decode(),
-        ]
-        process = await anyio.to_thread.run_sync(lambda: subprocess.Popen(argv))
+        transfer = TransferConfig(bucket_mb=1.0, handshake_timeout_s=60.0)
+        spec = spec_of(lanes, runtime_dir, store, "trainer", transfer=transfer)
         outcome: dict[str, Any] = {}
 
         async def sync() -> None:
@@ -126,26 +122,18 @@ async def test_abort_ends_a_trainers_sync_and_its_sender_frees_staging(runtime_d
             except WorkerError as exc:
                 outcome["error"], outcome["at"] = exc, time.monotonic()
 
-        try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(watch_process, lanes, TRAINER, process)
-                await lanes.wait_ready([TRAINER], timeout_s=60.0)
-                await lanes.call(TRAINER, "bootstrap", deadline_s=60.0, returns=BootstrapResult)
-                async with anyio.create_task_group() as calls:
-                    calls.start_soon(sync)
-                    await wait_busy(lanes, "sync", worker=TRAINER)
-                    await anyio.sleep(0.3)  # into the handshake's wait
-                    asked = time.monotonic()
-                    assert await lanes.control(TRAINER, "abort", timeout_s=5.0) == "sync"
-                assert outcome["error"].remote_type == "Aborted"
-                assert "sync aborted" in str(outcome["error"])
-                assert outcome["at"] - asked < 2.0
-                status = await lanes.control(TRAINER, "status", timeout_s=5.0)
-                assert status["busy"] is None
-                await lanes.call(TRAINER, "shutdown", deadline_s=10.0, returns=type(None))
-        finally:
-            if process.poll() is None:
-                process.kill()
-            process.wait(timeout=10)
-    assert process.returncode == 0
+        async with running(lanes, spec):
+            await lanes.call(TRAINER, "bootstrap", deadline_s=60.0, returns=BootstrapResult)
+            async with anyio.create_task_group() as calls:
+                calls.start_soon(sync)
+                await wait_busy(lanes, "sync", worker=TRAINER)
+                await anyio.sleep(0.3)  # into the handshake's wait
+                asked = time.monotonic()
+                assert await lanes.control(TRAINER, "abort", timeout_s=5.0) == "sync"
+            assert outcome["error"].remote_type == "Aborted"
+            assert "sync aborted" in str(outcome["error"])
+            assert outcome["at"] - asked < 2.0
+            status = await lanes.control(TRAINER, "status", timeout_s=5.0)
+            assert status["busy"] is None
+            await lanes.call(TRAINER, "shutdown", deadline_s=10.0, returns=type(None))
     assert socket_files(runtime_dir) == []

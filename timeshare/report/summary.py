@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
 
 from timeshare.cycle.steps import StepFigures
-from timeshare.durable import fsync_directory
+from timeshare.durable import write_atomically
 
 
 class SummaryData(NamedTuple):
@@ -67,7 +66,8 @@ class SummaryFile:
             kept = [s for s in read_summary(self.path).steps if s["step"] <= committed]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         header = {"config": self.config, "ranks": self.ranks}
-        _write_lines_atomically(self.path, (json.dumps(line) for line in [header, *kept]))
+        lines = (json.dumps(line).encode() + b"\n" for line in [header, *kept])
+        write_atomically(self.path, lines)  # streamed: a long run's summary is never held whole
         self.last_step = max((s["step"] for s in kept), default=-1)
 
     def has(self, step: int) -> bool:
@@ -81,19 +81,3 @@ class SummaryFile:
             file.flush()
             os.fsync(file.fileno())
         self.last_step = figures.step
-
-
-def _write_lines_atomically(path: Path, lines: Iterator[str]) -> None:
-    """Replace `path` with `lines` whole: a temporary file, fsync, rename, fsync of the
-    directory (streamed: a long run's summary is never held in memory)."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with temporary.open("w", encoding="utf-8") as file:
-            for line in lines:
-                file.write(line + "\n")
-            file.flush()
-            os.fsync(file.fileno())
-        temporary.replace(path)
-    finally:
-        temporary.unlink(missing_ok=True)
-    fsync_directory(path.parent)
