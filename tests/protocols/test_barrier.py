@@ -129,6 +129,24 @@ def test_store_values_commands_and_generations() -> None:
         follower.get("never", timeout_s=0.2)
 
 
+def test_many_values_are_read_in_one_request_and_missing_ones_are_none() -> None:
+    leader = JobStore.host()
+    host, port = leader.address
+    follower = JobStore.connect(host, port, timeout_s=10.0)
+    for node in range(50):
+        leader.put(f"record/{node}", {"node": node})
+    keys = [f"record/{node}" for node in range(50)]
+    assert follower.read_many(keys) == [{"node": node} for node in range(50)]
+    assert follower.read_many([]) == []
+    assert follower.read_present([*keys[:2], "record/none", keys[3]]) == [
+        {"node": 0},
+        {"node": 1},
+        None,
+        {"node": 3},
+    ]
+    assert follower.read_present(keys[:3]) == [{"node": n} for n in range(3)]
+
+
 def test_an_unreachable_store_is_a_clear_error() -> None:
     with pytest.raises(StoreError, match=r"cannot reach the job store at 127.0.0.1:1 within"):
         JobStore.connect("127.0.0.1", 1, timeout_s=0.5)

@@ -69,7 +69,7 @@ class Barrier:
 
     def values(self, name: str, generation: int) -> list[Any]:
         """What every rank brought to a generation all of them reached, in rank order."""
-        return [self.store.read(_key(name, generation, r)) for r in range(self.world_size)]
+        return self.store.read_many([_key(name, generation, r) for r in range(self.world_size)])
 
     def _arrive(self, name: str, value: Any) -> tuple[int, list[str]]:
         self._generations[name] += 1

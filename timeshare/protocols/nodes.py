@@ -168,7 +168,8 @@ class NodeBeat:
     def _read_all(self) -> list[NodeRecord]:
         """Every node's record there is, in node order, each noted in `seen`."""
         try:
-            records = [read_record(self.store, node) for node in range(self.nodes)]
+            values = self.store.read_present([record_key(node) for node in range(self.nodes)])
+            records = [None if v is None else msgspec.convert(v, NodeRecord) for v in values]
         except StoreError as exc:
             raise store_lost(self.store.address, self.node, self.ranks_per_node, exc) from exc
         now = time.monotonic()

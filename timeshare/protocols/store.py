@@ -107,6 +107,21 @@ class JobStore:
         with self._mapped(key):
             return json.loads(self._store.get(PREFIX + key))
 
+    def read_many(self, keys: list[str]) -> list[Any]:
+        """The JSON values under `keys`, all known to be written: one request for all of them
+        (a crossing's values of every node, every node's record at a beat), not one each."""
+        if not keys:
+            return []
+        with self._mapped(str(keys)):
+            return [json.loads(raw) for raw in self._store.multi_get([PREFIX + k for k in keys])]
+
+    def read_present(self, keys: list[str]) -> list[Any | None]:
+        """The JSON value under each key, None where none is written yet: two requests once
+        every key is written (the common case), one more per key before."""
+        if self.has_all(keys):
+            return self.read_many(keys)
+        return [self.read(key) if self.has(key) else None for key in keys]
+
     def has(self, key: str) -> bool:
         with self._mapped(key):
             return bool(self._store.check([PREFIX + key]))
