@@ -17,6 +17,8 @@
 #            over the two ranks (examples/megatron-grpo.toml; with vLLM as the rollout:
 #            examples/megatron-vllm-grpo.toml).
 # make bench-nodes: the main job of 4 ranks as 1 node x 4 and as 2 nodes x 2, per phase.
+# make soak: long runs under `timeshare run` and `timeshared`: growth per 1,000 steps (15 min).
+# make bench-scale: simulated engines on 1..16 nodes, per phase, growth fitted to 1,024 nodes.
 # make demo-sglang: the job with SGLang as the rollout engine (examples/sglang-grpo.toml), run from
 #            .venv-sglang; its summary in runs/sglang-grpo/summary.json.
 # make bench-sglang: syncing 256 MiB into a running SGLang engine (benchmarks/sglang_sync.py).
@@ -47,8 +49,8 @@ SGLANG_TORCHVISION ?= torchvision==0.28.0
 apt_install = apt-get install -y -q $(1) || (apt-get update -q && apt-get install -y -q $(1))
 
 .PHONY: demo demo-vllm demo-fsdp demo-fsdp-vllm demo-megatron demo-megatron-vllm demo-sglang test lint typecheck pytest \
-	pytest-sglang test-tools bench bench-vllm bench-fsdp bench-megatron bench-nodes \
-	bench-sglang docs-picture clean
+	pytest-sglang test-tools bench bench-vllm bench-fsdp bench-megatron bench-nodes soak \
+	bench-scale bench-sglang docs-picture clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -164,6 +166,12 @@ bench-sglang: $(SGLANG_STAMP)
 
 bench-nodes: $(STAMP)
 	$(PY) benchmarks/nodes.py --steps 30 --json runs/nodes.json
+
+soak: $(STAMP)
+	$(PY) benchmarks/soak.py --json runs/soak.json
+
+bench-scale: $(STAMP)
+	$(PY) benchmarks/scale.py --json runs/scale.json
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .mypy_cache .pytest_cache .ruff_cache
