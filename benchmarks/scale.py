@@ -50,14 +50,15 @@ stopped and swept by its directory's name, on every path.
 
 At 1,024 nodes (the printed note puts numbers on it): every node's beat, crossing and command
 poll goes to the one TCPStore the leader's daemon hosts. A beat (every BEAT_S = 0.5 s) writes
-the node's record and then checks and gets every node's record one after another
-(protocols/nodes.py `beat_once`), and a crossing gets every node's value one by one
-(protocols/barrier.py `values`): n sequential round trips per node, n^2 requests job-wide,
-per beat and per crossing (3 crossings a step). The command poll (cycle/commands.py, every
-50 ms) and the state publish are one request per node: linear. The store probe
-(--probe-nodes 1024) times, against a job store on loopback, one node's beat and crossing
-reads at that many nodes with one client, the same reads as one multi_get, and the store's
-throughput with 8 clients.
+the node's record, checks that every node's is there and reads them all in one multi_get
+(protocols/nodes.py `beat_once`, `JobStore.read_present`), and a crossing reads every node's
+value in one multi_get (protocols/barrier.py `values`): a few requests per node, linear
+job-wide, but each returns every node's record: the bytes the leader's store serves grow with
+n^2 (this benchmark's first sweep found them n sequential round trips each, n^2 requests: the
+crossings grew with k 1.4-1.6). The command poll (cycle/commands.py, every 50 ms) and the state
+publish are one request per node. The store probe (--probe-nodes 1024) times, against a job
+store on loopback, one node's beat at that many nodes, its crossing reads one by one (as they
+were) and as one multi_get (as they are), and the store's throughput with 8 clients.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ GRACE_S = 15.0  # SIGTERM to SIGKILL: a daemon stops its workers and removes its
 GONE_S = 10.0  # SIGKILL to every process gone
 NODE_MB_GUESS = 800.0  # one node's daemon, zygote and two workers (RSS), before any is measured
 PROBE_THREADS = 8
+RECORD_BYTES = 320  # a node's record as JSON, 8 ranks of 8 phases (protocols/nodes.py)
 
 
 # -- running one node count ----------------------------------------------------------------------
@@ -746,10 +748,15 @@ def print_fits(fits: dict[str, Fit], reached: dict[str, float | None]) -> None:
 
 
 def beat_ops_per_s(nodes: int) -> float:
-    """Store requests the beats make job-wide: each node writes its record and, for every
-    node's, checks that it exists and gets it, a get being a wait and then the get
-    (protocols/nodes.py `beat_once`, `read_record`; torch's TCPStore client)."""
-    return nodes * (3 * nodes + 1) / BEAT_S
+    """Store requests the beats make job-wide: each node writes its record, checks that every
+    node's exists and reads them all in one multi_get (protocols/nodes.py `beat_once`)."""
+    return nodes * 3 / BEAT_S
+
+
+def beat_bytes_per_s(nodes: int, record_bytes: float = RECORD_BYTES) -> float:
+    """Bytes of records the leader's store sends job-wide for the beats: every node reads
+    every node's record each beat."""
+    return nodes * nodes * record_bytes / BEAT_S
 
 
 def fan_in_note(probe: dict[str, float] | None, largest: int) -> list[str]:
@@ -761,11 +768,12 @@ def fan_in_note(probe: dict[str, float] | None, largest: int) -> list[str]:
     lines = [
         f"At {n:,} nodes every node's beats, crossings and command polls go to one TCPStore, "
         "the leader's (one event loop):",
-        f"- beats: every {BEAT_S:g} s each node writes its record and reads every node's, a "
-        "check and a get (a wait, then the get) each, one after another: "
-        f"n(3n+1)/{BEAT_S:g} s = {beat_ops:,.0f} store requests/s job-wide, quadratic{here}.",
+        f"- beats: every {BEAT_S:g} s each node writes its record, checks every node's and reads "
+        f"them in one multi_get: 3n/{BEAT_S:g} s = {beat_ops:,.0f} store requests/s job-wide, "
+        f"linear{here}; but every node reads every record: n^2 x ~{RECORD_BYTES} B / "
+        f"{BEAT_S:g} s = {beat_bytes_per_s(n) / 1e6:,.0f} MB/s out of the leader's store.",
         "- crossings (3 a step): each node puts its arrival, polls has_all over n keys, then "
-        f"gets every node's value one by one: n gets per node, n^2 = {n * n:,} job-wide.",
+        f"reads every node's value in one multi_get: n^2 = {n * n:,} values job-wide.",
         f"- linear: each node polls the command counter every {COMMANDS_POLL_S:g} s "
         f"({n / COMMANDS_POLL_S:,.0f} ops/s at {n:,}) and puts its state once a phase.",
     ]
@@ -778,13 +786,14 @@ def fan_in_note(probe: dict[str, float] | None, largest: int) -> list[str]:
         f"- probe, {nodes} records on loopback, one client: a check {probe['check_ms']:.3f} ms, "
         f"a get {probe['get_ms']:.3f} ms; one node's beat "
         f"{probe['beat_ms']:.0f} ms of its {BEAT_S:g} s; one node's gets of every value at a "
-        f"crossing {probe['values_ms']:.0f} ms, as one multi_get {probe['multi_get_ms']:.1f} ms; "
+        f"crossing one by one {probe['values_ms']:.0f} ms (before), as one multi_get "
+        f"{probe['multi_get_ms']:.1f} ms (now); "
         f"has_all {probe['has_all_ms']:.2f} ms. {probe['threads']:.0f} clients got "
         f"{rate:,.0f} gets/s ({2 * rate:,.0f} requests/s) from it on this VM.",
-        f"- at that rate the beats of {n:,} nodes ask ~{beat_ops / (2 * rate):,.0f}x what the "
-        f"store serves, and one crossing's n^2 gets take ~{n * n / rate:,.0f} s: the reads of "
-        "every node's record and value by every node must go (one multi_get per crossing and beat, "
-        "or the leader reading the beats and the last node to arrive writing one value).",
+        f"- the requests are now within reach (the beats ask {beat_ops:,.0f}/s of a store that "
+        f"served {2 * rate:,.0f}/s here), the bytes not yet: {n:,} multi_gets of {n:,} records "
+        "each per beat and per crossing. Next: the leader reads the beats once and publishes one "
+        "summary, and the last node to arrive at a crossing writes its one value.",
     ]
 
 
