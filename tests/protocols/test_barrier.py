@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def test_generations_count_per_name_and_old_arrivals_are_removed() -> None:
 @pytest.mark.asyncio
 async def test_each_rank_learns_what_every_rank_brought() -> None:
     store = JobStore.host()
-    barriers = [Barrier(JobStore.connect(*store.address), rank, 3) for rank in range(3)]
+    barriers = [Barrier(JobStore.connect(*store.address), rank, 3, store) for rank in range(3)]
     generations: list[int] = []
 
     async def arrive(barrier: Barrier) -> None:
@@ -96,7 +97,7 @@ async def test_each_rank_learns_what_every_rank_brought() -> None:
 @pytest.mark.asyncio
 async def test_async_wait_keeps_the_event_loop_running() -> None:
     store = JobStore.host()
-    barrier = Barrier(store, 0, 2)  # rank 1 never comes
+    barrier = Barrier(JobStore.connect(*store.address), 0, 2, store)  # rank 1 never comes
     ticks = 0
 
     async def tick() -> None:
@@ -111,6 +112,80 @@ async def test_async_wait_keeps_the_event_loop_running() -> None:
             await barrier.wait("lonely", timeout_s=0.5)
         group.cancel_scope.cancel()
     assert ticks >= 20
+
+
+class CountingStore(JobStore):
+    """A real connection that counts the requests a barrier makes on it."""
+
+    def __init__(self, store: JobStore) -> None:
+        super().__init__(JobStore.connect(*store.address).raw, leader=False)
+        self.requests = 0
+
+    def put(self, key: str, value: Any) -> None:
+        self.requests += 1
+        super().put(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        self.requests += 1
+        return super().add(key, amount)
+
+    def wait(self, keys: list[str], *, timeout_s: float) -> None:
+        self.requests += 1
+        super().wait(keys, timeout_s=timeout_s)
+
+    def has_all(self, keys: list[str]) -> bool:
+        self.requests += 1
+        return super().has_all(keys)
+
+    def read_many(self, keys: list[str]) -> list[Any]:
+        self.requests += 1
+        return super().read_many(keys)
+
+
+@pytest.mark.asyncio
+async def test_a_long_wait_asks_the_store_a_few_times_and_never_polls() -> None:
+    store = JobStore.host()
+    early = Barrier(CountingStore(store), 0, 2, store)
+    late = Barrier(JobStore.connect(*store.address), 1, 2, store)
+    brought: list[list[Any]] = []
+
+    async def arrive_early() -> None:
+        brought.append(await early.gather("slow", timeout_s=30.0, value={"n": 0}))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(arrive_early)
+        await anyio.sleep(1.0)  # rank 0 waits a second: a poller would have asked dozens of times
+        assert await late.gather("slow", timeout_s=30.0, value={"n": 1}) == [{"n": 0}, {"n": 1}]
+    assert brought == [[{"n": 0}, {"n": 1}]]
+    # Arrive (put, add), wait, check the count, read the values.
+    assert isinstance(early.store, CountingStore) and early.store.requests <= 5
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_wait_ends_at_once_and_the_barrier_goes_on() -> None:
+    store = JobStore.host()
+    barriers = [Barrier(JobStore.connect(*store.address), rank, 2, store) for rank in range(2)]
+    started = time.monotonic()
+    with anyio.move_on_after(0.3):
+        await barriers[0].wait("x", timeout_s=60.0)  # rank 1 not there yet: cancelled
+    assert time.monotonic() - started < 5.0  # not the 60 s deadline, nor the store's backstop
+    # Rank 0 had arrived: rank 1's first wait meets that arrival and passes at once.
+    assert await barriers[1].wait("x", timeout_s=5.0) == 1
+    # Rank 0's thread is gone and its connection free: both meet again at generation 2.
+    async with anyio.create_task_group() as group:
+        group.start_soon(partial(barriers[1].wait, "x", timeout_s=30.0))
+        assert await barriers[0].wait("x", timeout_s=30.0) == 2
+
+
+@pytest.mark.asyncio
+async def test_a_wait_cancelled_before_it_arrives_does_not_use_up_a_generation() -> None:
+    store = JobStore.host()
+    barrier = Barrier(JobStore.connect(*store.address), 0, 1, store)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await barrier.wait("y", timeout_s=5.0)
+    assert not store.has("barrier/y/1/0")
+    assert await barrier.wait("y", timeout_s=5.0) == 1
 
 
 def test_store_values_commands_and_generations() -> None:

@@ -137,7 +137,7 @@ class NodeCoordinator:
         if self.nodes == 1:
             return step, commands
         self.crossing = NodeCrossing.of(
-            await self.store.another_connection(), self.node, self.nodes, cycle
+            await self.store.another_connection(), self.store.blocking, self.node, self.nodes, cycle
         )
         brought = await cross_nodes(
             self.crossing,

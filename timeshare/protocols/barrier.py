@@ -1,38 +1,48 @@
 """Store-based barriers with deadlines: every rank learns which ranks are missing.
 
 A barrier named `name` is passed in generations: the k-th time a rank waits on `name` it joins
-generation k. It writes its arrival under that generation, then waits for the others' keys with
-a deadline. From async code the wait polls, so a cancellation ends it at once and no thread is
-left behind. Unlike a gloo `monitored_barrier`, a timeout leaves the store usable.
+generation k. A rank arrives by writing its value under the generation and counting itself in
+(one atomic add). The rank that makes the count whole wakes every other rank at once, writing
+each one's wake key in one request; every other rank blocks in the store's own wait on its wake
+key. Nothing polls: a barrier costs each rank a few requests however long it waits, and the
+last rank's arrival releases the others within one round trip.
+
+From async code the whole arrival, wait and read of the values is one call in a worker thread
+(each hop between the event loop and a thread costs more CPU than the request it carries). Its
+deadline and its cancellation write the rank's own wake key from a second connection (`waker`),
+so the thread returns at once and none is left behind. Unlike a gloo `monitored_barrier`, a
+timeout leaves the store usable.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
-from timeshare.errors import CollectiveTimeout
+from timeshare.errors import CollectiveTimeout, StoreError
 from timeshare.protocols.store import JobStore
 
-FIRST_POLL_S = 0.0005
-QUICK_POLLS_S = 0.005  # ranks that finish a phase together arrive within this: poll fast
-POLL_S = 0.02
+WAKE_S = 5.0  # for writing a rank's own wake key (its deadline, its cancellation)
+BACKSTOP_S = 30.0  # the store's own wait outlasts the deadline: the waker ends it first
 
 
 @dataclass
 class Barrier:
     """One rank's handle on the job's barriers: one waiter at a time, on its own connection.
 
-    Blocking waits on one store connection queue behind each other, so ranks served by one
-    process (the driver of a node) each need their own `JobStore`.
+    A blocked wait holds its connection, so ranks served by one process (the driver of a node)
+    each need their own `JobStore`; `waker` (any other connection, shared or not) is needed by
+    the async waits only, to end the wait of a deadline passed or a task cancelled.
     """
 
     store: JobStore
     rank: int
     world_size: int
+    waker: JobStore | None = None
     _generations: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
@@ -41,50 +51,129 @@ class Barrier:
 
     def wait_blocking(self, name: str, *, timeout_s: float) -> int:
         """Arrive at barrier `name` and wait for every rank; return its generation."""
-        generation, keys = self._arrive(name, True)
+        generation = self._next(name)
         try:
-            self.store.wait(keys, timeout_s=timeout_s)
+            self._arrive_and_wait(name, generation, True, timeout_s)
         except TimeoutError as exc:
-            raise self._timeout(name, generation, keys, timeout_s) from exc
+            raise self._timeout(name, generation, timeout_s) from exc
         return generation
 
     async def wait(self, name: str, *, timeout_s: float, value: Any = True) -> int:
         """Like `wait_blocking`, for the event loop: cancellable at once, no thread left behind.
-        `value` (JSON) is what this rank brings; `values` reads what every rank brought.
+        `value` (JSON) is what this rank brings; `values` reads what every rank brought."""
+        generation = self._next(name)
+        await self._meet(name, generation, value, timeout_s, read=False)
+        return generation
 
-        It polls the store (a ~0.1 ms round trip in a worker thread) every POLL_S rather than
-        blocking a thread for the whole wait, which a cancellation could not interrupt.
-        """
-        generation, keys = await anyio.to_thread.run_sync(self._arrive, name, value)
-        quick_until = anyio.current_time() + QUICK_POLLS_S
-        pause = FIRST_POLL_S
-        with anyio.move_on_after(timeout_s):
-            while not await anyio.to_thread.run_sync(self.store.has_all, keys):
-                await anyio.sleep(pause)
-                if anyio.current_time() > quick_until:  # quick when ranks are close, cheap when not
-                    pause = min(pause * 2, POLL_S)
-            return generation
-        # Naming the missing ranks asks the store once per rank: in a thread too.
-        raise await anyio.to_thread.run_sync(self._timeout, name, generation, keys, timeout_s)
+    async def gather(self, name: str, *, timeout_s: float, value: Any) -> list[Any]:
+        """Arrive with `value` (JSON), wait for every rank, and return what every rank brought,
+        in rank order: one worker thread for all of it."""
+        generation = self._next(name)
+        return await self._meet(name, generation, value, timeout_s, read=True)
 
     def values(self, name: str, generation: int) -> list[Any]:
         """What every rank brought to a generation all of them reached, in rank order."""
         return self.store.read_many([_key(name, generation, r) for r in range(self.world_size)])
 
-    def _arrive(self, name: str, value: Any) -> tuple[int, list[str]]:
-        self._generations[name] += 1
-        generation = self._generations[name]
-        self.store.put(_key(name, generation, self.rank), value)
-        # Our arrival two generations back is read by nobody now: every rank has arrived at the
-        # previous one, so it is done reading that one's values. (The previous one may still be
-        # read by a rank that saw everyone arrive and reads the values next.)
-        if generation > 2:
-            self.store.delete(_key(name, generation - 2, self.rank))
-        return generation, [_key(name, generation, r) for r in range(self.world_size)]
+    # -- the async wait --------------------------------------------------------------------------
 
-    def _timeout(
-        self, name: str, generation: int, keys: list[str], timeout_s: float
-    ) -> CollectiveTimeout:
+    async def _meet(
+        self, name: str, generation: int, value: Any, timeout_s: float, *, read: bool
+    ) -> list[Any]:
+        """Arrive and wait in one worker thread, while a task of the loop stands ready to wake
+        it: at the deadline, or when this wait is cancelled."""
+        if self.waker is None:
+            raise RuntimeError("an async barrier wait needs a second connection (`waker`)")
+        woken: list[str] = []  # why this rank woke itself, if it did: "deadline", "cancelled"
+        waiting, started = True, False
+
+        def arrive_and_wait() -> list[Any] | CollectiveTimeout | None:
+            nonlocal started
+            started = True
+            if self._arrive_and_wait(name, generation, value, timeout_s + BACKSTOP_S):
+                return self.values(name, generation) if read else []
+            if woken == ["deadline"]:
+                return self._timeout(name, generation, timeout_s)
+            return None  # cancelled
+
+        async def wake_when_due() -> None:
+            try:
+                await anyio.sleep(timeout_s)
+                woken.append("deadline")
+            except anyio.get_cancelled_exc_class():
+                if waiting:
+                    woken.append("cancelled")
+                raise
+            finally:
+                if waiting:
+                    await self._wake_self(name, generation)
+
+        result: list[Any] | CollectiveTimeout | None = None
+        failure: Exception | None = None  # raised below, outside the group (not as a group)
+        async with anyio.create_task_group() as group:
+            group.start_soon(wake_when_due)
+            try:
+                result = await anyio.to_thread.run_sync(arrive_and_wait)
+            except anyio.get_cancelled_exc_class():
+                if not started:  # cancelled before it arrived: the next wait is this generation
+                    self._generations[name] -= 1
+                raise
+            except Exception as exc:  # the store gone, mostly
+                failure = exc
+            finally:
+                waiting = False
+                group.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        if isinstance(result, CollectiveTimeout):
+            raise result
+        if result is None:
+            await anyio.lowlevel.checkpoint()  # the cancellation that woke it, raised here
+            raise RuntimeError("a barrier's wait ended uncancelled without every rank")
+        return result
+
+    async def _wake_self(self, name: str, generation: int) -> None:
+        """End this rank's own wait on `generation` (shielded: it runs as the wait is cancelled)."""
+        assert self.waker is not None
+        # (A store gone ends the wait too, failing: nothing to wake then.)
+        with anyio.CancelScope(shield=True), anyio.move_on_after(WAKE_S), suppress(StoreError):
+            await anyio.to_thread.run_sync(self.waker.put, _wake(name, generation, self.rank), 0)
+
+    # -- the protocol ----------------------------------------------------------------------------
+
+    def _next(self, name: str) -> int:
+        self._generations[name] += 1
+        return self._generations[name]
+
+    def _arrive_and_wait(self, name: str, generation: int, value: Any, wait_s: float) -> bool:
+        """Arrive at `generation`; the last rank to arrive wakes every other. Return whether
+        every rank arrived (False: this rank's wait was ended by its own wake). Blocking; a
+        wait past `wait_s` is `TimeoutError`."""
+        self.store.put(_key(name, generation, self.rank), value)
+        arrived = self.store.add(_count(name, generation), 1)
+        if arrived >= self.world_size:
+            others = [rank for rank in range(self.world_size) if rank != self.rank]
+            self.store.put_many({_wake(name, generation, rank): 1 for rank in others})
+            complete = True
+        else:
+            self.store.wait([_wake(name, generation, self.rank)], timeout_s=wait_s)
+            complete = self.store.add(_count(name, generation), 0) >= self.world_size
+        self._forget(name, generation - 2)
+        return complete
+
+    def _forget(self, name: str, generation: int) -> None:
+        """Our keys of `generation` are read by nobody now: every rank has arrived at the one
+        after it, so it is done reading that one's values. (The previous generation may still be
+        read by a rank that was woken and reads the values next.)"""
+        if generation < 1:
+            return
+        self.store.delete(_key(name, generation, self.rank))
+        self.store.delete(_wake(name, generation, self.rank))
+        if self.rank == 0:
+            self.store.delete(_count(name, generation))
+
+    def _timeout(self, name: str, generation: int, timeout_s: float) -> CollectiveTimeout:
+        keys = [_key(name, generation, rank) for rank in range(self.world_size)]
         missing = [rank for rank, key in enumerate(keys) if not self.store.has(key)]
         return CollectiveTimeout(
             f"barrier {name!r} (generation {generation}) timed out after {timeout_s:g} s on "
@@ -97,3 +186,11 @@ class Barrier:
 
 def _key(name: str, generation: int, rank: int) -> str:
     return f"barrier/{name}/{generation}/{rank}"
+
+
+def _count(name: str, generation: int) -> str:
+    return f"barrier/{name}/{generation}/count"
+
+
+def _wake(name: str, generation: int, rank: int) -> str:
+    return f"barrier/{name}/{generation}/wake/{rank}"

@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import msgspec
 
 from timeshare.cluster import ranks_of_node
@@ -229,13 +228,16 @@ class NodeCrossing:
     name: str  # unique to the cycle: a later cycle on the same store starts afresh
 
     @classmethod
-    def of(cls, store: JobStore, node: int, nodes: int, cycle: int) -> NodeCrossing:
-        return cls(Barrier(store, node, nodes), f"{CROSSING}/{cycle}")
+    def of(
+        cls, store: JobStore, waker: JobStore, node: int, nodes: int, cycle: int
+    ) -> NodeCrossing:
+        """`store` is the crossing's own connection (its wait blocks it); `waker` any other."""
+        return cls(Barrier(store, node, nodes, waker), f"{CROSSING}/{cycle}")
 
     async def cross(self, value: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
         """Arrive with `value`, wait for every node; what every node brought, by node."""
         try:
-            generation = await self.barrier.wait(self.name, timeout_s=timeout_s, value=value)
+            values = await self.barrier.gather(self.name, timeout_s=timeout_s, value=value)
         except CollectiveTimeout as exc:
             missing = ", ".join(f"node {n}" for n in exc.missing)
             raise CollectiveTimeout(
@@ -245,5 +247,4 @@ class NodeCrossing:
                 generation=exc.generation,
                 missing=exc.missing,
             ) from exc
-        values = await anyio.to_thread.run_sync(self.barrier.values, self.name, generation)
         return [dict(v) for v in values]

@@ -96,6 +96,15 @@ class JobStore:
         with self._mapped(key):
             self._store.set(PREFIX + key, json.dumps(value))
 
+    def put_many(self, items: dict[str, Any]) -> None:
+        """Write every key of `items` in one request."""
+        if not items:
+            return
+        with self._mapped(str(list(items))):
+            keys = [PREFIX + key for key in items]
+            # (torch's Store has multi_set; its type stub lacks it)
+            self._store.multi_set(keys, [json.dumps(v) for v in items.values()])  # type: ignore[attr-defined]
+
     def get(self, key: str, *, timeout_s: float) -> Any:
         """The JSON value under `key`, waiting at most `timeout_s` for it to be written."""
         self.wait([key], timeout_s=timeout_s)
