@@ -12,6 +12,7 @@ inbox. On one node there is no beat and no crossing: only a lost store is still 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import structlog
@@ -24,7 +25,7 @@ from timeshare.cycle.phases import cross_nodes, node_failed
 from timeshare.cycle.telling import Telling
 from timeshare.errors import CycleFailed, NodeLost, StoreError
 from timeshare.protocols.nodes import BEAT_S, NodeBeat, NodeCrossing, store_lost
-from timeshare.protocols.store import AsyncJobStore
+from timeshare.protocols.store import AsyncJobStore, JobStore
 from timeshare.state import NEXT_PHASE, Crossed, JobState, Lifecycle, Phase
 
 log = structlog.get_logger(__name__)
@@ -173,9 +174,8 @@ class NodeCoordinator:
         timeout_s = deadlines.for_command(previous) + deadlines.barrier_s
         with scope:
             try:
-                latest = await self.store.latest_command()
                 brought = await cross_nodes(
-                    self.crossing, {"commands": latest}, following, self.ranks, timeout_s
+                    self.crossing, _last_command_seen, following, self.ranks, timeout_s
                 )
                 through = max(int(node["commands"]) for node in brought)
                 await commands.read_through(through)  # into the inbox, before the crossing
@@ -203,3 +203,8 @@ class NodeCoordinator:
     def _phase_now(self) -> str:
         state = self.job_state()
         return "start" if state.lifecycle is Lifecycle.STARTING else state.phases[0].value
+
+
+def _last_command_seen(store: JobStore) -> dict[str, Any]:
+    """What this node brings to a crossing: the generation of the newest command written."""
+    return {"commands": store.latest_command()}

@@ -33,6 +33,7 @@ from timeshare.protocols.commands.results import (
     result_type,
 )
 from timeshare.protocols.nodes import NodeCrossing
+from timeshare.protocols.store import JobStore
 from timeshare.state import Blame, Held, JobState, Phase
 
 log = structlog.get_logger(__name__)
@@ -129,7 +130,7 @@ async def meet_at_barrier(meeting: NodeMeeting, rank: int, timeout_s: float) -> 
 
 async def cross_nodes(
     crossing: NodeCrossing,
-    value: dict[str, Any],
+    value: dict[str, Any] | Callable[[JobStore], dict[str, Any]],
     following: Phase,
     ranks_per_node: int,
     timeout_s: float,

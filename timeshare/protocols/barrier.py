@@ -17,6 +17,7 @@ timeout leaves the store usable.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,9 +66,13 @@ class Barrier:
         await self._meet(name, generation, value, timeout_s, read=False)
         return generation
 
-    async def gather(self, name: str, *, timeout_s: float, value: Any) -> list[Any]:
+    async def gather(
+        self, name: str, *, timeout_s: float, value: Any | Callable[[JobStore], Any]
+    ) -> list[Any]:
         """Arrive with `value` (JSON), wait for every rank, and return what every rank brought,
-        in rank order: one worker thread for all of it."""
+        in rank order: one worker thread for all of it. A callable `value` is asked for the
+        value in that thread, with the barrier's connection (what it reads is as fresh as the
+        arrival, and costs no hop of its own)."""
         generation = self._next(name)
         return await self._meet(name, generation, value, timeout_s, read=True)
 
@@ -90,7 +95,8 @@ class Barrier:
         def arrive_and_wait() -> list[Any] | CollectiveTimeout | None:
             nonlocal started
             started = True
-            if self._arrive_and_wait(name, generation, value, timeout_s + BACKSTOP_S):
+            brought = value(self.store) if callable(value) else value
+            if self._arrive_and_wait(name, generation, brought, timeout_s + BACKSTOP_S):
                 return self.values(name, generation) if read else []
             if woken == ["deadline"]:
                 return self._timeout(name, generation, timeout_s)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,8 +235,11 @@ class NodeCrossing:
         """`store` is the crossing's own connection (its wait blocks it); `waker` any other."""
         return cls(Barrier(store, node, nodes, waker), f"{CROSSING}/{cycle}")
 
-    async def cross(self, value: dict[str, Any], *, timeout_s: float) -> list[dict[str, Any]]:
-        """Arrive with `value`, wait for every node; what every node brought, by node."""
+    async def cross(
+        self, value: dict[str, Any] | Callable[[JobStore], dict[str, Any]], *, timeout_s: float
+    ) -> list[dict[str, Any]]:
+        """Arrive with `value` (or what it reads from the store as this node arrives), wait for
+        every node; what every node brought, by node."""
         try:
             values = await self.barrier.gather(self.name, timeout_s=timeout_s, value=value)
         except CollectiveTimeout as exc:
