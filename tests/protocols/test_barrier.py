@@ -115,11 +115,13 @@ async def test_async_wait_keeps_the_event_loop_running() -> None:
 
 
 class CountingStore(JobStore):
-    """A real connection that counts the requests a barrier makes on it."""
+    """A real connection that counts the requests a barrier makes on it, and its reads of
+    every rank's value."""
 
     def __init__(self, store: JobStore) -> None:
         super().__init__(JobStore.connect(*store.address).raw, leader=False)
         self.requests = 0
+        self.reads_of_every_value = 0
 
     def put(self, key: str, value: Any) -> None:
         self.requests += 1
@@ -133,32 +135,62 @@ class CountingStore(JobStore):
         self.requests += 1
         super().wait(keys, timeout_s=timeout_s)
 
-    def has_all(self, keys: list[str]) -> bool:
+    def read(self, key: str) -> Any:
         self.requests += 1
-        return super().has_all(keys)
+        return super().read(key)
 
     def read_many(self, keys: list[str]) -> list[Any]:
         self.requests += 1
+        self.reads_of_every_value += 1
         return super().read_many(keys)
+
+
+def total(values: list[Any]) -> dict[str, Any]:
+    return {"n": sum(value["n"] for value in values), "ranks": len(values)}
 
 
 @pytest.mark.asyncio
 async def test_a_long_wait_asks_the_store_a_few_times_and_never_polls() -> None:
     store = JobStore.host()
     early = Barrier(CountingStore(store), 0, 2, store)
-    late = Barrier(JobStore.connect(*store.address), 1, 2, store)
-    brought: list[list[Any]] = []
+    late = Barrier(CountingStore(store), 1, 2, store)
+    agreed: list[Any] = []
 
     async def arrive_early() -> None:
-        brought.append(await early.gather("slow", timeout_s=30.0, value={"n": 0}))
+        agreed.append(await early.agree("slow", timeout_s=30.0, value={"n": 1}, fold=total))
 
     async with anyio.create_task_group() as group:
         group.start_soon(arrive_early)
         await anyio.sleep(1.0)  # rank 0 waits a second: a poller would have asked dozens of times
-        assert await late.gather("slow", timeout_s=30.0, value={"n": 1}) == [{"n": 0}, {"n": 1}]
-    assert brought == [[{"n": 0}, {"n": 1}]]
-    # Arrive (put, add), wait, check the count, read the values.
-    assert isinstance(early.store, CountingStore) and early.store.requests <= 5
+        last = await late.agree("slow", timeout_s=30.0, value={"n": 2}, fold=total)
+    assert last == {"n": 3, "ranks": 2} and agreed == [last]
+    # Rank 0 arrived (put, add), waited, and read the result the last rank woke it with; only
+    # the last rank read every rank's value, once for the job.
+    assert isinstance(early.store, CountingStore) and isinstance(late.store, CountingStore)
+    assert early.store.requests <= 4 and early.store.reads_of_every_value == 0
+    assert late.store.reads_of_every_value == 1
+
+
+@pytest.mark.asyncio
+async def test_a_rank_that_woke_itself_as_the_last_came_folds_the_values_itself() -> None:
+    """The race of a rank's own wake (its deadline) with the last rank's: every rank had
+    arrived, so it agrees all the same, on the values as written."""
+    store = JobStore.host()
+    barrier = Barrier(JobStore.connect(*store.address), 0, 2, store)
+    agreed: list[Any] = []
+
+    async def arrive() -> None:
+        agreed.append(await barrier.agree("race", timeout_s=30.0, value={"n": 1}, fold=total))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(arrive)
+        with anyio.fail_after(10):
+            while not store.has("barrier/race/1/0"):
+                await anyio.sleep(0.01)
+        store.put("barrier/race/1/1", {"n": 2})  # rank 1 arrives, and its wake is overtaken
+        store.add("barrier/race/1/count", 1)
+        store.put("barrier/race/1/wake/0", {"woken": "itself"})
+    assert agreed == [{"n": 3, "ranks": 2}]
 
 
 @pytest.mark.asyncio

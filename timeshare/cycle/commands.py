@@ -9,11 +9,9 @@ command that names nothing known is logged and skipped.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import anyio
-import anyio.from_thread
 import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 
@@ -67,43 +65,10 @@ class CommandFeed:
         self._reading = anyio.Lock()
 
     async def watch(self) -> None:
-        """Feed every command written after the first `read`, until cancelled.
-
-        The store is polled from one worker thread, which hops into the loop only when a
-        command came: a hop between the loop and a thread per poll cost the daemon more CPU
-        than the poll itself. A `StoreError` (the store gone) ends the watch."""
-        stop = threading.Event()
-        failure: Exception | None = None  # raised below, outside the group (not as a group)
-
-        async def stop_when_cancelled() -> None:
-            try:
-                await anyio.sleep_forever()
-            finally:
-                stop.set()
-
-        async with anyio.create_task_group() as group:
-            group.start_soon(stop_when_cancelled)
-            try:
-                await anyio.to_thread.run_sync(self._poll_until, stop)
-            except Exception as exc:
-                failure = exc
-            finally:
-                group.cancel_scope.cancel()
-        if failure is not None:
-            raise failure
-
-    def _poll_until(self, stop: threading.Event) -> None:
-        """In a worker thread: every POLL_S, the newest generation; the new ones into the loop."""
-        while not stop.is_set():
-            latest = self.store.blocking.latest_command()
-            if latest > self.read and not stop.is_set():
-                try:
-                    anyio.from_thread.run(self.read_through, latest)
-                except Exception:
-                    if stop.is_set():  # the watch was called off meanwhile: its inbox may be shut
-                        return
-                    raise
-            stop.wait(POLL_S)
+        """Feed every command written after the first `read`, until cancelled."""
+        while True:
+            await self.read_through(await self.store.latest_command())
+            await anyio.sleep(POLL_S)
 
     async def read_through(self, latest: int) -> None:
         """Send every command up to generation `latest` not sent yet."""

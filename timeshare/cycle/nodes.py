@@ -140,19 +140,19 @@ class NodeCoordinator:
         self.crossing = NodeCrossing.of(
             await self.store.another_connection(), self.store.blocking, self.node, self.nodes, cycle
         )
-        brought = await cross_nodes(
+        agreed = await cross_nodes(
             self.crossing,
             {"step": step, "commands": commands},
-            Phase.SYNC,
-            self.ranks,
+            _agreed_start,
+            following=Phase.SYNC,
+            ranks_per_node=self.ranks,
             timeout_s=self.deadlines().ready_s + load_s,
         )
-        steps = [int(node["step"]) for node in brought]
-        if len(set(steps)) > 1:  # a checkpoint directory the nodes do not share, maybe
-            log.warning("cycle.nodes.steps_differ", steps_by_node=steps)
+        if agreed["steps_by_node"] is not None:  # a checkpoint directory not shared, maybe
+            log.warning("cycle.nodes.steps_differ", steps_by_node=agreed["steps_by_node"])
         assert self.beat is not None
         self.beat.judging = True  # every node came: from now on, one gone quiet is lost
-        return min(steps), min(int(node["commands"]) for node in brought)
+        return int(agreed["step"]), int(agreed["commands"])
 
     def start_crossing(self, group: TaskGroup, following: Phase, commands: CommandFeed) -> None:
         """Meet the other nodes at the fence before `following`, as a task of `group`."""
@@ -174,10 +174,15 @@ class NodeCoordinator:
         timeout_s = deadlines.for_command(previous) + deadlines.barrier_s
         with scope:
             try:
-                brought = await cross_nodes(
-                    self.crossing, _last_command_seen, following, self.ranks, timeout_s
+                agreed = await cross_nodes(
+                    self.crossing,
+                    _last_command_seen,
+                    _newest_command,
+                    following=following,
+                    ranks_per_node=self.ranks,
+                    timeout_s=timeout_s,
                 )
-                through = max(int(node["commands"]) for node in brought)
+                through = int(agreed["commands"])
                 await commands.read_through(through)  # into the inbox, before the crossing
             except CycleFailed as failed:
                 await self.reports.send(failed)
@@ -208,3 +213,19 @@ class NodeCoordinator:
 def _last_command_seen(store: JobStore) -> dict[str, Any]:
     """What this node brings to a crossing: the generation of the newest command written."""
     return {"commands": store.latest_command()}
+
+
+def _newest_command(brought: list[Any]) -> dict[str, Any]:
+    """A crossing's agreement: commands apply up to the newest any node had seen."""
+    return {"commands": max(int(node["commands"]) for node in brought)}
+
+
+def _agreed_start(brought: list[Any]) -> dict[str, Any]:
+    """The start's agreement: the smallest step and command generation any node brought, and
+    every node's step where they differ."""
+    steps = [int(node["step"]) for node in brought]
+    return {
+        "step": min(steps),
+        "commands": min(int(node["commands"]) for node in brought),
+        "steps_by_node": steps if len(set(steps)) > 1 else None,
+    }

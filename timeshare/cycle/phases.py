@@ -131,15 +131,17 @@ async def meet_at_barrier(meeting: NodeMeeting, rank: int, timeout_s: float) -> 
 async def cross_nodes(
     crossing: NodeCrossing,
     value: dict[str, Any] | Callable[[JobStore], dict[str, Any]],
+    fold: Callable[[list[Any]], dict[str, Any]],
+    *,
     following: Phase,
     ranks_per_node: int,
     timeout_s: float,
-) -> list[dict[str, Any]]:
-    """This node waits for every other node at the fence before `following`; what each brought.
-    A node that does not come is the run's failure, named with its ranks (the first of them, if
-    several: the message lists all)."""
+) -> dict[str, Any]:
+    """This node waits for every other node at the fence before `following`; `fold` of what
+    each brought. A node that does not come is the run's failure, named with its ranks (the
+    first of them, if several: the message lists all)."""
     try:
-        return await crossing.cross(value, timeout_s=timeout_s)
+        return await crossing.cross(value, fold, timeout_s=timeout_s)
     except CollectiveTimeout as exc:  # (a store gone is StoreError: the caller's to name)
         node = exc.missing[0]
         ranks = ranks_of_node(node, ranks_per_node)

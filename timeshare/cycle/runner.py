@@ -40,7 +40,6 @@ from timeshare.cycle.phases import (
     rule_broken,
     run_phase,
 )
-from timeshare.cycle.publisher import StatePublisher
 from timeshare.cycle.telling import Telling
 from timeshare.cycle.workers import Workers, WorkerSpawner, spawn_workers, worker_ids
 from timeshare.errors import CycleFailed, StoreError, WorkerFailure
@@ -184,7 +183,6 @@ class _Cycle:
         self.at_barrier: dict[int, _Ran] = {}  # BARRIER answered; reported once the rank met
         self.batches: dict[int, msgspec.Raw] = {}  # rank -> its last ROLLOUT's samples
         self.commands: CommandFeed | None = None
-        self.publisher = StatePublisher(store.blocking, self.node)
         self.state: JobState  # the machine's, as last moved: the one copy (see `_move`)
 
     @property
@@ -202,22 +200,21 @@ class _Cycle:
                 first_rank=self.node_ranks.start,
             )
         )
-        async with self.publisher.running():
-            ended: RunSummary | CycleFailed | None = None
-            async with anyio.create_task_group() as beating:
-                try:  # several nodes: a node gone (or the store) ends the run, wherever it stands
-                    await self.coordinator.start_beating(beating)
-                except StoreError as exc:
-                    return self._failed(self.coordinator.store_lost(exc))
-                ended = await self._run()
-                beating.cancel_scope.cancel()
-            lost = self.coordinator.failure_of_lost()
-            if lost is not None:
-                ended = self._lost(lost)
-            assert ended is not None
-            # The others learn at once that this node stopped or failed.
-            await self.coordinator.last_word()
-            return ended
+        ended: RunSummary | CycleFailed | None = None
+        async with anyio.create_task_group() as beating:
+            try:  # several nodes: a node gone (or the store) ends the run, wherever it stands
+                await self.coordinator.start_beating(beating)
+            except StoreError as exc:
+                return await self._failed(self.coordinator.store_lost(exc))
+            ended = await self._run()
+            beating.cancel_scope.cancel()
+        lost = self.coordinator.failure_of_lost()
+        if lost is not None:
+            ended = self._lost(lost)
+        assert ended is not None
+        # The others learn at once that this node stopped or failed.
+        await self.coordinator.last_word()
+        return ended
 
     async def _run(self) -> RunSummary | CycleFailed:
         try:
@@ -226,9 +223,9 @@ class _Cycle:
                 after = await self.store.latest_command()
             step, after = await self._bootstrap(after)
         except CycleFailed as failed:
-            return self._failed(failed)
+            return await self._failed(failed)
         except StoreError as exc:  # several nodes: the leader, and its store, are gone
-            return self._failed(self.coordinator.store_lost(exc))
+            return await self._failed(self.coordinator.store_lost(exc))
         self.telling.summary.first_step = step
         started = time.monotonic()
         async with anyio.create_task_group() as group, self.inbox:
@@ -323,7 +320,9 @@ class _Cycle:
             assert self.commands is not None
             self.coordinator.start_crossing(group, steps.cross, self.commands)
         if steps.publish:
-            self.publisher.publish(self.state)
+            lost = await self._publish()
+            if lost is not None:
+                return self._keep(lost)
         if steps.check_release:
             return await self._check_release()
         if steps.finish_drain:
@@ -412,6 +411,16 @@ class _Cycle:
         except StoreError as exc:  # several nodes: the leader, and its store, are gone
             await self.send.send(self.coordinator.store_lost(exc))
 
+    async def _publish(self) -> CycleFailed | None:
+        """Where the job stands, into the store; the failure if the store is gone."""
+        try:
+            await self.store.publish(self.state, node=self.node)
+        except StoreError as exc:
+            if self.state.lifecycle in LIVE:
+                return self.coordinator.store_lost(exc)
+            log.warning("cycle.state.unpublished", error=str(exc))  # the run is over anyway
+        return None
+
     async def _check_release(self) -> Event:
         try:
             held = await held_memory(self.workers, self.node_ranks, self.deadlines.phase_s)
@@ -430,10 +439,10 @@ class _Cycle:
         )
         await self.telling.phase_ended(report)
 
-    def _failed(self, failed: CycleFailed) -> CycleFailed:
+    async def _failed(self, failed: CycleFailed) -> CycleFailed:
         """A failure before the cycle ran: the machine still learns it, and tells."""
         self._move(advance(self.state, self._keep(failed)).state)
-        self.publisher.publish(self.state)
+        await self._publish()
         return self._failure_of()
 
     def _lost(self, failed: CycleFailed) -> CycleFailed:

@@ -54,7 +54,7 @@ class Barrier:
         """Arrive at barrier `name` and wait for every rank; return its generation."""
         generation = self._next(name)
         try:
-            self._arrive_and_wait(name, generation, True, timeout_s)
+            self._arrive_and_wait(name, generation, True, timeout_s, None)
         except TimeoutError as exc:
             raise self._timeout(name, generation, timeout_s) from exc
         return generation
@@ -63,18 +63,27 @@ class Barrier:
         """Like `wait_blocking`, for the event loop: cancellable at once, no thread left behind.
         `value` (JSON) is what this rank brings; `values` reads what every rank brought."""
         generation = self._next(name)
-        await self._meet(name, generation, value, timeout_s, read=False)
+        await self._meet(name, generation, value, timeout_s, None)
         return generation
 
-    async def gather(
-        self, name: str, *, timeout_s: float, value: Any | Callable[[JobStore], Any]
-    ) -> list[Any]:
-        """Arrive with `value` (JSON), wait for every rank, and return what every rank brought,
-        in rank order: one worker thread for all of it. A callable `value` is asked for the
-        value in that thread, with the barrier's connection (what it reads is as fresh as the
-        arrival, and costs no hop of its own)."""
+    async def agree(
+        self,
+        name: str,
+        *,
+        timeout_s: float,
+        value: Any | Callable[[JobStore], Any],
+        fold: Callable[[list[Any]], Any],
+    ) -> Any:
+        """Arrive with `value` (JSON), wait for every rank, and return `fold` of what every rank
+        brought (in rank order): one worker thread for all of it.
+
+        The last rank to arrive reads every value and folds them, once for the job, and wakes
+        each rank with the result: a rank reads one small value, not every rank's (at a thousand
+        ranks, n reads of n values each would be n^2). `fold` must give every rank the same
+        answer it would have found itself. A callable `value` is asked for the value in the
+        thread, with the barrier's connection (as fresh as the arrival, at no hop of its own)."""
         generation = self._next(name)
-        return await self._meet(name, generation, value, timeout_s, read=True)
+        return await self._meet(name, generation, value, timeout_s, fold)
 
     def values(self, name: str, generation: int) -> list[Any]:
         """What every rank brought to a generation all of them reached, in rank order."""
@@ -83,8 +92,13 @@ class Barrier:
     # -- the async wait --------------------------------------------------------------------------
 
     async def _meet(
-        self, name: str, generation: int, value: Any, timeout_s: float, *, read: bool
-    ) -> list[Any]:
+        self,
+        name: str,
+        generation: int,
+        value: Any,
+        timeout_s: float,
+        fold: Callable[[list[Any]], Any] | None,
+    ) -> Any:
         """Arrive and wait in one worker thread, while a task of the loop stands ready to wake
         it: at the deadline, or when this wait is cancelled."""
         if self.waker is None:
@@ -92,12 +106,13 @@ class Barrier:
         woken: list[str] = []  # why this rank woke itself, if it did: "deadline", "cancelled"
         waiting, started = True, False
 
-        def arrive_and_wait() -> list[Any] | CollectiveTimeout | None:
+        def arrive_and_wait() -> _Agreed | CollectiveTimeout | None:
             nonlocal started
             started = True
             brought = value(self.store) if callable(value) else value
-            if self._arrive_and_wait(name, generation, brought, timeout_s + BACKSTOP_S):
-                return self.values(name, generation) if read else []
+            agreed = self._arrive_and_wait(name, generation, brought, timeout_s + BACKSTOP_S, fold)
+            if agreed is not None:
+                return agreed
             if woken == ["deadline"]:
                 return self._timeout(name, generation, timeout_s)
             return None  # cancelled
@@ -114,7 +129,7 @@ class Barrier:
                 if waiting:
                     await self._wake_self(name, generation)
 
-        result: list[Any] | CollectiveTimeout | None = None
+        result: _Agreed | CollectiveTimeout | None = None
         failure: Exception | None = None  # raised below, outside the group (not as a group)
         async with anyio.create_task_group() as group:
             group.start_soon(wake_when_due)
@@ -136,14 +151,15 @@ class Barrier:
         if result is None:
             await anyio.lowlevel.checkpoint()  # the cancellation that woke it, raised here
             raise RuntimeError("a barrier's wait ended uncancelled without every rank")
-        return result
+        return result.value
 
     async def _wake_self(self, name: str, generation: int) -> None:
         """End this rank's own wait on `generation` (shielded: it runs as the wait is cancelled)."""
         assert self.waker is not None
         # (A store gone ends the wait too, failing: nothing to wake then.)
+        wake, itself = _wake(name, generation, self.rank), {"woken": "itself"}
         with anyio.CancelScope(shield=True), anyio.move_on_after(WAKE_S), suppress(StoreError):
-            await anyio.to_thread.run_sync(self.waker.put, _wake(name, generation, self.rank), 0)
+            await anyio.to_thread.run_sync(self.waker.put, wake, itself)
 
     # -- the protocol ----------------------------------------------------------------------------
 
@@ -151,21 +167,38 @@ class Barrier:
         self._generations[name] += 1
         return self._generations[name]
 
-    def _arrive_and_wait(self, name: str, generation: int, value: Any, wait_s: float) -> bool:
-        """Arrive at `generation`; the last rank to arrive wakes every other. Return whether
-        every rank arrived (False: this rank's wait was ended by its own wake). Blocking; a
-        wait past `wait_s` is `TimeoutError`."""
+    def _arrive_and_wait(
+        self,
+        name: str,
+        generation: int,
+        value: Any,
+        wait_s: float,
+        fold: Callable[[list[Any]], Any] | None,
+    ) -> _Agreed | None:
+        """Arrive at `generation`; the last rank to arrive folds every value and wakes every
+        other with the result. The result once every rank arrived; None when this rank's wait
+        was ended by its own wake. Blocking; a wait past `wait_s` is `TimeoutError`."""
         self.store.put(_key(name, generation, self.rank), value)
         arrived = self.store.add(_count(name, generation), 1)
+        wake = _wake(name, generation, self.rank)
         if arrived >= self.world_size:
-            others = [rank for rank in range(self.world_size) if rank != self.rank]
-            self.store.put_many({_wake(name, generation, rank): 1 for rank in others})
-            complete = True
+            agreed = self._fold(name, generation, fold)
+            others = [_wake(name, generation, rank) for rank in range(self.world_size)]
+            self.store.put_many({key: {"agreed": agreed.value} for key in others if key != wake})
         else:
-            self.store.wait([_wake(name, generation, self.rank)], timeout_s=wait_s)
-            complete = self.store.add(_count(name, generation), 0) >= self.world_size
+            self.store.wait([wake], timeout_s=wait_s)
+            woke_to = self.store.read(wake)
+            if "agreed" in woke_to:
+                agreed = _Agreed(woke_to["agreed"])
+            elif self.store.add(_count(name, generation), 0) >= self.world_size:
+                agreed = self._fold(name, generation, fold)  # all came as it woke itself
+            else:
+                return None
         self._forget(name, generation - 2)
-        return complete
+        return agreed
+
+    def _fold(self, name: str, generation: int, fold: Callable[[list[Any]], Any] | None) -> _Agreed:
+        return _Agreed(None if fold is None else fold(self.values(name, generation)))
 
     def _forget(self, name: str, generation: int) -> None:
         """Our keys of `generation` are read by nobody now: every rank has arrived at the one
@@ -188,6 +221,13 @@ class Barrier:
             generation=generation,
             missing=missing,
         )
+
+
+@dataclass(frozen=True)
+class _Agreed:
+    """What a generation every rank reached came to (`fold`'s result; None without one)."""
+
+    value: Any
 
 
 def _key(name: str, generation: int, rank: int) -> str:

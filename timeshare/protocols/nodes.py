@@ -236,12 +236,19 @@ class NodeCrossing:
         return cls(Barrier(store, node, nodes, waker), f"{CROSSING}/{cycle}")
 
     async def cross(
-        self, value: dict[str, Any] | Callable[[JobStore], dict[str, Any]], *, timeout_s: float
-    ) -> list[dict[str, Any]]:
+        self,
+        value: dict[str, Any] | Callable[[JobStore], dict[str, Any]],
+        fold: Callable[[list[Any]], dict[str, Any]],
+        *,
+        timeout_s: float,
+    ) -> dict[str, Any]:
         """Arrive with `value` (or what it reads from the store as this node arrives), wait for
-        every node; what every node brought, by node."""
+        every node; `fold` of what every node brought (in node order), folded once for the job
+        by the node that arrived last (`Barrier.agree`)."""
         try:
-            values = await self.barrier.gather(self.name, timeout_s=timeout_s, value=value)
+            agreed = await self.barrier.agree(
+                self.name, timeout_s=timeout_s, value=value, fold=fold
+            )
         except CollectiveTimeout as exc:
             missing = ", ".join(f"node {n}" for n in exc.missing)
             raise CollectiveTimeout(
@@ -251,4 +258,4 @@ class NodeCrossing:
                 generation=exc.generation,
                 missing=exc.missing,
             ) from exc
-        return [dict(v) for v in values]
+        return dict(agreed)

@@ -33,18 +33,6 @@ def state_key(node: int) -> str:
     return f"state/node/{node}"
 
 
-def state_record(state: JobState, *, node: int) -> dict[str, Any]:
-    """Where node `node`'s part of the job stands, as `state_key(node)` holds it: for every node
-    and for operators (one key per node: with one for the job, the last writer won)."""
-    return {
-        "node": node,
-        "lifecycle": state.lifecycle.value,
-        "step": state.step,
-        "phases": [p.value for p in state.phases],
-        "reason": state.reason,
-    }
-
-
 class JobCommand(msgspec.Struct, frozen=True):
     """A command that changes the cycle (pause, resume, drain, stop, steps, log_level)."""
 
@@ -238,6 +226,18 @@ class AsyncJobStore:
 
     async def put(self, key: str, value: Any) -> None:
         await anyio.to_thread.run_sync(self.blocking.put, key, value)
+
+    async def publish(self, state: JobState, *, node: int) -> None:
+        """Where node `node`'s part of the job stands, under `state_key(node)`: for every node
+        and for operators (one key per node: with one for the job, the last writer won)."""
+        record = {
+            "node": node,
+            "lifecycle": state.lifecycle.value,
+            "step": state.step,
+            "phases": [p.value for p in state.phases],
+            "reason": state.reason,
+        }
+        await self.put(state_key(node), record)
 
     async def record_command(self, command: str, **params: Any) -> int:
         return await anyio.to_thread.run_sync(
