@@ -19,7 +19,7 @@ answered and when it was reported; `cycle.moment.marked` has "nodes met before X
   for the last node to arrive. cross>resume is the job-wide store barrier: BARRIER itself only
   meets the node's own ranks in its driver (cycle/meeting.py);
 - crossing own: the three crossings, each of the node that arrived last at it (no waiting: the
-  store round trips of arriving, polling and reading every node's value, and reading commands);
+  store round trips of arriving, reading every node's value, folding it and waking the others);
 - driver: the rest of a cycle, the driver's hops between one phase's report and the next start;
 - cycle: TRAIN's start to the next TRAIN's start (step, plus the crossing before TRAIN);
 - daemon cpu, workers cpu: the CPU ms one node's daemon (its driver, beat, crossings and
@@ -51,14 +51,18 @@ stopped and swept by its directory's name, on every path.
 At 1,024 nodes (the printed note puts numbers on it): every node's beat, crossing and command
 poll goes to the one TCPStore the leader's daemon hosts. A beat (every BEAT_S = 0.5 s) writes
 the node's record, checks that every node's is there and reads them all in one multi_get
-(protocols/nodes.py `beat_once`, `JobStore.read_present`), and a crossing reads every node's
-value in one multi_get (protocols/barrier.py `values`): a few requests per node, linear
+(protocols/nodes.py `beat_once`, `JobStore.read_present`): a few requests per node, linear
 job-wide, but each returns every node's record: the bytes the leader's store serves grow with
-n^2 (this benchmark's first sweep found them n sequential round trips each, n^2 requests: the
-crossings grew with k 1.4-1.6). The command poll (cycle/commands.py, every 50 ms) and the state
-publish are one request per node. The store probe (--probe-nodes 1024) times, against a job
-store on loopback, one node's beat at that many nodes, its crossing reads one by one (as they
-were) and as one multi_get (as they are), and the store's throughput with 8 clients.
+n^2. A crossing (protocols/barrier.py `Barrier.agree`) is a put and an add per node; the node
+that arrives last reads every value in one multi_get, folds them and wakes every other node
+with the result in one multi_set, and a woken node reads that one value: linear in requests and
+bytes, and nothing polls (this benchmark's first sweep found every node reading every value one
+round trip at a time, n^2 requests: the crossings grew with k 1.4-1.6; the second, every node
+polling and reading every value in one multi_get). The command poll (cycle/commands.py, every
+50 ms) and the state publish are one request per node. The store probe (--probe-nodes 1024)
+times, against a job store on loopback, one node's beat at that many nodes, the reads of every
+value at a crossing one by one (as every node once made them) and as one multi_get (as the last
+node makes them now), and the store's throughput with 8 clients.
 """
 
 from __future__ import annotations
@@ -772,8 +776,9 @@ def fan_in_note(probe: dict[str, float] | None, largest: int) -> list[str]:
         f"them in one multi_get: 3n/{BEAT_S:g} s = {beat_ops:,.0f} store requests/s job-wide, "
         f"linear{here}; but every node reads every record: n^2 x ~{RECORD_BYTES} B / "
         f"{BEAT_S:g} s = {beat_bytes_per_s(n) / 1e6:,.0f} MB/s out of the leader's store.",
-        "- crossings (3 a step): each node puts its arrival, polls has_all over n keys, then "
-        f"reads every node's value in one multi_get: n^2 = {n * n:,} values job-wide.",
+        "- crossings (3 a step): each node puts its value and counts itself in; the last to "
+        "arrive reads the n values in one multi_get, folds them and wakes the others with the "
+        f"result in one multi_set: 4n requests and ~{n:,} values read job-wide, nothing polls.",
         f"- linear: each node polls the command counter every {COMMANDS_POLL_S:g} s "
         f"({n / COMMANDS_POLL_S:,.0f} ops/s at {n:,}) and puts its state once a phase.",
     ]
@@ -785,15 +790,15 @@ def fan_in_note(probe: dict[str, float] | None, largest: int) -> list[str]:
         *lines,
         f"- probe, {nodes} records on loopback, one client: a check {probe['check_ms']:.3f} ms, "
         f"a get {probe['get_ms']:.3f} ms; one node's beat "
-        f"{probe['beat_ms']:.0f} ms of its {BEAT_S:g} s; one node's gets of every value at a "
-        f"crossing one by one {probe['values_ms']:.0f} ms (before), as one multi_get "
-        f"{probe['multi_get_ms']:.1f} ms (now); "
+        f"{probe['beat_ms']:.0f} ms of its {BEAT_S:g} s; the reads of every value at a "
+        f"crossing one by one {probe['values_ms']:.0f} ms (every node, once), as the last "
+        f"node's one multi_get {probe['multi_get_ms']:.1f} ms (now); "
         f"has_all {probe['has_all_ms']:.2f} ms. {probe['threads']:.0f} clients got "
         f"{rate:,.0f} gets/s ({2 * rate:,.0f} requests/s) from it on this VM.",
-        f"- the requests are now within reach (the beats ask {beat_ops:,.0f}/s of a store that "
-        f"served {2 * rate:,.0f}/s here), the bytes not yet: {n:,} multi_gets of {n:,} records "
-        "each per beat and per crossing. Next: the leader reads the beats once and publishes one "
-        "summary, and the last node to arrive at a crossing writes its one value.",
+        f"- the requests are within reach (the beats ask {beat_ops:,.0f}/s of a store that "
+        f"served {2 * rate:,.0f}/s here), the beats' bytes not yet: {n:,} multi_gets of {n:,} "
+        "records each per beat. Next: the leader reads the beats once and publishes one summary "
+        "(as the last node to arrive at a crossing now folds the values once).",
     ]
 
 
