@@ -157,6 +157,26 @@ def test_offload_and_onload_are_bit_identical() -> None:
         assert torch.equal(restored[key], value), key
 
 
+def test_every_offload_writes_into_the_host_copies_of_the_first() -> None:
+    """The host's copies are allocated once and written in place each step (a fresh copy every
+    step fragmented the heap: the trainer's RSS grew), and still hold each step's values."""
+    trainer = TorchRefTrainer(0, 1, SPEC)
+    addresses: list[set[int]] = []
+    for step in range(3):
+        trainer.train_step(scored_batch(trainer, step))
+        trainer.offload()
+        trainer.offload_params()
+        host = [*trainer.host_params.values()]
+        host += [v for s in trainer.host_optimizer.values() for v in s.values()]
+        addresses.append({t.data_ptr() for t in host if isinstance(t, torch.Tensor)})
+        params = {name: tensor.clone() for name, tensor in trainer.host_params.items()}
+        trainer.onload()
+        for name, tensor in trainer.iter_weights():  # this step's values, not the first's
+            assert torch.equal(tensor, params[name]), name
+    assert addresses[0] == addresses[1] == addresses[2]
+    assert len(addresses[0]) > len(trainer.host_params)  # parameters and AdamW state
+
+
 def test_rollout_allocates_on_wake_frees_on_sleep_and_refuses_torn_weights() -> None:
     trainer = TorchRefTrainer(0, 1, SPEC)
     engine = TorchRefRollout(0, SPEC, MODEL)

@@ -70,8 +70,12 @@ class TorchRefTrainer(GrpoTrainer):
         )
         self.reference = initial_model(self.spec) if self.grpo.kl_coef > 0 else None
         self.step = 0
-        self.host_params: dict[str, torch.Tensor] | None = None  # set while params are offloaded
-        self.host_optimizer: dict[int, dict[str, Any]] | None = None
+        # The host's copies, allocated at the first offload and written in place after: a fresh
+        # copy every step fragmented the heap (the trainer's RSS grew ~30 MiB per 1,000 steps).
+        self.host_params: dict[str, torch.Tensor] = {}
+        self.host_optimizer: dict[int, dict[str, Any]] = {}
+        self.params_offloaded = False
+        self.optimizer_offloaded = False
         self.checkpoint_dir: Path | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -97,40 +101,43 @@ class TorchRefTrainer(GrpoTrainer):
     # -- memory --------------------------------------------------------------------------------
 
     def onload(self) -> None:
-        if self.host_params is not None:
+        if self.params_offloaded:
             for name, parameter in self.model.named_parameters():
                 parameter.data = self.host_params[name].clone()
-            self.host_params = None
-        if self.host_optimizer is not None:
+            self.params_offloaded = False
+        if self.optimizer_offloaded:
             params = list(self.model.parameters())
             for index, state in self.host_optimizer.items():
                 self.optimizer.state[params[index]] = {k: _clone(v) for k, v in state.items()}
-            self.host_optimizer = None
+            self.optimizer_offloaded = False
 
     def offload(self) -> None:
-        """Optimiser state and gradients to the host store; their device copies dropped."""
+        """Optimiser state and gradients to the host's copies; their device copies dropped."""
+        if self.optimizer_offloaded:
+            return
         freed = 0
-        params = list(self.model.parameters())
-        store: dict[int, dict[str, Any]] = {}
-        for index, parameter in enumerate(params):
+        for index, parameter in enumerate(self.model.parameters()):
             state = self.optimizer.state.pop(parameter, None)
             if state:
-                store[index] = {k: _clone(v) for k, v in state.items()}
+                host = self.host_optimizer.setdefault(index, {})
+                for key, value in state.items():
+                    host[key] = _into(host.get(key), value)
                 freed += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
             if parameter.grad is not None:
                 freed += parameter.grad.nbytes
                 parameter.grad = None
-        self.host_optimizer = store if self.host_optimizer is None else self.host_optimizer | store
+        self.optimizer_offloaded = True
         log.info("trainer.offload", rank=self.rank, freed_mb=round(freed / MIB, 3))
 
     def offload_params(self) -> None:
+        if self.params_offloaded:
+            return
         freed = 0
-        host: dict[str, torch.Tensor] = {}
         for name, parameter in self.model.named_parameters():
-            host[name] = parameter.data.clone()
+            self.host_params[name] = _into(self.host_params.get(name), parameter.data)
             freed += parameter.data.nbytes
             parameter.data = torch.empty(0)
-        self.host_params = host
+        self.params_offloaded = True
         log.info("trainer.offload_params", rank=self.rank, freed_mb=round(freed / MIB, 3))
 
     def held_mb(self) -> float:
@@ -209,7 +216,7 @@ class TorchRefTrainer(GrpoTrainer):
     # -- checkpoints ---------------------------------------------------------------------------
 
     def save_checkpoint(self, directory: Path) -> None:
-        was_offloaded = self.host_params is not None
+        was_offloaded = self.params_offloaded
         self.onload()
         state = {
             "step": self.step,
@@ -241,6 +248,16 @@ class TorchRefTrainer(GrpoTrainer):
 
 def _clone(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _into(host: Any, value: Any) -> Any:
+    """`value` written into `host`, the host's copy kept from the last offload, where it has
+    the same shape and dtype; a new copy where not (the first offload)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(host, torch.Tensor) and host.shape == value.shape and host.dtype == value.dtype:
+        return host.copy_(value)
+    return value.clone()
 
 
 build = TorchRefTrainer.from_context  # the registry's builder (registry.py)
