@@ -72,6 +72,11 @@ from timeshare.state.job import LIVE
 
 log = structlog.get_logger(__name__)
 
+# The job's state changes at every phase (hundreds of times a second on one node of simulated
+# engines); it is written to the store at most this often, the newest each time, and once more
+# as the run ends. Each write is a hop into a worker thread and back: a fifth of a daemon's CPU
+# at 16 nodes when every change was written (benchmarks/scale.py, py-spy --gil).
+PUBLISH_EVERY_S = 0.1
 INBOX = 1000  # reports waiting for the loop: at most a phase and a meeting per rank, commands
 
 
@@ -183,6 +188,7 @@ class _Cycle:
         self.at_barrier: dict[int, _Ran] = {}  # BARRIER answered; reported once the rank met
         self.batches: dict[int, msgspec.Raw] = {}  # rank -> its last ROLLOUT's samples
         self.commands: CommandFeed | None = None
+        self.publish_due = anyio.Event()  # the state changed since it was last written
         self.state: JobState  # the machine's, as last moved: the one copy (see `_move`)
 
     @property
@@ -232,8 +238,10 @@ class _Cycle:
             ids = worker_ids(self.node_ranks)
             self.commands = CommandFeed(self.store, self.send, after, self.workers, ids)
             group.start_soon(self._watch_commands, self.commands)
+            group.start_soon(self._keep_publishing)
             await self._drive(group, Bootstrapped(step))
             group.cancel_scope.cancel()
+        await self._publish()  # where the run ended (the run is over: a store gone is logged)
         if self.state.lifecycle is Lifecycle.FAILED:
             return self._failure_of()
         log.info("cycle.run.stopped", step=self.state.step, reason=self.state.reason)
@@ -320,9 +328,7 @@ class _Cycle:
             assert self.commands is not None
             self.coordinator.start_crossing(group, steps.cross, self.commands)
         if steps.publish:
-            lost = await self._publish()
-            if lost is not None:
-                return self._keep(lost)
+            self.publish_due.set()
         if steps.check_release:
             return await self._check_release()
         if steps.finish_drain:
@@ -410,6 +416,18 @@ class _Cycle:
             await commands.watch()
         except StoreError as exc:  # several nodes: the leader, and its store, are gone
             await self.send.send(self.coordinator.store_lost(exc))
+
+    async def _keep_publishing(self) -> None:
+        """Write the job's state as it changes, at most every PUBLISH_EVERY_S; a store gone is
+        the run's failure, reported into the inbox."""
+        while True:
+            await self.publish_due.wait()
+            self.publish_due = anyio.Event()
+            lost = await self._publish()
+            if lost is not None:
+                await self.send.send(lost)
+                return
+            await anyio.sleep(PUBLISH_EVERY_S)
 
     async def _publish(self) -> CycleFailed | None:
         """Where the job stands, into the store; the failure if the store is gone."""

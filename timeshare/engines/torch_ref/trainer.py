@@ -28,7 +28,7 @@ from timeshare.engines.grpo import (
     figures_kept,
     token_logprobs,
 )
-from timeshare.engines.host_memory import map_large_blocks
+from timeshare.engines.host_memory import return_free_heap
 from timeshare.engines.spec import EngineChoice
 from timeshare.engines.torch_ref import checkpoint
 from timeshare.engines.torch_ref.model import CausalLM, init_model, load_pretrained
@@ -55,7 +55,6 @@ class TorchRefTrainer(GrpoTrainer):
         store: JobStore | None = None,
         collective_timeout_s: float = 30.0,
     ) -> None:
-        map_large_blocks()  # its "device" is this process's heap (engines/host_memory.py)
         self.rank = rank
         self.world_size = world_size
         self.spec = engine.settings("torch_ref", TorchRefSpec)
@@ -140,6 +139,7 @@ class TorchRefTrainer(GrpoTrainer):
             freed += parameter.data.nbytes
             parameter.data = torch.empty(0)
         self.params_offloaded = True
+        return_free_heap()  # its device is this process's heap: empty now (host_memory.py)
         log.info("trainer.offload_params", rank=self.rank, freed_mb=round(freed / MIB, 3))
 
     def held_mb(self) -> float:
