@@ -14,7 +14,8 @@ copy kept.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,12 +31,21 @@ def return_free_heap() -> bool:
     1,000 steps (`make soak`). (Mapping every large block instead, a fixed mmap threshold, held
     the RSS but cost each step an munmap per activation: the trainer's CPU per step 1.9x.)
     A CPU accommodation, for this process only; False where the C library is not glibc."""
-    try:
-        malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    malloc_trim = _malloc_trim()
+    if malloc_trim is None:
         return False
     malloc_trim(0)  # (its answer, whether anything went back, is no failure either way)
     return True
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, looked up once per process (it is called every step)."""
+    try:
+        trim: Callable[[int], int] = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+    return trim
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:

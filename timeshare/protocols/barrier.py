@@ -110,7 +110,12 @@ class Barrier:
             nonlocal started
             started = True
             brought = value(self.store) if callable(value) else value
-            agreed = self._arrive_and_wait(name, generation, brought, timeout_s + BACKSTOP_S, fold)
+            try:
+                agreed = self._arrive_and_wait(
+                    name, generation, brought, timeout_s + BACKSTOP_S, fold
+                )
+            except TimeoutError:  # the store's own backstop: the waker could not end the wait
+                return self._timeout(name, generation, timeout_s)
             if agreed is not None:
                 return agreed
             if woken == ["deadline"]:
