@@ -1,7 +1,8 @@
 """A worker for the command-lane tests: `python -m tests.protocols.lane_worker ARGS`.
 
 ARGS (JSON): work, control (endpoints), role, rank, heartbeat_s. Handlers: echo, work (sleeps
-in steps, reporting progress), hang (waits forever without progress), raise, die (SIGKILL self).
+in steps, reporting progress), hang (waits forever without progress), wait_on_peer (sleeps
+marked as a wait on its peer), raise, die (SIGKILL self).
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def main() -> None:
     def hang(params: dict[str, Any]) -> Any:
         threading.Event().wait()  # never set: an engine stuck waiting
 
+    def wait_on_peer(params: dict[str, Any]) -> Any:
+        with server.waiting_on_peer():
+            time.sleep(params["seconds"])
+        return {"waited": params["seconds"]}
+
     def fail(params: dict[str, Any]) -> Any:
         raise ValueError(f"bad batch {params.get('batch')}")
 
@@ -50,7 +56,14 @@ def main() -> None:
         role=args["role"],
         rank=args["rank"],
         heartbeat_s=args.get("heartbeat_s", 0.1),
-        handlers={"echo": echo, "work": work, "hang": hang, "raise": fail, "die": die},
+        handlers={
+            "echo": echo,
+            "work": work,
+            "hang": hang,
+            "wait_on_peer": wait_on_peer,
+            "raise": fail,
+            "die": die,
+        },
     )
     server.serve()
 

@@ -123,6 +123,52 @@ async def test_no_progress_is_a_stall_but_slow_progress_is_alive(runtime_dir: Pa
 
 
 @pytest.mark.asyncio
+async def test_a_driver_held_up_blames_no_worker_for_the_time_it_did_not_watch(
+    runtime_dir: Path,
+) -> None:
+    """The machine pauses (here: the worker stopped, the driver's loop blocked) for longer than
+    the stall timeout while the worker waits on its peer, and the driver's checks resume a
+    moment before the worker's heartbeats do. Judged by the driver's clock alone, the first
+    check after the pause sees 2.5 s without a heartbeat: a stall that never was."""
+    async with one_worker(runtime_dir, stall_timeout_s=1.0) as (lanes, process):
+
+        async def pause_everything() -> None:
+            await anyio.sleep(0.5)
+            process.send_signal(signal.SIGSTOP)
+            time.sleep(2.5)  # noqa: ASYNC251 - the paused machine: nothing of the driver runs
+            await anyio.sleep(0.3)  # the driver's checks run again (every 0.05 s) ...
+            process.send_signal(signal.SIGCONT)  # ... before the worker's next heartbeat
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(pause_everything)
+            waited = await lanes.call(
+                TRAINER, "wait_on_peer", {"seconds": 4.0}, deadline_s=30.0, returns=object
+            )
+        assert waited == {"waited": 4.0}
+
+
+@pytest.mark.asyncio
+async def test_a_worker_silent_while_the_driver_watches_is_a_stall(runtime_dir: Path) -> None:
+    """Stopped mid-call (as a worker stuck in C code holding the GIL sends no heartbeat): no
+    heartbeat for the stall timeout, with the driver checking on schedule, is WorkerStalled."""
+    async with one_worker(runtime_dir, stall_timeout_s=1.0) as (lanes, process):
+
+        async def stop_soon() -> None:
+            await anyio.sleep(0.5)
+            process.send_signal(signal.SIGSTOP)
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(stop_soon)
+                with pytest.raises(WorkerStalled, match="sent no heartbeat in work for 1 s"):
+                    await lanes.call(
+                        TRAINER, "work", {"seconds": 20.0}, deadline_s=30.0, returns=object
+                    )
+        finally:
+            process.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.asyncio
 async def test_deadline_applies_even_while_progressing(runtime_dir: Path) -> None:
     async with one_worker(runtime_dir, stall_timeout_s=5.0) as (lanes, _):
         with pytest.raises(CommandTimeout, match="did not finish work within 1 s"):

@@ -6,9 +6,13 @@ lane from then on (lane_socket.py has the framing).
 
 `WorkerLanes.call` sends a command on the work lane and waits for its result, watching three
 things at once: the result; the worker's process (`worker_exited`, fed by `watch_process`, ends
-the wait at once with `WorkerDied`); and the worker's progress count from its heartbeats (no
-change for `stall_timeout_s` is `WorkerStalled`, unless the worker says it is waiting on its
-peer, a wait that the weight channel's own deadlines bound). The deadline is `CommandTimeout`.
+the wait at once with `WorkerDied`); and the worker's heartbeats. A heartbeat saying the call
+has gone `stall_timeout_s` without progress is `WorkerStalled` (a wait on the peer, which the
+weight channel's own deadlines bound, counts as progress); so is no heartbeat at all for as long
+while this driver was watching. Both are measured so that a driver held up itself (its event
+loop late, the machine or VM paused) blames no worker for time it did not watch: progress by the
+worker's clock, silence only over time the driver's checks ran on schedule. The deadline is
+`CommandTimeout`.
 A command that raised in the worker comes back as `WorkerError` with the remote type and
 message. `WorkerLanes.control` uses the control lane, answered while the work runs.
 
@@ -53,6 +57,8 @@ log = structlog.get_logger(__name__)
 
 # How often a waiting call looks at exits, stalls and its deadline.
 CHECK_S = 0.05
+# A check this late means the driver itself was held up: silence is timed afresh from then.
+DRIVER_LATE_S = 1.0
 ABORT_S = 2.0  # for the control lane's answer to `abort`, then for the aborted call's
 EXIT_REPORT_S = 2.0  # a worker gone from its socket: for its exit to be reported
 LANES = ("work", "control")
@@ -65,8 +71,9 @@ R = TypeVar("R")
 class _Liveness:
     lanes: set[str] = field(default_factory=set)  # lanes that said hello
     pid: int | None = None
-    progress: int = 0
-    progress_at: float = field(default_factory=time.monotonic)
+    heard_at: float = field(default_factory=time.monotonic)  # its last heartbeat
+    busy: int | None = None  # the call its last heartbeat was about
+    idle_s: float = 0.0  # how long that call had gone without progress, by the worker's clock
     returncode: int | None = None
     why: str | None = None  # what ended it, when its exit status alone does not say
     exited: anyio.Event = field(default_factory=anyio.Event)
@@ -74,6 +81,7 @@ class _Liveness:
 
 @dataclass
 class _Pending:
+    id: int
     worker: WorkerId
     command: str
     reply: frames.Result | frames.Failure | None = None
@@ -112,6 +120,8 @@ class WorkerLanes:
         self._workers: dict[WorkerId, _Liveness] = {}
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
+        self._checked_at = time.monotonic()  # the last check of a waiting call
+        self._watching_since = self._checked_at  # checks on schedule since (see _check_on)
 
     @classmethod
     @asynccontextmanager
@@ -224,7 +234,7 @@ class WorkerLanes:
         try:
             for worker, command, params in calls:
                 call_id = next(self._ids)
-                pending[call_id] = self._pending[call_id] = _Pending(worker, command)
+                pending[call_id] = self._pending[call_id] = _Pending(call_id, worker, command)
                 await self._send(lane, worker, frames.Call(call_id, command, params), deadline_s)
             await self._wait_for_replies(lane, list(pending.values()), time.monotonic(), deadline_s)
         finally:
@@ -276,10 +286,30 @@ class WorkerLanes:
                 with anyio.move_on_after(CHECK_S):
                     await wake.wait()
             _raise_first_failure(pending)
-            now = time.monotonic()
+            now = self._checked()
             for p in waiting:
                 if p.reply is None:
                     await self._check_on(lane, p, started, now, deadline_s)
+
+    def _checked(self) -> float:
+        """Now, noting when this driver's checks ran late: whatever held it up (its own loop,
+        the machine, a paused VM) also held up the heartbeats it would have read."""
+        now = time.monotonic()
+        if now - self._checked_at > DRIVER_LATE_S:
+            self._watching_since = now
+        self._checked_at = now
+        return now
+
+    def _stall(self, pending: _Pending, started: float, now: float) -> str | None:
+        """Why the call counts as stalled, or None: its worker's last heartbeat about it said
+        `stall_timeout_s` without progress, or no heartbeat came for that long while the
+        driver watched on schedule (a worker stuck in C code holding the GIL, or stopped)."""
+        liveness, limit = self._workers[pending.worker], self.stall_timeout_s
+        if liveness.busy == pending.id and liveness.idle_s > limit:
+            return f"{pending.worker} made no progress in {pending.command} for {limit:g} s"
+        if now - max(started, liveness.heard_at, self._watching_since) > limit:
+            return f"{pending.worker} sent no heartbeat in {pending.command} for {limit:g} s"
+        return None
 
     async def _check_on(
         self, lane: str, pending: _Pending, started: float, now: float, deadline_s: float
@@ -288,9 +318,9 @@ class WorkerLanes:
         first), or the deadline passed (aborted first)."""
         worker, command = pending.worker, pending.command
         self._raise_if_exited(worker, command)
-        progress_at = self._workers[worker].progress_at
-        if lane == "work" and now - max(started, progress_at) > self.stall_timeout_s:
-            message = f"{worker} made no progress in {command} for {self.stall_timeout_s:g} s"
+        stalled = self._stall(pending, started, now) if lane == "work" else None
+        if stalled is not None:
+            message = stalled
             await self._abort(pending)
             self._raise_if_exited(worker, command)  # it died meanwhile: that is what it was
             raise _failure(WorkerStalled, worker, command, message)
@@ -401,9 +431,8 @@ class WorkerLanes:
             liveness.pid = frame.pid
         elif isinstance(frame, frames.Heartbeat):
             liveness = self._workers.setdefault(worker, _Liveness())
-            if frame.progress != liveness.progress or frame.waiting:
-                liveness.progress = frame.progress
-                liveness.progress_at = time.monotonic()
+            liveness.heard_at = time.monotonic()
+            liveness.busy, liveness.idle_s = frame.busy, frame.idle_s
         else:
             pending = self._pending.get(frame.id)
             if pending is None:

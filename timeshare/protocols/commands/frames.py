@@ -52,6 +52,9 @@ class Heartbeat(_Frame, frozen=True, tag="heartbeat"):
     command: str | None
     progress: int  # grows while the worker makes progress
     waiting: bool = False  # blocked on its peer (weight channel), under that channel's deadlines
+    # Seconds the busy call has gone without progress, by the worker's own clock (0 while it
+    # waits on its peer): the driver's stall rule reads this, not its own clock.
+    idle_s: float = 0.0
 
 
 ToWorker = Call

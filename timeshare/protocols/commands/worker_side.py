@@ -3,8 +3,10 @@
 The work lane runs one call at a time in the main thread (train_step, sync, generate: these may
 take minutes). The control lane has its own thread and socket, so it answers `status` and
 `abort` while work runs, and it sends a heartbeat every `heartbeat_s` carrying a progress count
-that the engine raises with `report_progress()`: the driver calls a worker alive when that count
-moves, not when its process merely exists.
+that the engine raises with `report_progress()`, and how long the running call has gone without
+progress, by this process's clock (a wait on the peer counts as progress): the driver calls a
+worker stalled on what the worker says, so a driver that was itself held up (a busy machine, a
+paused VM) blames no one for the time it did not watch.
 
 `abort` interrupts the running call by a signal to the main thread: a call waiting in Python
 (sleeping, waiting on a lock or an event, polling) ends at once with `Aborted`. A call stuck inside
@@ -59,6 +61,7 @@ class WorkerServer:
         self._heartbeat_s = heartbeat_s
         self._endpoints = {"work": work_endpoint, "control": control_endpoint}
         self._progress = 0
+        self._progress_at = time.monotonic()  # the running call's last progress (or start)
         self._waiting = False
         self._busy: frames.Call | None = None
         self._armed = False  # an abort signal may raise Aborted now
@@ -69,6 +72,7 @@ class WorkerServer:
     def report_progress(self) -> None:
         """Called by the engine as it makes progress (a batch generated, a bucket loaded)."""
         self._progress += 1
+        self._progress_at = time.monotonic()
 
     @contextmanager
     def waiting_on_peer(self) -> Iterator[None]:
@@ -81,6 +85,7 @@ class WorkerServer:
             yield
         finally:
             self._waiting = False
+            self._progress_at = time.monotonic()  # the wait was progress, up to its end
 
     @contextmanager
     def aborting_with(self, abort: Callable[[], object]) -> Iterator[None]:
@@ -149,6 +154,7 @@ class WorkerServer:
         handler = self._handlers.get(call.command)
         if handler is None:
             return frames.failure(call.id, UnknownCommand(f"no handler for {call.command!r}"))
+        self._progress_at = time.monotonic()
         self._busy = call
         try:
             self._armed = True
@@ -235,11 +241,14 @@ class WorkerServer:
 
     def _heartbeat(self) -> frames.Heartbeat:
         busy = self._busy
+        waiting = self._waiting
+        idle_s = 0.0 if busy is None or waiting else time.monotonic() - self._progress_at
         return frames.Heartbeat(
             None if busy is None else busy.id,
             None if busy is None else busy.command,
             self._progress,
-            self._waiting,
+            waiting,
+            idle_s,
         )
 
     def _connect(self, lane: str) -> WorkerSocket:
