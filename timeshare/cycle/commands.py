@@ -24,6 +24,9 @@ from timeshare.state import Commanded, Request, Requested, StepsChanged
 log = structlog.get_logger(__name__)
 
 POLL_S = 0.05
+# Commands read before the cycle starts, at most (the rest follow with the watch): well within
+# the runner's inbox, which nobody reads until the cycle starts.
+CATCH_UP = 100
 READ_S = 5.0  # a command's generation is taken before its value is written
 LOG_LEVEL_TIMEOUT_S = 5.0
 # For daemons idle on other nodes (daemon/service.py): a running cycle has nothing to do with it.
@@ -64,8 +67,15 @@ class CommandFeed:
         self.worker_ids = worker_ids
         self._reading = anyio.Lock()
 
+    async def catch_up(self) -> None:
+        """Feed the commands written already (up to CATCH_UP): read before the cycle starts, a
+        command written before the run applies at its first boundary, not whenever the
+        watch's first poll returns."""
+        latest = await self.store.latest_command()
+        await self.read_through(min(latest, self.read + CATCH_UP))
+
     async def watch(self) -> None:
-        """Feed every command written after the first `read`, until cancelled."""
+        """Feed every command written after the last `read`, until cancelled."""
         while True:
             await self.read_through(await self.store.latest_command())
             await anyio.sleep(POLL_S)

@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import msgspec
 import structlog
-from anyio.abc import TaskGroup
+from anyio.abc import TaskGroup, TaskStatus
 
 from timeshare.cluster import node_ranks
 from timeshare.config import Config, DeadlineSection
@@ -237,7 +237,7 @@ class _Cycle:
         async with anyio.create_task_group() as group, self.inbox:
             ids = worker_ids(self.node_ranks)
             self.commands = CommandFeed(self.store, self.send, after, self.workers, ids)
-            group.start_soon(self._watch_commands, self.commands)
+            await group.start(self._watch_commands, self.commands)
             group.start_soon(self._keep_publishing)
             await self._drive(group, Bootstrapped(step))
             group.cancel_scope.cancel()
@@ -411,8 +411,15 @@ class _Cycle:
                 return
             await self.send.send(_Met(rank))
 
-    async def _watch_commands(self, commands: CommandFeed) -> None:
+    async def _watch_commands(
+        self, commands: CommandFeed, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Started once the commands written before the run are in the inbox."""
         try:
+            try:
+                await commands.catch_up()
+            finally:
+                task_status.started()  # (a store gone: the cycle starts, to learn it below)
             await commands.watch()
         except StoreError as exc:  # several nodes: the leader, and its store, are gone
             await self.send.send(self.coordinator.store_lost(exc))
