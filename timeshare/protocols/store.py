@@ -9,11 +9,11 @@ pickle. Blocking calls here are meant for worker threads (see barrier.py); each 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import msgspec
@@ -23,6 +23,8 @@ from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports 
 from timeshare.cluster import ClusterSection
 from timeshare.errors import StoreError
 from timeshare.state import JobState
+
+T = TypeVar("T")
 
 PREFIX = "timeshare/"
 COMMAND = "command"  # the generation counter and key prefix of cycle-changing commands
@@ -190,10 +192,19 @@ class JobStore:
 
 class AsyncJobStore:
     """The job store for the event loop: every call runs in a worker thread (TCPStore blocks),
-    bounded by the store's own timeouts. `blocking` is the connection underneath."""
+    bounded by the store's own timeouts. `blocking` is the connection underneath.
+
+    One call at a time: a TCPStore connection runs one operation at a time anyway (it locks
+    each), so calls made together wait here, in the event loop, rather than each holding a
+    worker thread blocked on that lock: the process's threads stay as many as its activities,
+    not as many as its calls that happened to overlap."""
 
     def __init__(self, store: JobStore) -> None:
         self.blocking = store
+        self._one_at_a_time = anyio.CapacityLimiter(1)
+
+    async def _call(self, function: Callable[[], T]) -> T:
+        return await anyio.to_thread.run_sync(function, limiter=self._one_at_a_time)
 
     @classmethod
     async def host(cls) -> AsyncJobStore:
@@ -222,10 +233,10 @@ class AsyncJobStore:
         return await anyio.to_thread.run_sync(connect)
 
     async def next_generation(self, name: str) -> int:
-        return await anyio.to_thread.run_sync(self.blocking.next_generation, name)
+        return await self._call(partial(self.blocking.next_generation, name))
 
     async def put(self, key: str, value: Any) -> None:
-        await anyio.to_thread.run_sync(self.blocking.put, key, value)
+        await self._call(partial(self.blocking.put, key, value))
 
     async def publish(self, state: JobState, *, node: int) -> None:
         """Where node `node`'s part of the job stands, under `state_key(node)`: for every node
@@ -240,14 +251,10 @@ class AsyncJobStore:
         await self.put(state_key(node), record)
 
     async def record_command(self, command: str, **params: Any) -> int:
-        return await anyio.to_thread.run_sync(
-            partial(self.blocking.record_command, command, **params)
-        )
+        return await self._call(partial(self.blocking.record_command, command, **params))
 
     async def latest_command(self) -> int:
-        return await anyio.to_thread.run_sync(self.blocking.latest_command)
+        return await self._call(self.blocking.latest_command)
 
     async def command(self, generation: int, *, timeout_s: float) -> JobCommand | None:
-        return await anyio.to_thread.run_sync(
-            partial(self.blocking.command, generation, timeout_s=timeout_s)
-        )
+        return await self._call(partial(self.blocking.command, generation, timeout_s=timeout_s))
