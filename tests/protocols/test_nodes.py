@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from timeshare.errors import NodeLost
-from timeshare.protocols.nodes import NodeBeat, NodeRecord, record_key
+from timeshare.protocols.nodes import FULL_READ_NODES, NodeBeat, NodeRecord, record_key
 from timeshare.protocols.store import JobStore
 
 LOST_S = 0.3
@@ -136,3 +136,73 @@ def test_a_lost_store_is_the_leader_lost() -> None:
             follower.beat_once()
             time.sleep(0.05)
     assert (info.value.node, info.value.ranks) == (0, range(0, 2))
+
+
+def test_a_follower_leaves_the_other_followers_silence_to_the_leader() -> None:
+    store = JobStore.host()
+    follower = beats(store, 1)
+    other(store, 0, 1)
+    other(store, 2, 1)
+    follower.beat_once()
+    time.sleep(LOST_S + 0.1)
+    other(store, 0, 2)  # the leader beats on, node 2 does not: the leader's to judge
+    follower.beat_once()
+    time.sleep(LOST_S + 0.1)  # now the leader is quiet too
+    with pytest.raises(NodeLost, match=r"node 0 \(ranks 0-1\) is lost: .* has not moved"):
+        follower.beat_once()
+
+
+def test_the_leaders_failure_names_the_node_it_found_gone() -> None:
+    store = JobStore.host()
+    follower = beats(store, 1)
+    other(store, 0, 1)
+    follower.beat_once()
+    failed = NodeRecord(
+        node=0,
+        ranks=[0, 1],
+        host="h",
+        pid=7,
+        beat=2,
+        at=0.0,
+        lifecycle="failed",
+        reason="node 2 (ranks 4-5) is lost: its daemon's record has not moved for 3.1 s",
+    )
+    store.put(record_key(0), msgspec.to_builtins(failed))
+    with pytest.raises(
+        NodeLost, match=r"node 0 \(ranks 0-1\) failed: node 2 \(ranks 4-5\) is lost"
+    ):
+        follower.beat_once()
+
+
+class CountingReads:
+    """A connection that counts the records each read asks for."""
+
+    def __init__(self, store: JobStore) -> None:
+        self.store = store
+        self.reads: list[int] = []
+
+    def read_present(self, keys: list[str]) -> list[object]:
+        self.reads.append(len(keys))
+        return self.store.read_present(keys)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+
+def test_a_follower_of_many_nodes_reads_the_leader_each_beat_and_every_node_now_and_then() -> None:
+    store = JobStore.host()
+    nodes = 4 * FULL_READ_NODES  # a follower reads every record one beat in four
+    reads = CountingReads(JobStore.connect(*store.address))
+    follower = NodeBeat(reads, 1, nodes, 2, lost_s=60.0, judging=True)  # type: ignore[arg-type]
+    for node in range(nodes):
+        other(store, node, 1)
+    seen = [follower.beat_once() for _ in range(5)]
+    assert reads.reads == [nodes, 2, 2, 2, nodes]
+    assert [s.record.node for s in seen[1]] == list(range(nodes))  # as last read
+    assert beats(store, 0).full_every == 1  # the leader reads every record at every beat
+    other(store, 9, 2, "failed")  # read on the next whole beat, the ninth: it ends the run
+    for _ in range(3):
+        follower.beat_once()
+    with pytest.raises(NodeLost, match=r"node 9 \(ranks 18-19\) failed: boom"):
+        follower.beat_once()
+    assert reads.reads[5:] == [2, 2, 2, nodes]

@@ -1,10 +1,18 @@
 """The nodes of one job, over its store: each daemon's beat, and the fences they cross together.
 
 Every node's daemon writes its record (`node/<n>`: its ranks, where its job stands, a beat
-counter) every BEAT_S; every node reads all records at the same pace. A node whose beat has not
-moved for the lost deadline is gone (`NodeLost`), and a node that cannot write its own has lost
-the job store (the leader's daemon, which hosts it, is gone). The records are also what
-`timesharectl status` shows on any node.
+counter) every BEAT_S. The leader reads every record at that pace and judges every node: one
+whose beat has not moved for the lost deadline is gone (`NodeLost`), and the leader's run fails
+naming it. A follower judges the leader alone, from the leader's record: gone quiet, or failed
+(and then its reason names the node the leader found gone); a node that cannot write its own
+record has lost the job store (the leader's daemon, which hosts it, is gone). So the store
+sends O(n) records a beat, not n^2: at 1,024 nodes every node reading every record was ~670 MB/s
+out of the leader's store.
+
+A follower still reads every record on one beat in `full_every` (every beat up to
+FULL_READ_NODES nodes, every ceil(n / FULL_READ_NODES) beats beyond): they are what
+`timesharectl status` shows on any node, and a failed or restarted node read there ends the run
+at once. Between such beats its view of the other followers ages.
 
 A crossing is a store barrier of the nodes (not of the ranks): each node arrives once its own
 ranks stand at the fence, bringing a small JSON value (the last command it has seen), and learns
@@ -16,7 +24,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +37,10 @@ from timeshare.protocols.store import JobStore
 from timeshare.state import JobState
 
 BEAT_S = 0.5
+# Up to this many nodes a follower reads every record at every beat (as the leader always does);
+# beyond, one beat in ceil(nodes / FULL_READ_NODES): the store sends at most this many records
+# per follower's beat, on average, however many nodes there are.
+FULL_READ_NODES = 16
 CROSSING = "crossing"
 
 
@@ -99,8 +111,10 @@ class NodeBeat:
 
     The rules for another node: a daemon that wrote its record while we watched and says
     failed has failed; one that says stopped has drained and left; once every node has come
-    (`judging`), a record that has not moved for `lost_s`, or that a new daemon wrote (the node
-    restarted: its part of the run is gone), is a node lost.
+    (`judging`), a record that a new daemon wrote (the node restarted: its part of the run is
+    gone) is a node lost, and so is one that has not moved for `lost_s`, judged by the leader
+    for every node and by a follower for the leader only (a follower does not read the others
+    at every beat: see the module's note).
     """
 
     store: JobStore
@@ -113,6 +127,7 @@ class NodeBeat:
     # What this node's next record says: the loop sets it whole, the beat's thread reads it.
     state: JobState | None = None
     seen: dict[int, _Seen] = field(default_factory=dict)
+    last: dict[int, NodeRecord] = field(default_factory=dict)  # every node's, as last read
 
     def update(self, state: JobState) -> None:
         self.state = state
@@ -120,23 +135,34 @@ class NodeBeat:
     def ranks_of(self, node: int) -> range:
         return ranks_of_node(node, self.ranks_per_node)
 
+    @property
+    def full_every(self) -> int:
+        """A follower reads every node's record one beat in this many (the leader: every)."""
+        return 1 if self.node == 0 else -(-self.nodes // FULL_READ_NODES)
+
     def beat_once(self) -> list[NodeSeen]:
-        """Write this node's record, read every node's; raise `NodeLost` for a node the rules
-        say is gone (or for the leader, when the store itself is gone). Blocking: a thread's."""
+        """Write this node's record, read the records this beat reads (`full_every`); raise
+        `NodeLost` for a node the rules say is gone (or for the leader, when the store itself
+        is gone). Every node's record as last read. Blocking: a thread's."""
         self.write()
-        records = self._read_all()
+        whole = (self.beat - 1) % self.full_every == 0
+        read = range(self.nodes) if whole else sorted({0, self.node})
+        records = self._read(read)
         now = time.monotonic()
         for record in records:
             lost = self._judge(record, now)
             if lost is not None:
                 raise lost
-        return [NodeSeen(record=r, still_since=self.seen[r.node].moved_at) for r in records]
+        return [
+            NodeSeen(record=record, still_since=self.seen[node].moved_at)
+            for node, record in sorted(self.last.items())
+        ]
 
     def others_finished(self) -> bool:
         """Whether every other node has stopped, failed or gone quiet: nobody needs the store
         any more (the leader, which hosts it, waits for this before it leaves)."""
         now = time.monotonic()
-        for record in self._read_all():
+        for record in self._read(range(self.nodes)):
             seen = self.seen[record.node]
             quiet = now - seen.moved_at > self.lost_s
             final = record.lifecycle in ("stopped", "failed")
@@ -165,10 +191,10 @@ class NodeBeat:
         except StoreError as exc:
             raise store_lost(self.store.address, self.node, self.ranks_per_node, exc) from exc
 
-    def _read_all(self) -> list[NodeRecord]:
-        """Every node's record there is, in node order, each noted in `seen`."""
+    def _read(self, nodes: Sequence[int]) -> list[NodeRecord]:
+        """The records of `nodes` there are, in node order, each noted in `seen` and `last`."""
         try:
-            values = self.store.read_present([record_key(node) for node in range(self.nodes)])
+            values = self.store.read_present([record_key(node) for node in nodes])
             records = [None if v is None else msgspec.convert(v, NodeRecord) for v in values]
         except StoreError as exc:
             raise store_lost(self.store.address, self.node, self.ranks_per_node, exc) from exc
@@ -176,6 +202,7 @@ class NodeBeat:
         for record in records:
             if record is not None:
                 self._note(record, now)
+                self.last[record.node] = record
         return [record for record in records if record is not None]
 
     def _note(self, record: NodeRecord, now: float) -> None:
@@ -202,7 +229,9 @@ class NodeBeat:
             )
         if record.lifecycle == "failed" and seen.live:
             return NodeLost(f"{named} failed: {record.reason}", node=record.node, ranks=ranks)
-        if record.lifecycle == "stopped" or not self.judging:
+        # A follower leaves another follower's silence to the leader: it reads that seldom.
+        judges_silence = self.node == 0 or record.node == 0
+        if record.lifecycle == "stopped" or not self.judging or not judges_silence:
             return None
         if now - seen.moved_at > self.lost_s:
             return NodeLost(
