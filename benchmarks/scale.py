@@ -50,16 +50,19 @@ stopped and swept by its directory's name, on every path.
 
 At 1,024 nodes (the printed note puts numbers on it): every node's beat, crossing and command
 poll goes to the one TCPStore the leader's daemon hosts. A beat (every BEAT_S = 0.5 s) writes
-the node's record, checks that every node's is there and reads them all in one multi_get
+the node's record, checks that the records it reads are there and reads them in one multi_get
 (protocols/nodes.py `beat_once`, `JobStore.read_present`): a few requests per node, linear
-job-wide, but each returns every node's record: the bytes the leader's store serves grow with
-n^2. A crossing (protocols/barrier.py `Barrier.agree`) is a put and an add per node; the node
-that arrives last reads every value in one multi_get, folds them and wakes every other node
-with the result in one multi_set, and a woken node reads that one value: linear in requests and
+job-wide. The leader reads every record at every beat; a follower the leader's and its own, and
+every record one beat in ceil(n/16) (every beat up to 16 nodes), so the records the store sends
+are ~n + 18n a beat at 1,024 nodes, not n^2 (as when every node read every record). A
+crossing (protocols/barrier.py `Barrier.agree`) is a put and an add per node; the node that
+arrives last reads every value in one multi_get, folds them and wakes every other node with
+the result in one multi_set, and a woken node reads that one value: linear in requests and
 bytes, and nothing polls (this benchmark's first sweep found every node reading every value one
 round trip at a time, n^2 requests: the crossings grew with k 1.4-1.6; the second, every node
 polling and reading every value in one multi_get). The command poll (cycle/commands.py, every
-50 ms) and the state publish are one request per node. The store probe (--probe-nodes 1024)
+0.5 s on several nodes: a crossing reads the commands too) and the state publish (at most every
+0.1 s) are one request per node. The store probe (--probe-nodes 1024)
 times, against a job store on loopback, one node's beat at that many nodes, the reads of every
 value at a crossing one by one (as every node once made them) and as one multi_get (as the last
 node makes them now), and the store's throughput with 8 clients.
@@ -88,8 +91,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from timeshare.cycle.commands import POLL_S as COMMANDS_POLL_S
-from timeshare.protocols.nodes import BEAT_S, NodeBeat, record_key
+from timeshare.cycle.commands import NODES_POLL_S as COMMANDS_POLL_S
+from timeshare.cycle.runner import PUBLISH_EVERY_S
+from timeshare.protocols.nodes import BEAT_S, FULL_READ_NODES, NodeBeat, record_key
 from timeshare.protocols.store import PREFIX, JobStore
 from timeshare.report.summary import read_summary
 
@@ -752,15 +756,23 @@ def print_fits(fits: dict[str, Fit], reached: dict[str, float | None]) -> None:
 
 
 def beat_ops_per_s(nodes: int) -> float:
-    """Store requests the beats make job-wide: each node writes its record, checks that every
-    node's exists and reads them all in one multi_get (protocols/nodes.py `beat_once`)."""
+    """Store requests the beats make job-wide: each node writes its record, checks that the
+    records it reads exist and reads them in one multi_get (protocols/nodes.py `beat_once`)."""
     return nodes * 3 / BEAT_S
 
 
+def records_per_beat(nodes: int) -> float:
+    """Records the leader's store sends job-wide per beat: the leader reads every node's; a
+    follower, on average, every node's one beat in `full_every` and two (the leader's, its own)
+    on the others (protocols/nodes.py `NodeBeat.full_every`)."""
+    whole = -(-nodes // FULL_READ_NODES)
+    follower = (nodes + 2 * (whole - 1)) / whole
+    return nodes + (nodes - 1) * follower
+
+
 def beat_bytes_per_s(nodes: int, record_bytes: float = RECORD_BYTES) -> float:
-    """Bytes of records the leader's store sends job-wide for the beats: every node reads
-    every node's record each beat."""
-    return nodes * nodes * record_bytes / BEAT_S
+    """Bytes of records the leader's store sends job-wide for the beats."""
+    return records_per_beat(nodes) * record_bytes / BEAT_S
 
 
 def fan_in_note(probe: dict[str, float] | None, largest: int) -> list[str]:
@@ -772,15 +784,19 @@ def fan_in_note(probe: dict[str, float] | None, largest: int) -> list[str]:
     lines = [
         f"At {n:,} nodes every node's beats, crossings and command polls go to one TCPStore, "
         "the leader's (one event loop):",
-        f"- beats: every {BEAT_S:g} s each node writes its record, checks every node's and reads "
-        f"them in one multi_get: 3n/{BEAT_S:g} s = {beat_ops:,.0f} store requests/s job-wide, "
-        f"linear{here}; but every node reads every record: n^2 x ~{RECORD_BYTES} B / "
-        f"{BEAT_S:g} s = {beat_bytes_per_s(n) / 1e6:,.0f} MB/s out of the leader's store.",
+        f"- beats: every {BEAT_S:g} s each node writes its record, checks the ones it reads and "
+        f"reads them in one multi_get: 3n/{BEAT_S:g} s = {beat_ops:,.0f} store requests/s "
+        f"job-wide, linear{here}. The leader reads every record, a follower the leader's and its "
+        f"own and every record one beat in {-(-n // FULL_READ_NODES)}: "
+        f"{records_per_beat(n):,.0f} records x ~{RECORD_BYTES} B / {BEAT_S:g} s = "
+        f"{beat_bytes_per_s(n) / 1e6:,.1f} MB/s out of the leader's store (every node reading "
+        f"every record, as before: {n * n * RECORD_BYTES / BEAT_S / 1e6:,.0f} MB/s).",
         "- crossings (3 a step): each node puts its value and counts itself in; the last to "
         "arrive reads the n values in one multi_get, folds them and wakes the others with the "
         f"result in one multi_set: 4n requests and ~{n:,} values read job-wide, nothing polls.",
         f"- linear: each node polls the command counter every {COMMANDS_POLL_S:g} s "
-        f"({n / COMMANDS_POLL_S:,.0f} ops/s at {n:,}) and puts its state once a phase.",
+        f"({n / COMMANDS_POLL_S:,.0f} ops/s at {n:,}: a crossing reads them too) and puts its "
+        f"state at most every {PUBLISH_EVERY_S:g} s ({n / PUBLISH_EVERY_S:,.0f} ops/s).",
     ]
     if probe is None:
         return lines
@@ -795,10 +811,8 @@ def fan_in_note(probe: dict[str, float] | None, largest: int) -> list[str]:
         f"node's one multi_get {probe['multi_get_ms']:.1f} ms (now); "
         f"has_all {probe['has_all_ms']:.2f} ms. {probe['threads']:.0f} clients got "
         f"{rate:,.0f} gets/s ({2 * rate:,.0f} requests/s) from it on this VM.",
-        f"- the requests are within reach (the beats ask {beat_ops:,.0f}/s of a store that "
-        f"served {2 * rate:,.0f}/s here), the beats' bytes not yet: {n:,} multi_gets of {n:,} "
-        "records each per beat. Next: the leader reads the beats once and publishes one summary "
-        "(as the last node to arrive at a crossing now folds the values once).",
+        f"- the requests are within reach: the beats ask {beat_ops:,.0f}/s of a store that "
+        f"served {2 * rate:,.0f}/s here, and the leader's own beat reads {n:,} records.",
     ]
 
 

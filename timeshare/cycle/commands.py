@@ -23,7 +23,11 @@ from timeshare.state import Commanded, Request, Requested, StepsChanged
 
 log = structlog.get_logger(__name__)
 
-POLL_S = 0.05
+POLL_S = 0.05  # one node: the poll is how commands arrive
+# Several nodes: every crossing (three a step) reads the commands through the newest any node
+# has seen, so a running job gets them there; the poll brings only those between crossings (a
+# paused job's resume). A tenth of the requests: 2,048/s at 1,024 nodes, not 20,480/s.
+NODES_POLL_S = 0.5
 # Commands read before the cycle starts, at most (the rest follow with the watch): well within
 # the runner's inbox, which nobody reads until the cycle starts.
 CATCH_UP = 100
@@ -59,8 +63,11 @@ class CommandFeed:
         after: int,
         workers: Workers,
         worker_ids: list[WorkerId],
+        *,
+        poll_s: float = POLL_S,
     ) -> None:
         self.store = store
+        self.poll_s = poll_s
         self.reports = reports
         self.read = after  # the generation read last
         self.workers = workers
@@ -78,7 +85,7 @@ class CommandFeed:
         """Feed every command written after the last `read`, until cancelled."""
         while True:
             await self.read_through(await self.store.latest_command())
-            await anyio.sleep(POLL_S)
+            await anyio.sleep(self.poll_s)
 
     async def read_through(self, latest: int) -> None:
         """Send every command up to generation `latest` not sent yet."""

@@ -26,7 +26,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from timeshare.cluster import node_ranks
 from timeshare.config import Config, DeadlineSection
-from timeshare.cycle.commands import CommandFeed
+from timeshare.cycle.commands import NODES_POLL_S, POLL_S, CommandFeed
 from timeshare.cycle.hooks import BootstrapReport, CycleHooks, PhaseReport, RunSummary
 from timeshare.cycle.meeting import NodeMeeting
 from timeshare.cycle.nodes import NodeCoordinator
@@ -236,7 +236,10 @@ class _Cycle:
         started = time.monotonic()
         async with anyio.create_task_group() as group, self.inbox:
             ids = worker_ids(self.node_ranks)
-            self.commands = CommandFeed(self.store, self.send, after, self.workers, ids)
+            poll_s = POLL_S if self.coordinator.nodes == 1 else NODES_POLL_S
+            self.commands = CommandFeed(
+                self.store, self.send, after, self.workers, ids, poll_s=poll_s
+            )
             await group.start(self._watch_commands, self.commands)
             group.start_soon(self._keep_publishing)
             await self._drive(group, Bootstrapped(step))
