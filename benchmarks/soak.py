@@ -19,7 +19,8 @@ Each engine's job runs under each front, one after the other, each in a fresh di
 
 The job's steps, runtime, checkpoint and state directories, log file and trace are set through
 TIMESHARE_* variables; the log file and the trace are on, so that their growth is measured
-(--log-max-mb sets [log] max_mb, to see them rotate within a soak).
+(--log-max-mb sets [log] max_mb, to see them rotate within a soak). torch's flight recorder
+is made small (FLIGHT_RECORDER_ENTRIES) so that its bounded ring fills within the warm-up.
 
 Every --sample-s seconds the sampler reads, for the front and all its descendants
 (psutil children(recursive=True)): RSS, VmHWM, open descriptors, threads and CPU time; the
@@ -165,8 +166,18 @@ class Layout:
         return self.root / "front.out"
 
 
+# torch's flight recorder keeps each process's last collectives (TORCH_FR_BUFFER_SIZE, 2,000 by
+# default, ~1 KiB each): a trainer's RSS rises ~1 KiB an all-reduce until the ring is full, ~2
+# MiB, then stays (benchmarks measured it: flat from the start with the ring off). Fitted over
+# 1,000 steps of a few all-reduces each, that filling ring reads as growth of ~3 MiB per 1,000
+# steps; a ring this small is full within the warm-up, and what is left to fit grows without a
+# bound. A TORCH_FR_BUFFER_SIZE of the caller's own wins.
+FLIGHT_RECORDER_ENTRIES = 64
+
+
 def job_env(layout: Layout, steps: int, front: str, log_max_mb: float | None) -> dict[str, str]:
-    """The TIMESHARE_* overrides of one run (the example's file says everything else)."""
+    """The TIMESHARE_* overrides of one run (the example's file says everything else), and
+    the flight recorder's size."""
     env = {
         "TIMESHARE_JOB__STEPS": str(steps),
         "TIMESHARE_JOB__RUNTIME_DIR": str(layout.runtime),
@@ -176,6 +187,8 @@ def job_env(layout: Layout, steps: int, front: str, log_max_mb: float | None) ->
     }
     if log_max_mb is not None:
         env["TIMESHARE_LOG__MAX_MB"] = str(log_max_mb)
+    if "TORCH_FR_BUFFER_SIZE" not in os.environ:
+        env["TORCH_FR_BUFFER_SIZE"] = str(FLIGHT_RECORDER_ENTRIES)
     if front == "daemon":
         env["TIMESHARE_DAEMON__STATE_DIR"] = str(layout.state)
         env["TIMESHARE_DAEMON__METRICS_PORT"] = "0"  # any free port: never another's

@@ -19,8 +19,16 @@ def beats(store: JobStore, node: int) -> NodeBeat:
     return NodeBeat(JobStore.connect(*store.address), node, 3, 2, lost_s=LOST_S, judging=True)
 
 
-def other(store: JobStore, node: int, beat: int, lifecycle: str = "running", pid: int = 7) -> None:
-    """What node `node`'s daemon (pid `pid`) writes of itself."""
+def other(
+    store: JobStore,
+    node: int,
+    beat: int,
+    lifecycle: str = "running",
+    *,
+    pid: int = 7,
+    reason: str = "boom",
+) -> None:
+    """What node `node`'s daemon (pid `pid`) writes of itself (`reason`: why it failed)."""
     record = NodeRecord(
         node=node,
         ranks=[2 * node, 2 * node + 1],
@@ -29,7 +37,7 @@ def other(store: JobStore, node: int, beat: int, lifecycle: str = "running", pid
         beat=beat,
         at=0.0,
         lifecycle=lifecycle,
-        reason="boom" if lifecycle == "failed" else None,
+        reason=reason if lifecycle == "failed" else None,
     )
     store.put(record_key(node), msgspec.to_builtins(record))
 
@@ -157,17 +165,8 @@ def test_the_leaders_failure_names_the_node_it_found_gone() -> None:
     follower = beats(store, 1)
     other(store, 0, 1)
     follower.beat_once()
-    failed = NodeRecord(
-        node=0,
-        ranks=[0, 1],
-        host="h",
-        pid=7,
-        beat=2,
-        at=0.0,
-        lifecycle="failed",
-        reason="node 2 (ranks 4-5) is lost: its daemon's record has not moved for 3.1 s",
-    )
-    store.put(record_key(0), msgspec.to_builtins(failed))
+    lost = "node 2 (ranks 4-5) is lost: its daemon's record has not moved for 3.1 s"
+    other(store, 0, 2, "failed", reason=lost)
     with pytest.raises(
         NodeLost, match=r"node 0 \(ranks 0-1\) failed: node 2 \(ranks 4-5\) is lost"
     ):
