@@ -2,7 +2,8 @@
 
 ARGS (JSON): work, control (endpoints), role, rank, heartbeat_s. Handlers: echo, work (sleeps
 in steps, reporting progress), hang (waits forever without progress), wait_on_peer (sleeps
-marked as a wait on its peer), raise, die (SIGKILL self).
+marked as a wait on its peer), hang_hard (a hang that an abort does not end, as in C code),
+raise, die (SIGKILL self).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import structlog
 
+from timeshare.errors import Aborted
 from timeshare.protocols.commands import WorkerServer
 
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
@@ -38,6 +40,13 @@ def main() -> None:
 
     def hang(params: dict[str, Any]) -> Any:
         threading.Event().wait()  # never set: an engine stuck waiting
+
+    def hang_hard(params: dict[str, Any]) -> Any:
+        while True:
+            try:
+                threading.Event().wait()
+            except Aborted:
+                continue
 
     def wait_on_peer(params: dict[str, Any]) -> Any:
         with server.waiting_on_peer():
@@ -61,6 +70,7 @@ def main() -> None:
             "work": work,
             "hang": hang,
             "wait_on_peer": wait_on_peer,
+            "hang_hard": hang_hard,
             "raise": fail,
             "die": die,
         },

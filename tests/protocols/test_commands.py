@@ -26,6 +26,7 @@ from timeshare.errors import (
     WorkerStalled,
 )
 from timeshare.protocols.commands import WorkerId, WorkerLanes, frames, watch_process
+from timeshare.protocols.commands.driver_side import ABORT_S
 from timeshare.protocols.commands.lane_socket import HEADER, MAX_FRAME, FrameReader, pack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -166,6 +167,21 @@ async def test_a_worker_silent_while_the_driver_watches_is_a_stall(runtime_dir: 
                     )
         finally:
             process.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.asyncio
+async def test_a_call_the_worker_never_starts_is_a_stall(runtime_dir: Path) -> None:
+    """The worker is still stuck in a call it was told to abort (as C code would be): the next
+    call is never started, and its heartbeats, about the old call, say so."""
+    async with one_worker(runtime_dir, stall_timeout_s=1.0) as (lanes, process):
+        with pytest.raises(WorkerStalled, match="made no progress in hang_hard for 1 s"):
+            await lanes.call(TRAINER, "hang_hard", deadline_s=30.0, returns=object)
+        started = time.monotonic()
+        with pytest.raises(WorkerStalled, match=r"in echo for 1 s \(it has not started it\)"):
+            await lanes.call(TRAINER, "echo", deadline_s=30.0, returns=object)
+        assert time.monotonic() - started < 1.0 + ABORT_S + 2.0  # (the abort, unanswered)
+        process.kill()  # (it would not answer `shutdown` either)
+        await anyio.to_thread.run_sync(process.wait)
 
 
 @pytest.mark.asyncio

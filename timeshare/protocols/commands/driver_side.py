@@ -11,7 +11,9 @@ has gone `stall_timeout_s` without progress is `WorkerStalled` (a wait on the pe
 weight channel's own deadlines bound, counts as progress); so is no heartbeat at all for as long
 while this driver was watching. Both are measured so that a driver held up itself (its event
 loop late, the machine or VM paused) blames no worker for time it did not watch: progress by the
-worker's clock, silence only over time the driver's checks ran on schedule. The deadline is
+worker's clock (which leaves out time its own process was held up: worker_side.py), silence only
+over time the driver's checks ran on schedule. A call the worker never started while its
+heartbeats say it is on another (one it would not let go of) is a stall too. The deadline is
 `CommandTimeout`.
 A command that raised in the worker comes back as `WorkerError` with the remote type and
 message. `WorkerLanes.control` uses the control lane, answered while the work runs.
@@ -307,6 +309,12 @@ class WorkerLanes:
         liveness, limit = self._workers[pending.worker], self.stall_timeout_s
         if liveness.busy == pending.id and liveness.idle_s > limit:
             return f"{pending.worker} made no progress in {pending.command} for {limit:g} s"
+        if liveness.busy != pending.id and liveness.heard_at > started and now - started > limit:
+            # Its heartbeats say it is on something else (an earlier call it never let go of).
+            return (
+                f"{pending.worker} made no progress in {pending.command} for {limit:g} s "
+                "(it has not started it)"
+            )
         if now - max(started, liveness.heard_at, self._watching_since) > limit:
             return f"{pending.worker} sent no heartbeat in {pending.command} for {limit:g} s"
         return None

@@ -4,9 +4,10 @@ The work lane runs one call at a time in the main thread (train_step, sync, gene
 take minutes). The control lane has its own thread and socket, so it answers `status` and
 `abort` while work runs, and it sends a heartbeat every `heartbeat_s` carrying a progress count
 that the engine raises with `report_progress()`, and how long the running call has gone without
-progress, by this process's clock (a wait on the peer counts as progress): the driver calls a
-worker stalled on what the worker says, so a driver that was itself held up (a busy machine, a
-paused VM) blames no one for the time it did not watch.
+progress, by this process's clock (a wait on the peer counts as progress; time the control
+thread itself was held up, a paused VM, is left out): the driver calls a worker stalled on what
+the worker says, so a driver that was itself held up blames no one for the time it did not
+watch.
 
 `abort` interrupts the running call by a signal to the main thread: a call waiting in Python
 (sleeping, waiting on a lock or an event, polling) ends at once with `Aborted`. A call stuck inside
@@ -38,6 +39,7 @@ log = structlog.get_logger(__name__)
 Handler: TypeAlias = Callable[[dict[str, Any]], Any]
 ABORT_SIGNAL = signal.SIGUSR1
 POLL_SLICE_S = 0.05
+LATE_S = 1.0  # the control thread this late: the process was held up (see _forgive_lateness)
 CONNECT_S = 10.0  # the driver listens before it starts a worker: this is for a slow start
 SHUTDOWN = "shutdown"  # answered at once, or after the worker's own `shutdown` handler ran
 
@@ -84,8 +86,11 @@ class WorkerServer:
         try:
             yield
         finally:
+            # The wait was progress, up to its end: noted before the flag drops, so that no
+            # heartbeat between the two says the whole wait was idle (_heartbeat reads the flag
+            # first).
+            self._progress_at = time.monotonic()
             self._waiting = False
-            self._progress_at = time.monotonic()  # the wait was progress, up to its end
 
     @contextmanager
     def aborting_with(self, abort: Callable[[], object]) -> Iterator[None]:
@@ -192,7 +197,9 @@ class WorkerServer:
         try:
             while not self._stop.is_set():
                 wait_s = min(POLL_SLICE_S, max(0.0, next_beat - time.monotonic()))
+                waiting_since = time.monotonic()
                 data = control.receive(wait_s)
+                self._forgive_lateness(waiting_since, wait_s)
                 if data is not None:
                     self._answer_control(control, data)
                 if time.monotonic() >= next_beat:
@@ -203,6 +210,17 @@ class WorkerServer:
                 log.warning("worker.lane.lost", role=self.role, rank=self.rank, error=str(exc))
         finally:
             control.close()
+
+    def _forgive_lateness(self, since: float, allowed_s: float) -> None:
+        """This thread's wait from `since` ran LATE_S past `allowed_s` (the machine or VM
+        paused, or another thread held the GIL): that time is not the call's idleness, so its
+        last progress moves on by as much (before the next heartbeat says how idle it is). A
+        worker that held the GIL that long sent no heartbeat meanwhile: the driver's silence
+        rule judges that."""
+        now = time.monotonic()
+        late_s = now - since - allowed_s
+        if late_s > LATE_S:
+            self._progress_at = min(self._progress_at + late_s, now)
 
     def _answer_control(self, control: WorkerSocket, data: bytes) -> None:
         try:
