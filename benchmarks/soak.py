@@ -168,10 +168,10 @@ class Layout:
 
 # torch's flight recorder keeps each process's last collectives (TORCH_FR_BUFFER_SIZE, 2,000 by
 # default, ~1 KiB each): a trainer's RSS rises ~1 KiB an all-reduce until the ring is full, ~2
-# MiB, then stays (benchmarks measured it: flat from the start with the ring off). Fitted over
+# MiB, then stays (a two-process gloo loop: flat from the start with the ring off). Fitted over
 # 1,000 steps of a few all-reduces each, that filling ring reads as growth of ~3 MiB per 1,000
-# steps; a ring this small is full within the warm-up, and what is left to fit grows without a
-# bound. A TORCH_FR_BUFFER_SIZE of the caller's own wins.
+# steps; a ring this small is full within the warm-up, and what is left to fit is growth that
+# no ring bounds. A TORCH_FR_BUFFER_SIZE of the caller's own wins.
 FLIGHT_RECORDER_ENTRIES = 64
 
 

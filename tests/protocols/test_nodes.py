@@ -9,7 +9,14 @@ import msgspec
 import pytest
 
 from timeshare.errors import NodeLost
-from timeshare.protocols.nodes import FULL_READ_NODES, NodeBeat, NodeRecord, record_key
+from timeshare.protocols.nodes import (
+    BEAT_S,
+    FULL_READ_NODES,
+    NodeBeat,
+    NodeRecord,
+    NodeSeen,
+    record_key,
+)
 from timeshare.protocols.store import JobStore
 
 LOST_S = 0.3
@@ -198,6 +205,9 @@ def test_a_follower_of_many_nodes_reads_the_leader_each_beat_and_every_node_now_
     seen = [follower.beat_once() for _ in range(5)]
     assert reads.reads == [nodes, 2, 2, 2, nodes]
     assert [s.record.node for s in seen[1]] == list(range(nodes))  # as last read
+    # Status allows for that: another follower's beat age may be 3 beats older than its own.
+    lags = {s.record.node: s.read_lag_s for s in seen[1]}
+    assert (lags[0], lags[1], lags[2]) == (0.0, 0.0, 3 * BEAT_S)
     assert beats(store, 0).full_every == 1  # the leader reads every record at every beat
     other(store, 9, 2, "failed")  # read on the next whole beat, the ninth: it ends the run
     for _ in range(3):
@@ -205,3 +215,35 @@ def test_a_follower_of_many_nodes_reads_the_leader_each_beat_and_every_node_now_
     with pytest.raises(NodeLost, match=r"node 9 \(ranks 18-19\) failed: boom"):
         follower.beat_once()
     assert reads.reads[5:] == [2, 2, 2, nodes]
+
+
+def test_status_allows_for_how_seldom_a_node_is_read() -> None:
+    record = NodeRecord(node=5, ranks=[10, 11], host="h", pid=7, beat=1, at=0.0)
+    now = time.monotonic()
+    read_every_beat = NodeSeen(record=record, still_since=now - 2.0)
+    read_seldom = NodeSeen(record=record, still_since=now - 2.0, read_lag_s=1.5)
+    assert read_every_beat.view(now, silent_after_s=1.0)["silent"]
+    assert not read_seldom.view(now, silent_after_s=1.0)["silent"]
+    assert read_seldom.view(now, silent_after_s=0.4)["silent"]
+
+
+def test_a_follower_takes_a_restart_before_judging_read_only_after_it_as_joining() -> None:
+    """A follower of 64 nodes reads node 9 one beat in four: node 9's daemon restarted before
+    the run began, but this follower reads the new one only once judging has begun. That node
+    joined; a restart after that is a node lost."""
+    store = JobStore.host()
+    nodes = 4 * FULL_READ_NODES
+    follower = NodeBeat(JobStore.connect(*store.address), 1, nodes, 2, lost_s=60.0)
+    for node in range(nodes):
+        other(store, node, 1)
+    follower.beat_once()  # whole: node 9 is pid 7
+    other(store, 9, 1, pid=8)  # restarted, before the run began
+    follower.judging = True
+    for beat in range(2, 6):  # the fifth is whole: it reads pid 8 for the first time
+        other(store, 0, beat)
+        follower.beat_once()
+    other(store, 9, 2, pid=9)  # a restart now
+    with pytest.raises(NodeLost, match=r"node 9 \(ranks 18-19\) restarted .* pid 9"):
+        for beat in range(6, 10):
+            other(store, 0, beat)
+            follower.beat_once()

@@ -151,7 +151,7 @@ class NodeCoordinator:
         if agreed["steps_by_node"] is not None:  # a checkpoint directory not shared, maybe
             log.warning("cycle.nodes.steps_differ", steps_by_node=agreed["steps_by_node"])
         assert self.beat is not None
-        self.beat.judging = True  # every node came: from now on, one gone quiet is lost
+        self.beat.judging = True  # every node came: from now on, a node gone quiet is lost
         return int(agreed["step"]), int(agreed["commands"])
 
     def start_crossing(self, group: TaskGroup, following: Phase, commands: CommandFeed) -> None:

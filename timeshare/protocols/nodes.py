@@ -66,6 +66,9 @@ class NodeSeen(msgspec.Struct, frozen=True, kw_only=True):
 
     record: NodeRecord
     still_since: float
+    # How stale this reader's view of it may be beyond a beat: a follower reads the other
+    # followers one beat in `full_every` (their beat's age may be that much older).
+    read_lag_s: float = 0.0
 
     def view(self, now: float, silent_after_s: float) -> dict[str, Any]:
         """The record as status shows it: with its beat's age at `now` (monotonic) and whether
@@ -74,7 +77,7 @@ class NodeSeen(msgspec.Struct, frozen=True, kw_only=True):
         return {
             **msgspec.to_builtins(self.record),
             "beat_age_s": round(age, 3),
-            "silent": age > silent_after_s,
+            "silent": age > silent_after_s + self.read_lag_s,
         }
 
 
@@ -103,6 +106,9 @@ class _Seen:
     beat: int
     moved_at: float
     live: bool = False  # its beat moved while we watched: its record is of this run
+    # This daemon was read while judging: a new one after it is a restart. (A follower may read
+    # another follower seldom: one that restarted before judging began may first be read after.)
+    judged: bool = False
 
 
 @dataclass
@@ -153,8 +159,13 @@ class NodeBeat:
             lost = self._judge(record, now)
             if lost is not None:
                 raise lost
+        lag_s = (self.full_every - 1) * BEAT_S
         return [
-            NodeSeen(record=record, still_since=self.seen[node].moved_at)
+            NodeSeen(
+                record=record,
+                still_since=self.seen[node].moved_at,
+                read_lag_s=0.0 if node in (0, self.node) else lag_s,
+            )
             for node, record in sorted(self.last.items())
         ]
 
@@ -208,11 +219,13 @@ class NodeBeat:
     def _note(self, record: NodeRecord, now: float) -> None:
         daemon = (record.host, record.pid)
         seen = self.seen.get(record.node)
-        if seen is None or (seen.daemon != daemon and not self.judging):
-            self.seen[record.node] = _Seen(daemon, record.beat, now)  # (a restart before the
-            # run began is no loss: it simply joins)
-        elif seen.daemon == daemon and seen.beat != record.beat:
-            seen.beat, seen.moved_at, seen.live = record.beat, now, True
+        if seen is None or (seen.daemon != daemon and not seen.judged):
+            # (a restart before the run began is no loss: it simply joins)
+            self.seen[record.node] = _Seen(daemon, record.beat, now, judged=self.judging)
+        elif seen.daemon == daemon:
+            seen.judged = seen.judged or self.judging
+            if seen.beat != record.beat:
+                seen.beat, seen.moved_at, seen.live = record.beat, now, True
 
     def _judge(self, record: NodeRecord, now: float) -> NodeLost | None:
         if record.node == self.node:
@@ -220,7 +233,7 @@ class NodeBeat:
         seen = self.seen[record.node]
         ranks = self.ranks_of(record.node)
         named = f"node {record.node} (ranks {ranks.start}-{ranks.stop - 1})"
-        if self.judging and (record.host, record.pid) != seen.daemon:
+        if seen.judged and (record.host, record.pid) != seen.daemon:
             return NodeLost(
                 f"{named} restarted (its daemon is now pid {record.pid} on {record.host}): "
                 "its part of the run is gone",
