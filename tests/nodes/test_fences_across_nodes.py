@@ -23,6 +23,7 @@ from timeshare.cycle import RunSummary, run_cycle
 from timeshare.errors import CycleFailed, WorkerError
 
 RUN_S = 120.0
+ATTEMPTS = 3  # runs fenced only within each node, until one runs a device out
 
 
 def node_config(root: Path, node: int, port: int) -> Config:
@@ -75,9 +76,17 @@ async def test_fenced_across_nodes_no_device_ever_runs_out(runtime_dir: Path) ->
 async def test_fenced_within_each_node_only_a_device_of_the_other_node_runs_out(
     runtime_dir: Path,
 ) -> None:
-    root = runtime_dir
-    ended = await both_nodes(root, across_nodes=False)
-    failures = [e for e in ended if isinstance(e, CycleFailed)]
+    # A race, as the real one is: each run is a chance for the engine's leader to wake memory
+    # on node 1's devices while node 1's trainers hold them. On a loaded machine one run may
+    # miss it (a clean clone saw that once in many); fenced across nodes, no run ever has it.
+    for attempt in range(ATTEMPTS):
+        root = runtime_dir / f"attempt{attempt}"
+        ended = await both_nodes(root, across_nodes=False)
+        failures = [e for e in ended if isinstance(e, CycleFailed)]
+        for node in range(2):
+            assert_nothing_left(root / f"node{node}")
+        if failures:
+            break
     assert failures, ended
     cause = failures[0].cause
     assert isinstance(cause, WorkerError) and cause.remote_type == "SimulatedOOM", cause
@@ -87,5 +96,3 @@ async def test_fenced_within_each_node_only_a_device_of_the_other_node_runs_out(
     assert found is not None, cause.remote_message
     device = int(found.group(1))
     assert device in (2, 3), cause.remote_message
-    for node in range(2):
-        assert_nothing_left(root / f"node{node}")
