@@ -97,3 +97,24 @@ def test_console_lines_on_a_terminal() -> None:
     lines = text.decode().splitlines()
     assert len(lines) == 4 and not lines[0].startswith("{")
     assert "sync.bucket.acked" in lines[0] and "bucket=2" in lines[0] and "step=3" in lines[0]
+
+
+def test_every_value_an_event_carries_reaches_the_file_as_json(tmp_path: Path) -> None:
+    """msgspec writes the lines: what it has no JSON for is written as its repr, as json.dumps'
+    fallback would (keys included), so that no event is lost to its encoding."""
+    path = tmp_path / "log.jsonl"
+    script = f"""
+from pathlib import Path
+import structlog
+from timeshare import logs
+logs.configure("info", {str(path)!r})
+log = structlog.get_logger("test")
+log.info("figures", path=Path("/x"), big=2**70, nan=float("nan"), spans=(("a", 1.5),))
+log.info("keys", by_rank={{0: "a", 1: "b"}}, by_flag={{True: "on", None: "unset"}})
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0]["path"] == repr(Path("/x")) and lines[0]["big"] == 2**70
+    assert lines[0]["nan"] is None and lines[0]["spans"] == [["a", 1.5]]
+    assert lines[1]["by_rank"] == {"0": "a", "1": "b"}
+    assert lines[1]["by_flag"] == {"True": "on", "None": "unset"}  # keys too: their repr
