@@ -18,7 +18,8 @@
 #            examples/megatron-vllm-grpo.toml).
 # make bench-nodes: the main job of 4 ranks as 1 node x 4 and as 2 nodes x 2, per phase.
 # make soak: long runs under `timeshare run` and `timeshared`: growth per 1,000 steps (15 min).
-# make bench-scale: simulated engines on 1..16 nodes, per phase, growth fitted to 1,024 nodes.
+# make bench-scale: simulated engines on 1..16 nodes, per phase, growth fitted to 1,024 nodes;
+#            then one whole node with 1..15 protocol peers (benchmarks/peers.py).
 # make demo-sglang: the job with SGLang as the rollout engine (examples/sglang-grpo.toml), run from
 #            .venv-sglang; its summary in runs/sglang-grpo/summary.json.
 # make bench-sglang: syncing 256 MiB into a running SGLang engine (benchmarks/sglang_sync.py).
@@ -172,6 +173,7 @@ soak: $(STAMP)
 
 bench-scale: $(STAMP)
 	$(PY) benchmarks/scale.py --json runs/scale.json
+	$(PY) benchmarks/scale.py --peers --probe-nodes 0 --json runs/scale-peers.json
 
 clean:
 	rm -rf $(VENV) $(SGLANG_VENV) .mypy_cache .pytest_cache .ruff_cache

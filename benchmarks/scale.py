@@ -1,6 +1,7 @@
 """What the cycle costs per phase as a job grows from 1 to 16 nodes, and what that projects to.
 
     python benchmarks/scale.py --nodes 1 2 4 8 16 --steps 60 --json runs/scale.json
+    python benchmarks/scale.py --peers --json runs/scale-peers.json
 
 One job of simulated engines (examples/simulated.toml: real worker processes, lanes, weight
 channel and barriers, no model) runs over 1, 2, 4, 8 and 16 node daemons on loopback: one
@@ -47,6 +48,16 @@ processes: the CPU rows say how busy the cores were and whose work it was. A nod
 stops the sweep, reported and not a crash, when it fails, runs past --wall-s, or would not fit
 in memory (each node's share measured on the count before); every process a run started is
 stopped and swept by its directory's name, on every path.
+
+--peers separates the two. Node 0, the leader, is a whole node (`timeshare run`, its zygote and
+workers, the job store it hosts); nodes 1..n-1 are protocol peers, one process of them
+(benchmarks/peers.py): each does in the store what a node's daemon does (its beat, the start's
+agreement and every crossing, its state, the command poll), with the daemon's own code, and has
+no workers. That is what the other nodes of a cluster cost one node, which has cores of its
+own: the requests they send the store and how long they keep it at a fence. A peer arrives at a
+fence at once, so the leader arrives last at every crossing, and its rows are its own cost at
+that node count, nothing of the others' phases; the peers' CPU shows in `other cores`. (The
+peers share the 2 cores with the leader, so their requests still come from this machine's CPU.)
 
 At 1,024 nodes (the printed note puts numbers on it): every node's beat, crossing and command
 poll goes to the one TCPStore the leader's daemon hosts. A beat (every BEAT_S = 0.5 s) writes
@@ -99,6 +110,7 @@ from timeshare.report.summary import read_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "simulated.toml"
+PEERS = ROOT / "benchmarks" / "peers.py"
 PHASES = ("train", "offload", "sync", "barrier", "resume", "rollout")
 # Each fence's crossing: the phase it follows, and the phase it opens.
 FENCES = {"cross>sync": ("offload", "sync"), "cross>resume": ("barrier", "resume")}
@@ -164,6 +176,12 @@ class Layout:
     nodes: int
     ranks_per_node: int
     steps: int
+    peers: bool = False  # nodes 1..n-1 are protocol peers (benchmarks/peers.py), not daemons
+
+    @property
+    def real_nodes(self) -> int:
+        """The nodes that run `timeshare run` (their records make the figures)."""
+        return 1 if self.peers else self.nodes
 
 
 def node_env(layout: Layout, root: Path, node: int, port: int) -> dict[str, str]:
@@ -183,11 +201,14 @@ def node_env(layout: Layout, root: Path, node: int, port: int) -> dict[str, str]
     }
 
 
-def start_nodes(processes: list[subprocess.Popen[bytes]], layout: Layout, root: Path) -> None:
+def start_nodes(
+    processes: list[subprocess.Popen[bytes]], outputs: list[Path], layout: Layout, root: Path
+) -> None:
     """One `timeshare run` per node, the leader first, into `processes` as each starts (the
-    caller stops those started if a later one cannot); each one's output in its node{n}.out."""
+    caller stops those started if a later one cannot); each one's output in its node{n}.out
+    (`outputs`). With peers, one process of them after the leader, its output in peers.out."""
     port = free_port()
-    for node in range(layout.nodes):
+    for node in range(layout.real_nodes):
         command = [
             sys.executable,
             "-m",
@@ -198,9 +219,23 @@ def start_nodes(processes: list[subprocess.Popen[bytes]], layout: Layout, root: 
             str(root / f"node{node}.json"),
         ]
         env = node_env(layout, root, node, port)
-        with (root / f"node{node}.out").open("wb") as out:  # the child keeps its own copy
+        outputs.append(root / f"node{node}.out")
+        with outputs[-1].open("wb") as out:  # the child keeps its own copy
             processes.append(
                 subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+            )
+    if layout.peers and layout.nodes > 1:
+        command = [
+            sys.executable,
+            str(PEERS),
+            *("--port", str(port), "--nodes", str(layout.nodes)),
+            *("--ranks-per-node", str(layout.ranks_per_node), "--tag", str(root / "peers")),
+            *("--lost-s", UNDER_LOAD["TIMESHARE_DEADLINES__NODE_S"]),
+        ]
+        outputs.append(root / "peers.out")
+        with outputs[-1].open("wb") as out:
+            processes.append(
+                subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
             )
 
 
@@ -213,7 +248,11 @@ class Outcome:
 
 
 def watch(
-    processes: list[subprocess.Popen[bytes]], sampler: CpuSampler, wall_s: float, floor_mb: float
+    processes: list[subprocess.Popen[bytes]],
+    outputs: list[Path],
+    sampler: CpuSampler,
+    wall_s: float,
+    floor_mb: float,
 ) -> Outcome:
     """Until every node exited 0, one failed, the wall limit passed or memory ran low; the
     run's CPU sampled meanwhile."""
@@ -224,7 +263,7 @@ def watch(
         failed = [(node, code) for node, code in enumerate(codes) if code not in (None, 0)]
         if failed:
             node, code = failed[0]
-            outcome.status, outcome.why = "failed", f"node {node} exited {code}"
+            outcome.status, outcome.why = "failed", f"{outputs[node].stem} exited {code}"
             outcome.failed_node = node
             return outcome
         if all(code == 0 for code in codes):
@@ -288,7 +327,7 @@ class CpuSampler:
             if used is not None:
                 self.used[pid] = used
         daemons = sum(s for pid, s in self.used.items() if self.roles[pid] == "daemon")
-        workers = sum(self.used.values()) - daemons
+        workers = sum(s for pid, s in self.used.items() if self.roles[pid] == "workers")
         self.samples.append(Sample(now, daemons, workers, machine_busy_s()))
 
 
@@ -304,6 +343,8 @@ def role_of(pid: int) -> str:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return "workers"
+    if any(arg.endswith(b"peers.py") for arg in argv):
+        return "peers"
     return "daemon" if b"run" in argv and b"timeshare" in argv else "workers"
 
 
@@ -376,10 +417,11 @@ def run_count(layout: Layout, *, wall_s: float, floor_mb: float) -> CountRun:
         before_mb, cpu_before = mem_available_mb(), children_cpu_s()
         started = time.monotonic()
         processes: list[subprocess.Popen[bytes]] = []
+        outputs: list[Path] = []
         sampler = CpuSampler(root)
         try:
-            start_nodes(processes, layout, root)
-            outcome = watch(processes, sampler, wall_s, floor_mb)
+            start_nodes(processes, outputs, layout, root)
+            outcome = watch(processes, outputs, sampler, wall_s, floor_mb)
         finally:  # an error or an interrupt here too: nothing of this run is left behind
             leftovers = stop_all(processes, root)
         run = CountRun(
@@ -392,16 +434,16 @@ def run_count(layout: Layout, *, wall_s: float, floor_mb: float) -> CountRun:
             cpu_samples=sampler.samples,
         )
         if outcome.failed_node is not None:
-            outcome.why += f": {tail(root / f'node{outcome.failed_node}.out')}"
+            outcome.why += f": {tail(outputs[outcome.failed_node])}"
         if outcome.status == "ok":
-            read_nodes(run, root)
+            read_nodes(run, root, layout.real_nodes)
         return run
 
 
-def read_nodes(run: CountRun, root: Path) -> None:
-    """Every node's summary and timeline records into `run`; one that cannot be read makes
-    the count's outcome "unreadable", saying which (reported like a failure, not raised)."""
-    for node in range(run.nodes):
+def read_nodes(run: CountRun, root: Path, real_nodes: int) -> None:
+    """Every real node's summary and timeline records into `run`; one that cannot be read
+    makes the count's outcome "unreadable", saying which (reported like a failure, not raised)."""
+    for node in range(real_nodes):
         try:
             run.summaries.append(read_summary(root / f"node{node}.json").steps)
             run.records.append(read_records(root / f"log{node}.jsonl"))
@@ -833,7 +875,7 @@ def sweep(args: argparse.Namespace) -> tuple[list[CountRun], str]:
             )
             return runs, why
         print(f"running {nodes} node(s) x {args.ranks_per_node} rank(s) ...", flush=True)
-        layout = Layout(args.config, nodes, args.ranks_per_node, args.steps)
+        layout = Layout(args.config, nodes, args.ranks_per_node, args.steps, args.peers)
         run = run_count(layout, wall_s=args.wall_s, floor_mb=args.floor_mb)
         runs.append(run)
         print(
@@ -911,6 +953,11 @@ def main() -> None:
     parser.add_argument("--wall-s", type=float, default=600.0, help="per node count")
     parser.add_argument("--floor-mb", type=float, default=2048.0, help="memory kept free")
     parser.add_argument("--probe-nodes", type=int, default=1024, help="0: no store probe")
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="one real node (the leader) and n-1 protocol peers (benchmarks/peers.py)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     started = time.monotonic()
@@ -923,6 +970,12 @@ def main() -> None:
         f"\none job of simulated engines, {args.ranks_per_node} rank(s) per node, "
         f"{args.steps} steps; ms, the slowest node's, median over steps 2..{args.steps}"
     )
+    if args.peers:
+        print(
+            "nodes 1..n-1 are protocol peers (benchmarks/peers.py: beats, crossings, state, "
+            "command polls, no workers): the figures are the leader's, a whole node; the peers' "
+            "CPU is in `other cores`"
+        )
     if rows_by_count:
         print_measured(rows_by_count)
         print()
@@ -941,6 +994,7 @@ def main() -> None:
             "config": str(args.config),
             "steps": args.steps,
             "ranks_per_node": args.ranks_per_node,
+            "peers": args.peers,
             "nodes_asked": args.nodes,
             "deadlines_env": UNDER_LOAD,
             "target_ms": TARGET_MS,
