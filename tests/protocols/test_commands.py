@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -270,3 +271,37 @@ def test_frames_are_cut_out_of_any_chunking() -> None:
         assert got == [b"one", b"", b"three" * 1000], chunk
     with pytest.raises(ProtocolError, match="over the lane's"):
         FrameReader().feed(HEADER.pack(MAX_FRAME + 1))
+
+
+class _Exits:
+    def __init__(self) -> None:
+        self.exits: list[tuple[WorkerId, int]] = []
+
+    def worker_exited(self, worker: WorkerId, returncode: int, why: str | None = None) -> None:
+        self.exits.append((worker, returncode))
+
+
+@pytest.mark.asyncio
+async def test_an_exit_another_thread_is_reaping_is_still_reported() -> None:
+    """`Popen.poll` answers None while another thread is inside `wait()` (it holds the Popen's
+    waitpid lock): the exit is reported once that wait has reaped the process, not lost to an
+    assertion (a test that waited for its worker in a thread failed so, 1 run in ~10)."""
+    argv = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    process = await anyio.to_thread.run_sync(partial(subprocess.Popen, argv))
+    exits = _Exits()
+    pidfd = os.pidfd_open(process.pid)
+    lock = process._waitpid_lock  # type: ignore[attr-defined]  # held as a waiting thread does
+    lock.acquire()
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(watch_process, exits, TRAINER, process)
+            with anyio.fail_after(30):
+                await anyio.wait_readable(pidfd)  # it has exited (a zombie: not yet reaped)
+            await anyio.sleep(0.2)  # the watch saw it too, and poll() said None
+            assert exits.exits == []
+            lock.release()  # the "wait" returns: the watch reports the exit
+    finally:
+        os.close(pidfd)
+        if lock.locked():
+            lock.release()
+    assert exits.exits == [(TRAINER, 3)]

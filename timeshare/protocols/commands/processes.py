@@ -14,6 +14,9 @@ from typing import Any, Protocol
 
 import anyio
 
+REAPED_S = 5.0  # for another thread's wait on an exited process to return
+REAP_POLL_S = 0.01
+
 
 class ExitListener(Protocol):
     def worker_exited(self, worker: WorkerId, returncode: int, why: str | None = None) -> None: ...
@@ -42,7 +45,12 @@ async def watch_process(
         returncode = process.poll()  # readable pidfd: the process has exited, this reaps it
     finally:
         os.close(pidfd)
-    assert returncode is not None
+    # None: another thread is in `process.wait()` and reaps it (Popen.poll does not wait for
+    # its lock); it sets the code as soon as its waitpid returns, the process being gone.
+    with anyio.fail_after(REAPED_S):
+        while returncode is None:
+            await anyio.sleep(REAP_POLL_S)
+            returncode = process.poll()
     lanes.worker_exited(worker, returncode)
     return returncode
 
