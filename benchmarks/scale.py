@@ -72,8 +72,9 @@ the result in one multi_set, and a woken node reads that one value: linear in re
 bytes, and nothing polls (this benchmark's first sweep found every node reading every value one
 round trip at a time, n^2 requests: the crossings grew with k 1.4-1.6; the second, every node
 polling and reading every value in one multi_get). The command poll (cycle/commands.py, every
-0.5 s on several nodes: a crossing reads the commands too) and the state publish (at most every
-0.1 s) are one request per node. The store probe (--probe-nodes 1024)
+0.5 s on several nodes: a crossing reads the commands too) and the state publish (several nodes:
+at most every 0.5 s, a new lifecycle at once) are one request per node. The store probe
+(--probe-nodes 1024)
 times, against a job store on loopback, one node's beat at that many nodes, the reads of every
 value at a crossing one by one (as every node once made them) and as one multi_get (as the last
 node makes them now), and the store's throughput with 8 clients.
@@ -103,7 +104,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from timeshare.cycle.commands import NODES_POLL_S as COMMANDS_POLL_S
-from timeshare.cycle.runner import PUBLISH_EVERY_S
+from timeshare.cycle.runner import NODES_PUBLISH_EVERY_S
 from timeshare.protocols.nodes import BEAT_S, FULL_READ_NODES, NodeBeat, record_key
 from timeshare.protocols.store import PREFIX, JobStore
 from timeshare.report.summary import read_summary
@@ -833,12 +834,15 @@ def fan_in_note(probe: dict[str, float] | None, largest: int) -> list[str]:
         f"{records_per_beat(n):,.0f} records x ~{RECORD_BYTES} B / {BEAT_S:g} s = "
         f"{beat_bytes_per_s(n) / 1e6:,.1f} MB/s out of the leader's store (every node reading "
         f"every record, as before: {n * n * RECORD_BYTES / BEAT_S / 1e6:,.0f} MB/s).",
-        "- crossings (3 a step): each node puts its value and counts itself in; the last to "
-        "arrive reads the n values in one multi_get, folds them and wakes the others with the "
-        f"result in one multi_set: 4n requests and ~{n:,} values read job-wide, nothing polls.",
+        "- crossings (3 a step): each node reads the command counter, puts its value and counts "
+        "itself in; the last to arrive reads the n values in one multi_get, folds them and wakes "
+        "the others with the result in one multi_set; a woken node reads its wake; each deletes "
+        f"its keys of two crossings before: ~7n requests ({7 * n:,}) and ~{n:,} values read "
+        "job-wide, nothing polls.",
         f"- linear: each node polls the command counter every {COMMANDS_POLL_S:g} s "
         f"({n / COMMANDS_POLL_S:,.0f} ops/s at {n:,}: a crossing reads them too) and puts its "
-        f"state at most every {PUBLISH_EVERY_S:g} s ({n / PUBLISH_EVERY_S:,.0f} ops/s).",
+        f"state at most every {NODES_PUBLISH_EVERY_S:g} s, a new lifecycle at once "
+        f"({n / NODES_PUBLISH_EVERY_S:,.0f} ops/s).",
     ]
     if probe is None:
         return lines

@@ -17,7 +17,7 @@ import pytest
 from tests.configs import config
 from tests.cycle.fake_workers import FakeWorkers, spawner
 from tests.cycle.jobs import run
-from timeshare.cycle import CycleHooks, RunSummary
+from timeshare.cycle import CycleHooks, RunSummary, runner
 from timeshare.protocols.commands import WorkerId
 from timeshare.protocols.store import JobStore, state_key
 from timeshare.state import JobState, Lifecycle
@@ -101,6 +101,24 @@ async def test_pause_resume_and_drain_through_the_store(tmp_path: Path) -> None:
     [summary] = job.result
     assert (summary.lifecycle, summary.reason) == ("stopped", "drain requested")
     assert paused.step < summary.step < 10_000
+
+
+@pytest.mark.asyncio
+async def test_a_new_lifecycle_is_published_at_once_whatever_the_pace_of_the_rest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps and phases are written at most every PUBLISH_EVERY_S (several nodes: at the beat's
+    pace); a pause is what an operator waits for, and it is written as it happens."""
+    monkeypatch.setattr(runner, "PUBLISH_EVERY_S", 3600.0)
+    async with running_job(tmp_path) as job:
+        with anyio.fail_after(WAIT_S):  # the first write (running), without blocking the loop
+            while not job.store.has(state_key(0)):
+                await anyio.sleep(POLL_S)
+        job.operator.record_command("pause")
+        await job.wait_for(lambda s: s.lifecycle is Lifecycle.PAUSED)
+        with anyio.fail_after(10.0):  # not an hour
+            await job.published("paused")
+        job.operator.record_command("stop")
 
 
 @pytest.mark.asyncio

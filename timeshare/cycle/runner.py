@@ -44,6 +44,7 @@ from timeshare.cycle.telling import Telling
 from timeshare.cycle.workers import Workers, WorkerSpawner, spawn_workers, worker_ids
 from timeshare.errors import CycleFailed, StoreError, WorkerFailure
 from timeshare.protocols.commands.results import CommandResult, HeldResult, RolloutResult
+from timeshare.protocols.nodes import BEAT_S
 from timeshare.protocols.store import AsyncJobStore, JobStore
 from timeshare.state import (
     MEMORY_FENCES,
@@ -77,6 +78,11 @@ log = structlog.get_logger(__name__)
 # as the run ends. Each write is a hop into a worker thread and back: a fifth of a daemon's CPU
 # at 16 nodes when every change was written (benchmarks/scale.py, py-spy --gil).
 PUBLISH_EVERY_S = 0.1
+# Several nodes: at the beat's pace, as each node's record in the store (10 writes a second on
+# every node were 10,240 a second into the leader's store at 1,024 nodes; this is 2,048). A new
+# lifecycle (paused, draining, stopped, failed) is written at once all the same, on any number
+# of nodes: it is what an operator waits for.
+NODES_PUBLISH_EVERY_S = BEAT_S
 INBOX = 1000  # reports waiting for the loop: at most a phase and a meeting per rank, commands
 
 
@@ -189,6 +195,8 @@ class _Cycle:
         self.batches: dict[int, msgspec.Raw] = {}  # rank -> its last ROLLOUT's samples
         self.commands: CommandFeed | None = None
         self.publish_due = anyio.Event()  # the state changed since it was last written
+        self.lifecycle_moved = anyio.Event()  # ... to a new lifecycle: written without delay
+        self.lifecycle: Lifecycle | None = None
         self.state: JobState  # the machine's, as last moved: the one copy (see `_move`)
 
     @property
@@ -296,6 +304,9 @@ class _Cycle:
     def _move(self, state: JobState) -> None:
         """The machine moved the job to `state`: kept here only (nodes.py reads it here too)."""
         self.state = state
+        if state.lifecycle is not self.lifecycle:
+            self.lifecycle = state.lifecycle
+            self.lifecycle_moved.set()
         self.telling.state(state)
 
     def _tell_move(self, before: JobState, refused: tuple[str, ...]) -> None:
@@ -428,16 +439,19 @@ class _Cycle:
             await self.send.send(self.coordinator.store_lost(exc))
 
     async def _keep_publishing(self) -> None:
-        """Write the job's state as it changes, at most every PUBLISH_EVERY_S; a store gone is
-        the run's failure, reported into the inbox."""
+        """Write the job's state as it changes, at most every PUBLISH_EVERY_S (several nodes:
+        NODES_PUBLISH_EVERY_S), a new lifecycle at once; a store gone is the run's failure,
+        reported into the inbox."""
+        every_s = PUBLISH_EVERY_S if self.coordinator.nodes == 1 else NODES_PUBLISH_EVERY_S
         while True:
             await self.publish_due.wait()
-            self.publish_due = anyio.Event()
+            self.publish_due, self.lifecycle_moved = anyio.Event(), anyio.Event()
             lost = await self._publish()
             if lost is not None:
                 await self.send.send(lost)
                 return
-            await anyio.sleep(PUBLISH_EVERY_S)
+            with anyio.move_on_after(every_s):
+                await self.lifecycle_moved.wait()
 
     async def _publish(self) -> CycleFailed | None:
         """Where the job stands, into the store; the failure if the store is gone."""
