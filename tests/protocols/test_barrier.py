@@ -171,6 +171,51 @@ async def test_a_long_wait_asks_the_store_a_few_times_and_never_polls() -> None:
     assert late.store.reads_of_every_value == 1
 
 
+class RecordingStore(CountingStore):
+    """A counting connection that also keeps the order of the requests that change keys."""
+
+    def __init__(self, store: JobStore) -> None:
+        super().__init__(store)
+        self.changes: list[str] = []
+
+    def put(self, key: str, value: Any) -> None:
+        self.changes.append(f"put {key}")
+        super().put(key, value)
+
+    def put_many(self, items: dict[str, Any]) -> None:
+        self.changes.append("wake the others")
+        super().put_many(items)
+
+    def delete(self, key: str) -> None:
+        self.changes.append(f"delete {key}")
+        super().delete(key)
+
+
+@pytest.mark.asyncio
+async def test_the_last_rank_asks_nothing_more_once_it_has_woken_the_others() -> None:
+    """Woken, every other rank's requests reach the store at once (reads, the next arrival):
+    a request the last rank made after its wake would queue behind them all. Its clean-up of
+    two generations back comes first, as it arrives."""
+    store = JobStore.host()
+    early = Barrier(JobStore.connect(*store.address), 0, 2, store)
+    late = Barrier(RecordingStore(store), 1, 2, store)
+    for generation in (1, 2, 3):
+        async with anyio.create_task_group() as group:
+            group.start_soon(partial(early.agree, "x", timeout_s=30.0, value={"n": 1}, fold=total))
+            for _ in range(1000):  # until rank 0 has arrived (10 s at most): rank 1 comes last
+                if store.has(f"barrier/x/{generation}/0"):
+                    break
+                await anyio.sleep(0.01)
+            await late.agree("x", timeout_s=30.0, value={"n": 2}, fold=total)
+    assert isinstance(late.store, RecordingStore)
+    assert late.store.changes[-4:] == [
+        "delete barrier/x/1/1",
+        "delete barrier/x/1/wake/1",
+        "put barrier/x/3/1",
+        "wake the others",
+    ]
+
+
 @pytest.mark.asyncio
 async def test_a_rank_that_woke_itself_as_the_last_came_folds_the_values_itself() -> None:
     """The race of a rank's own wake (its deadline) with the last rank's: every rank had

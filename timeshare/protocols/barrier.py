@@ -183,6 +183,9 @@ class Barrier:
         """Arrive at `generation`; the last rank to arrive folds every value and wakes every
         other with the result. The result once every rank arrived; None when this rank's wait
         was ended by its own wake. Blocking; a wait past `wait_s` is `TimeoutError`."""
+        # Our keys of two generations back go first, while the store is quiet: after the wake,
+        # every other rank's requests (woken, arriving at the next) queue before ours.
+        self._forget(name, generation - 2)
         self.store.put(_key(name, generation, self.rank), value)
         arrived = self.store.add(_count(name, generation), 1)
         wake = _wake(name, generation, self.rank)
@@ -199,7 +202,6 @@ class Barrier:
                 agreed = self._fold(name, generation, fold)  # all came as it woke itself
             else:
                 return None
-        self._forget(name, generation - 2)
         return agreed
 
     def _fold(self, name: str, generation: int, fold: Callable[[list[Any]], Any] | None) -> _Agreed:
@@ -207,8 +209,9 @@ class Barrier:
 
     def _forget(self, name: str, generation: int) -> None:
         """Our keys of `generation` are read by nobody now: every rank has arrived at the one
-        after it, so it is done reading that one's values. (The previous generation may still be
-        read by a rank that was woken and reads the values next.)"""
+        after it (we are arriving at the one after that), so it is done reading its values.
+        (The previous generation may still be read by a rank that was woken and reads the
+        values next.)"""
         if generation < 1:
             return
         self.store.delete(_key(name, generation, self.rank))
