@@ -9,14 +9,16 @@ machine's. On a cluster each node has cores of its own, and what the other nodes
 is only what they send the job store and how long they keep it waiting at a fence. A peer does
 exactly that, with the daemon's own code (protocols/nodes.py, protocols/store.py,
 cycle/nodes.py's folds): it beats its record every BEAT_S, crosses every fence (the start's
-agreement, then each fence with the newest command it has seen), publishes its state every
-PUBLISH_EVERY_S and polls the command counter every NODES_POLL_S. It has no workers, so it
-arrives at each fence at once: the real node (the leader, node 0, which hosts the store and reads
-every beat) arrives last at every crossing and its figures are its own cost at that node count.
+agreement, then each fence with the newest command it has seen), writes its state when it
+changed at most every NODES_PUBLISH_EVERY_S and polls the command counter every NODES_POLL_S.
+It has no workers, so it arrives at each fence at once: the real node (the leader, node 0, which
+hosts the store and reads every beat) arrives last at every crossing and its figures are its
+own cost at that node count. The peers say how long they waited at a fence once arrived
+(`wait_ms`, on their last line): a wait of about nothing is a peer that came last.
 
-A peer stops when the leader's record says it stopped or failed (then the peer writes its own
-record "stopped", which the leader waits for on its way out); the process exits 1 if the store
-goes away first, naming what failed.
+A peer stops when the leader's record says it stopped (exit 0), or its beat finds the leader
+failed or gone quiet (exit 2, naming why); either way it writes its own last record, which the
+leader waits for on its way out. The process exits 1 if the store goes away, naming it.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
+import time
 from functools import partial
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -33,9 +38,9 @@ import anyio.to_thread
 import timeshare.daemon  # noqa: F401 (first: TCPStore's C++ traces off stderr, torch_quiet.py)
 from timeshare.cycle.commands import NODES_POLL_S
 from timeshare.cycle.nodes import _agreed_start, _last_command_seen, _newest_command
-from timeshare.cycle.runner import PUBLISH_EVERY_S
+from timeshare.cycle.runner import NODES_PUBLISH_EVERY_S
 from timeshare.errors import NodeLost, StoreError
-from timeshare.protocols.nodes import BEAT_S, NodeBeat, NodeCrossing, read_record
+from timeshare.protocols.nodes import BEAT_S, NodeBeat, NodeCrossing
 from timeshare.protocols.store import AsyncJobStore, JobStore
 from timeshare.state import JobState, Lifecycle, initial_state
 
@@ -55,6 +60,8 @@ class Peer:
     lost_s: float
     state: JobState = dataclasses.field(init=False)
     crossings: int = 0
+    waits: list[float] = dataclasses.field(default_factory=list)  # s at each fence, arrived
+    failure: str | None = None  # the leader's, as this peer's beat found it
 
     def __post_init__(self) -> None:
         self.state = initial_state(
@@ -64,11 +71,11 @@ class Peer:
         )
 
     async def run(self) -> None:
-        """Until the leader stops or fails; StoreError if the store goes first."""
+        """Until the leader stops or fails (`failure`); StoreError if the store goes first."""
         connect = partial(JobStore.connect, HOST, self.port, timeout_s=CONNECT_S)
         store = AsyncJobStore(await anyio.to_thread.run_sync(connect))
         beat = NodeBeat(
-            await store.another_connection(),
+            await store.another_connection(timeout_s=self.lost_s),  # as a daemon's: node_s
             self.node,
             self.nodes,
             self.ranks_per_node,
@@ -79,9 +86,11 @@ class Peer:
             group.start_soon(self._publish, store)
             group.start_soon(self._poll, store)
             await self._cross(store, beat)
-        self.state = dataclasses.replace(self.state, lifecycle=Lifecycle.STOPPED)
+        # The last word, as a daemon's: the leader waits for it before it leaves.
+        last = Lifecycle.STOPPED if self.failure is None else Lifecycle.FAILED
+        self.state = dataclasses.replace(self.state, lifecycle=last, reason=self.failure)
         beat.update(self.state)
-        await anyio.to_thread.run_sync(beat.write)  # the leader waits for this before it leaves
+        await anyio.to_thread.run_sync(beat.write)
 
     async def _cross(self, store: AsyncJobStore, beat: NodeBeat) -> None:
         """The start's agreement (as a node that loaded step 0), then every fence after it."""
@@ -95,25 +104,38 @@ class Peer:
         beat.judging = True
         self.state = dataclasses.replace(self.state, lifecycle=Lifecycle.RUNNING)
         while True:
+            arrived = time.monotonic()
             await crossing.cross(_last_command_seen, _newest_command, timeout_s=self.fence_s)
+            self.waits.append(time.monotonic() - arrived)
             self.crossings += 1
             self.state = dataclasses.replace(self.state, step=1 + self.crossings // 3)
 
     async def _beat(self, beat: NodeBeat, run: anyio.CancelScope) -> None:
-        """Beat as a node does; end the peer's run when the leader's record says it is over."""
+        """Beat as a node does; end the peer's run when the leader's record (read by the beat
+        itself) says it stopped, or the beat finds it failed or gone quiet."""
         while True:
             beat.update(self.state)
-            await anyio.to_thread.run_sync(beat.beat_once)
-            leader = await anyio.to_thread.run_sync(read_record, beat.store, 0)
-            if leader is not None and leader.lifecycle in ("stopped", "failed"):
+            try:
+                await anyio.to_thread.run_sync(beat.beat_once)
+            except NodeLost as lost:  # (its own store gone is StoreError: the run's error)
+                self.failure = str(lost)
+                run.cancel()
+                return
+            leader = beat.last.get(0)
+            if leader is not None and leader.lifecycle == "stopped":
                 run.cancel()
                 return
             await anyio.sleep(BEAT_S)
 
     async def _publish(self, store: AsyncJobStore) -> None:
+        """The state as a follower writes it: when it changed, at most every
+        NODES_PUBLISH_EVERY_S (it changes at every crossing)."""
+        published: JobState | None = None
         while True:
-            await store.publish(self.state, node=self.node)
-            await anyio.sleep(PUBLISH_EVERY_S)
+            if self.state is not published:
+                published = self.state
+                await store.publish(published, node=self.node)
+            await anyio.sleep(NODES_PUBLISH_EVERY_S)
 
     async def _poll(self, store: AsyncJobStore) -> None:
         while True:
@@ -146,6 +168,11 @@ def main() -> int:
     parser.add_argument("--lost-s", type=float, default=60.0)
     parser.add_argument("--tag", default="", help="marks this process (the run's directory)")
     args = parser.parse_args()
+    if args.nodes < 2 or not 1 <= args.first < args.nodes or args.ranks_per_node < 1:
+        parser.error(
+            f"peers are nodes 1..n-1 of a job of n >= 2 nodes of >= 1 rank: --nodes {args.nodes}"
+            f" --first {args.first} --ranks-per-node {args.ranks_per_node}"
+        )
     peers = [
         Peer(args.port, node, args.nodes, args.ranks_per_node, args.fence_s, args.lost_s)
         for node in range(args.first, args.nodes)
@@ -158,9 +185,25 @@ def main() -> int:
             raise
         print(f"peers: the job store went away: {lost}", file=sys.stderr)
         return 1
-    crossed = {str(peer.node): peer.crossings for peer in peers}
-    print(f"peers: every peer stopped with the leader; crossings by node: {json.dumps(crossed)}")
+    print(f"peers: {json.dumps(outcome(peers))}")
+    failed = [peer.failure for peer in peers if peer.failure is not None]
+    if failed:
+        print(f"peers: the leader failed: {failed[0]}", file=sys.stderr)
+        return 2
     return 0
+
+
+def outcome(peers: list[Peer]) -> dict[str, Any]:
+    """Each peer's crossings, and how long the peers waited at a fence once arrived: a wait
+    of about nothing is a peer that came last, which the leader's figures then include."""
+    waits = sorted(wait for peer in peers for wait in peer.waits)
+    return {
+        "crossings": {str(peer.node): peer.crossings for peer in peers},
+        "wait_ms": {
+            "p10": 1000 * waits[len(waits) // 10] if waits else None,
+            "median": 1000 * statistics.median(waits) if waits else None,
+        },
+    }
 
 
 if __name__ == "__main__":

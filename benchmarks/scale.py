@@ -56,8 +56,11 @@ agreement and every crossing, its state, the command poll), with the daemon's ow
 no workers. That is what the other nodes of a cluster cost one node, which has cores of its
 own: the requests they send the store and how long they keep it at a fence. A peer arrives at a
 fence at once, so the leader arrives last at every crossing, and its rows are its own cost at
-that node count, nothing of the others' phases; the peers' CPU shows in `other cores`. (The
-peers share the 2 cores with the leader, so their requests still come from this machine's CPU.)
+that node count, nothing of the others' phases; the peers' CPU shows in `other cores`. The
+leader (its daemon, the store it hosts, its zygote and workers) runs on half of the machine's
+cores and the peers on the other half (taskset), as other machines would: on this VM, one core
+each. The peers say how long they waited at a fence for the leader (printed below the table):
+a wait of about nothing would be a peer that came last, whose lateness the leader's rows hold.
 
 At 1,024 nodes (the printed note puts numbers on it): every node's beat, crossing and command
 poll goes to the one TCPStore the leader's daemon hosts. A beat (every BEAT_S = 0.5 s) writes
@@ -89,6 +92,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import signal
 import socket
 import statistics
@@ -184,6 +188,20 @@ class Layout:
         """The nodes that run `timeshare run` (their records make the figures)."""
         return 1 if self.peers else self.nodes
 
+    @property
+    def leader_cores(self) -> frozenset[int] | None:
+        """--peers: the leader's half of this machine's cores, the peers' the other half (as
+        other machines' would be); None: whole nodes, or a single core, share them all."""
+        cores = sorted(os.sched_getaffinity(0))
+        if not self.peers or len(cores) < 2 or shutil.which("taskset") is None:
+            return None
+        return frozenset(cores[: len(cores) // 2])
+
+    @property
+    def peer_cores(self) -> frozenset[int] | None:
+        leader = self.leader_cores
+        return None if leader is None else frozenset(os.sched_getaffinity(0)) - leader
+
 
 def node_env(layout: Layout, root: Path, node: int, port: int) -> dict[str, str]:
     return {
@@ -223,7 +241,12 @@ def start_nodes(
         outputs.append(root / f"node{node}.out")
         with outputs[-1].open("wb") as out:  # the child keeps its own copy
             processes.append(
-                subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+                subprocess.Popen(
+                    [*on_cores(layout.leader_cores), *command],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
             )
     if layout.peers and layout.nodes > 1:
         command = [
@@ -236,8 +259,21 @@ def start_nodes(
         outputs.append(root / "peers.out")
         with outputs[-1].open("wb") as out:
             processes.append(
-                subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
+                subprocess.Popen(
+                    [*on_cores(layout.peer_cores), *command],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=os.environ,
+                )
             )
+
+
+def on_cores(cores: frozenset[int] | None) -> list[str]:
+    """What runs a command (and all it starts, from its first instruction) on `cores` only;
+    nothing for None (anywhere)."""
+    if cores is None:
+        return []
+    return ["taskset", "--cpu-list", ",".join(map(str, sorted(cores)))]
 
 
 @dataclass
@@ -405,6 +441,7 @@ class CountRun:
     cpu_samples: list[Sample] = field(default_factory=list)
     summaries: list[list[dict[str, Any]]] = field(default_factory=list)
     records: list[list[dict[str, Any]]] = field(default_factory=list)
+    peers: dict[str, Any] | None = None  # --peers: what the peers said as they left
 
 
 def children_cpu_s() -> float:
@@ -438,7 +475,19 @@ def run_count(layout: Layout, *, wall_s: float, floor_mb: float) -> CountRun:
             outcome.why += f": {tail(outputs[outcome.failed_node])}"
         if outcome.status == "ok":
             read_nodes(run, root, layout.real_nodes)
+        if layout.peers and layout.nodes > 1:
+            run.peers = peers_said(root / "peers.out")
         return run
+
+
+def peers_said(path: Path) -> dict[str, Any] | None:
+    """The peers' last line (benchmarks/peers.py `outcome`): their crossings, their waits."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    said = [line.removeprefix("peers: ") for line in lines if line.startswith("peers: {")]
+    return json.loads(said[-1]) if said else None
 
 
 def read_nodes(run: CountRun, root: Path, real_nodes: int) -> None:
@@ -870,7 +919,8 @@ def sweep(args: argparse.Namespace) -> tuple[list[CountRun], str]:
     runs: list[CountRun] = []
     node_mb = NODE_MB_GUESS
     for nodes in args.nodes:
-        need_mb = nodes * node_mb + args.floor_mb
+        layout = Layout(args.config, nodes, args.ranks_per_node, args.steps, args.peers)
+        need_mb = layout.real_nodes * node_mb + args.floor_mb  # (the peers: one process)
         available = mem_available_mb()
         if available < need_mb:
             why = (
@@ -879,7 +929,6 @@ def sweep(args: argparse.Namespace) -> tuple[list[CountRun], str]:
             )
             return runs, why
         print(f"running {nodes} node(s) x {args.ranks_per_node} rank(s) ...", flush=True)
-        layout = Layout(args.config, nodes, args.ranks_per_node, args.steps, args.peers)
         run = run_count(layout, wall_s=args.wall_s, floor_mb=args.floor_mb)
         runs.append(run)
         print(
@@ -890,7 +939,7 @@ def sweep(args: argparse.Namespace) -> tuple[list[CountRun], str]:
         if run.outcome.status != "ok":
             return runs, f"stopped at {nodes} nodes ({run.outcome.status}): {run.outcome.why}"
         if run.used_mb > 0:
-            node_mb = max(run.used_mb / nodes, 100.0)
+            node_mb = max(run.used_mb / layout.real_nodes, 100.0)
     return runs, ""
 
 
@@ -910,12 +959,18 @@ def measured_rows(runs: list[CountRun]) -> dict[int, dict[str, float | None]]:
 def print_runs(runs: list[CountRun], stopped: str, asked: list[int]) -> None:
     """How each count went, and where the sweep stopped."""
     for run in runs:
-        agree = nodes_agree(run.summaries) if run.summaries else None
+        agree = nodes_agree(run.summaries) if len(run.summaries) > 1 else "-"
         print(
             f"{run.nodes:>3} nodes: {run.outcome.status} in {run.run_s:.0f} s (start-up "
             f"included: {run.cpu_s / max(run.run_s, 1e-9):.1f} cores busy), {run.used_mb:.0f} MB, "
             f"same weights on every node: {agree}, processes left: {len(run.leftovers)}"
         )
+        waits = (run.peers or {}).get("wait_ms") or {}
+        if waits.get("median") is not None:
+            print(
+                f"      the peers waited at a fence for the leader: median {waits['median']:.2f} "
+                f"ms, p10 {waits['p10']:.2f} ms (about nothing: a peer came last)"
+            )
     print(stopped or f"ran every count asked for ({' '.join(map(str, asked))})")
 
 
@@ -929,7 +984,8 @@ def run_json(run: CountRun, rows: dict[str, float | None] | None) -> dict[str, A
         "run_cpu_s": run.cpu_s,  # the whole run's, start-up included
         "used_mb": run.used_mb,
         "leftover_pids": run.leftovers,
-        "nodes_agree": nodes_agree(run.summaries) if run.summaries else None,
+        "nodes_agree": nodes_agree(run.summaries) if len(run.summaries) > 1 else None,
+        "peers": run.peers,
         "median_ms": {name: rows.get(name) for name in (*PHASE_ROWS, *PART_ROWS)},
         "cpu": {name: rows.get(name) for name in CPU_ROWS},
     }

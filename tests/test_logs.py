@@ -100,8 +100,9 @@ def test_console_lines_on_a_terminal() -> None:
 
 
 def test_every_value_an_event_carries_reaches_the_file_as_json(tmp_path: Path) -> None:
-    """msgspec writes the lines: what it has no JSON for is written as its repr, as json.dumps'
-    fallback would (keys included), so that no event is lost to its encoding."""
+    """msgspec writes the lines: what it has no JSON for is written as its repr (a value, as
+    json.dumps' fallback did, and a key: json.dumps wrote True and None keys as true and null),
+    so that no event is lost to its encoding."""
     path = tmp_path / "log.jsonl"
     script = f"""
 from pathlib import Path
