@@ -9,15 +9,19 @@ figures would be of a job that no longer exists.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.configs import FAST
 from tests.nodes.cluster import assert_nodes_left_nothing, node_configs, running_nodes
 from tests.ports import free_port
+from timeshare.protocols.nodes import BEAT_S, NodeBeat, read_record
 from timeshare.protocols.store import JobStore, state_key
+from timeshare.state import Lifecycle, initial_state
 
 PEERS = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"
 NODES = 3
@@ -85,3 +89,36 @@ def test_the_peers_leave_when_the_store_goes_away_naming_it(runtime_dir: Path) -
             peers.communicate(timeout=30)
     assert peers.returncode != 0, out
     assert f"peers: the job store went away: job store at 127.0.0.1:{port}" in out, out
+
+
+def test_a_failed_leader_ends_the_peers_with_their_last_word(runtime_dir: Path) -> None:
+    """The leader's record says failed: the peers leave at once, each with a last record the
+    leader's daemon would wait for (failed, naming why), and exit 2 naming the leader."""
+    store = JobStore.host("127.0.0.1", free_port())
+    port = store.address[1]
+    leader = NodeBeat(JobStore.connect("127.0.0.1", port), 0, 3, 1, lost_s=30.0)
+    leader.update(dataclasses.replace(initial_state(1, nodes=3), lifecycle=Lifecycle.RUNNING))
+    peers = subprocess.Popen(
+        [sys.executable, str(PEERS), "--port", str(port), "--nodes", "3"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        for _ in range(4):  # the peers see the leader's beat move: a live daemon's record
+            leader.write()
+            time.sleep(BEAT_S)
+        failed = initial_state(1, nodes=3)
+        leader.update(dataclasses.replace(failed, lifecycle=Lifecycle.FAILED, reason="an OOM"))
+        leader.write()
+        out, _ = peers.communicate(timeout=60)
+    finally:
+        if peers.poll() is None:
+            peers.kill()
+            peers.communicate(timeout=30)
+    assert peers.returncode == 2, out
+    assert "peers: the leader failed: node 0 (ranks 0-0) failed: an OOM" in out, out
+    for node in (1, 2):
+        record = read_record(store, node)
+        assert record is not None and record.lifecycle == "failed", record
+        assert record.reason is not None and "an OOM" in record.reason
