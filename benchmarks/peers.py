@@ -37,9 +37,9 @@ import anyio.to_thread
 
 import timeshare.daemon  # noqa: F401 (first: TCPStore's C++ traces off stderr, torch_quiet.py)
 from timeshare.cycle.commands import NODES_POLL_S
-from timeshare.cycle.nodes import _agreed_start, _last_command_seen, _newest_command
+from timeshare.cycle.nodes import agreed_start, last_command_seen, newest_command
 from timeshare.cycle.runner import NODES_PUBLISH_EVERY_S
-from timeshare.errors import NodeLost, StoreError
+from timeshare.errors import NodeLost, StoreError, first_error
 from timeshare.protocols.nodes import BEAT_S, NodeBeat, NodeCrossing
 from timeshare.protocols.store import AsyncJobStore, JobStore
 from timeshare.state import JobState, Lifecycle, initial_state
@@ -100,12 +100,12 @@ class Peer:
         )
         commands = await anyio.to_thread.run_sync(store.blocking.latest_command)
         start = {"step": 0, "commands": commands}
-        await crossing.cross(start, _agreed_start, timeout_s=self.fence_s)
+        await crossing.cross(start, agreed_start, timeout_s=self.fence_s)
         beat.judging = True
         self.state = dataclasses.replace(self.state, lifecycle=Lifecycle.RUNNING)
         while True:
             arrived = time.monotonic()
-            await crossing.cross(_last_command_seen, _newest_command, timeout_s=self.fence_s)
+            await crossing.cross(last_command_seen, newest_command, timeout_s=self.fence_s)
             self.waits.append(time.monotonic() - arrived)
             self.crossings += 1
             self.state = dataclasses.replace(self.state, step=1 + self.crossings // 3)
@@ -151,13 +151,6 @@ async def run_peers(peers: list[Peer]) -> None:
             group.start_soon(peer.run)
 
 
-def _first_leaf(errors: BaseExceptionGroup[BaseException] | None) -> BaseException | None:
-    error: BaseException | None = errors
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    return error
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True)
@@ -180,10 +173,10 @@ def main() -> int:
     try:
         anyio.run(run_peers, peers)
     except BaseExceptionGroup as errors:
-        lost = _first_leaf(errors.subgroup((StoreError, NodeLost)))
+        lost = errors.subgroup((StoreError, NodeLost))
         if lost is None:
             raise
-        print(f"peers: the job store went away: {lost}", file=sys.stderr)
+        print(f"peers: the job store went away: {first_error(lost)}", file=sys.stderr)
         return 1
     print(f"peers: {json.dumps(outcome(peers))}")
     failed = [peer.failure for peer in peers if peer.failure is not None]

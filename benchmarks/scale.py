@@ -188,20 +188,6 @@ class Layout:
         """The nodes that run `timeshare run` (their records make the figures)."""
         return 1 if self.peers else self.nodes
 
-    @property
-    def leader_cores(self) -> frozenset[int] | None:
-        """--peers: the leader's half of this machine's cores, the peers' the other half (as
-        other machines' would be); None: whole nodes, or a single core, share them all."""
-        cores = sorted(os.sched_getaffinity(0))
-        if not self.peers or len(cores) < 2 or shutil.which("taskset") is None:
-            return None
-        return frozenset(cores[: len(cores) // 2])
-
-    @property
-    def peer_cores(self) -> frozenset[int] | None:
-        leader = self.leader_cores
-        return None if leader is None else frozenset(os.sched_getaffinity(0)) - leader
-
 
 def node_env(layout: Layout, root: Path, node: int, port: int) -> dict[str, str]:
     return {
@@ -227,6 +213,7 @@ def start_nodes(
     caller stops those started if a later one cannot); each one's output in its node{n}.out
     (`outputs`). With peers, one process of them after the leader, its output in peers.out."""
     port = free_port()
+    on_leader_cores, on_peer_cores = split_cores(layout.peers)
     for node in range(layout.real_nodes):
         command = [
             sys.executable,
@@ -242,7 +229,7 @@ def start_nodes(
         with outputs[-1].open("wb") as out:  # the child keeps its own copy
             processes.append(
                 subprocess.Popen(
-                    [*on_cores(layout.leader_cores), *command],
+                    [*on_leader_cores, *command],
                     env=env,
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -260,7 +247,7 @@ def start_nodes(
         with outputs[-1].open("wb") as out:
             processes.append(
                 subprocess.Popen(
-                    [*on_cores(layout.peer_cores), *command],
+                    [*on_peer_cores, *command],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     env=os.environ,
@@ -268,12 +255,19 @@ def start_nodes(
             )
 
 
-def on_cores(cores: frozenset[int] | None) -> list[str]:
-    """What runs a command (and all it starts, from its first instruction) on `cores` only;
-    nothing for None (anywhere)."""
-    if cores is None:
-        return []
-    return ["taskset", "--cpu-list", ",".join(map(str, sorted(cores)))]
+def split_cores(peers: bool) -> tuple[list[str], list[str]]:
+    """--peers: what runs a command (and all it starts, from its first instruction) on the
+    leader's half of this machine's cores, and on the peers' half (as other machines' would
+    be). Nothing to prefix for whole nodes, or a single core: they share them all."""
+    cores = sorted(os.sched_getaffinity(0))
+    if not peers or len(cores) < 2 or shutil.which("taskset") is None:
+        return [], []
+    half = len(cores) // 2
+    return _taskset(cores[:half]), _taskset(cores[half:])
+
+
+def _taskset(cores: list[int]) -> list[str]:
+    return ["taskset", "--cpu-list", ",".join(map(str, cores))]
 
 
 @dataclass

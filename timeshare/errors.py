@@ -369,3 +369,11 @@ class Interrupted(TimeshareError):
     def __init__(self, signum: int) -> None:
         super().__init__(f"stopped by {signal.Signals(signum).name}")
         self.signum = signum
+
+
+def first_error(error: BaseException) -> BaseException:
+    """The first error an exception group holds, however deeply nested (a task group's failure
+    said plainly); any other error itself."""
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error

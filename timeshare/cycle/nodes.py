@@ -143,7 +143,7 @@ class NodeCoordinator:
         agreed = await cross_nodes(
             self.crossing,
             {"step": step, "commands": commands},
-            _agreed_start,
+            agreed_start,
             following=Phase.SYNC,
             ranks_per_node=self.ranks,
             timeout_s=self.deadlines().ready_s + load_s,
@@ -176,8 +176,8 @@ class NodeCoordinator:
             try:
                 agreed = await cross_nodes(
                     self.crossing,
-                    _last_command_seen,
-                    _newest_command,
+                    last_command_seen,
+                    newest_command,
                     following=following,
                     ranks_per_node=self.ranks,
                     timeout_s=timeout_s,
@@ -210,17 +210,17 @@ class NodeCoordinator:
         return "start" if state.lifecycle is Lifecycle.STARTING else state.phases[0].value
 
 
-def _last_command_seen(store: JobStore) -> dict[str, Any]:
+def last_command_seen(store: JobStore) -> dict[str, Any]:
     """What this node brings to a crossing: the generation of the newest command written."""
     return {"commands": store.latest_command()}
 
 
-def _newest_command(brought: list[Any]) -> dict[str, Any]:
+def newest_command(brought: list[Any]) -> dict[str, Any]:
     """A crossing's agreement: commands apply up to the newest any node had seen."""
     return {"commands": max(int(node["commands"]) for node in brought)}
 
 
-def _agreed_start(brought: list[Any]) -> dict[str, Any]:
+def agreed_start(brought: list[Any]) -> dict[str, Any]:
     """The start's agreement: the smallest step and command generation any node brought, and
     every node's step where they differ."""
     steps = [int(node["step"]) for node in brought]

@@ -196,7 +196,6 @@ class _Cycle:
         self.commands: CommandFeed | None = None
         self.publish_due = anyio.Event()  # the state changed since it was last written
         self.lifecycle_moved = anyio.Event()  # ... to a new lifecycle: written without delay
-        self.lifecycle: Lifecycle | None = None
         self.state: JobState  # the machine's, as last moved: the one copy (see `_move`)
 
     @property
@@ -304,16 +303,15 @@ class _Cycle:
     def _move(self, state: JobState) -> None:
         """The machine moved the job to `state`: kept here only (nodes.py reads it here too)."""
         self.state = state
-        if state.lifecycle is not self.lifecycle:
-            self.lifecycle = state.lifecycle
-            self.lifecycle_moved.set()
         self.telling.state(state)
 
     def _tell_move(self, before: JobState, refused: tuple[str, ...]) -> None:
-        """The move on the timeline and in the log: a new lifecycle, a verified pause, refusals."""
+        """The move on the timeline, in the log and in the store: a new lifecycle (written
+        without waiting for the publish pace), a verified pause, refusals."""
         state = self.state
         if state.lifecycle is not before.lifecycle:
             self.telling.mark(state.lifecycle.value, time.monotonic(), step=state.step)
+            self.lifecycle_moved.set()
         if state.lifecycle is Lifecycle.PAUSED and before.lifecycle is not Lifecycle.PAUSED:
             log.info("cycle.pause.verified", workers=2 * self.ranks)
         for reason in refused:

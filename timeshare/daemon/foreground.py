@@ -27,7 +27,7 @@ from timeshare.cycle import (
     run_cycle,
 )
 from timeshare.cycle.steps import StepFigures, StepLog
-from timeshare.errors import Interrupted
+from timeshare.errors import Interrupted, first_error
 from timeshare.report.summary import SummaryFile
 from timeshare.report.writers import RunWriters, open_writers
 
@@ -99,7 +99,7 @@ async def run_foreground(config: Config, summary_path: Path | None, name: str = 
                 result = await run_cycle(config, hooks=hooks)
                 group.cancel_scope.cancel()
         except BaseExceptionGroup as errors:
-            raise _first(errors) from None  # one failure or one signal: say it plainly
+            raise first_error(errors) from None  # one failure or one signal: say it plainly
         finally:
             progress.close()
     return result
@@ -134,13 +134,6 @@ def _observer(
             steps.resume(report)
 
     return observe
-
-
-def _first(errors: BaseExceptionGroup[BaseException]) -> BaseException:
-    error: BaseException = errors
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    return error
 
 
 async def _stop_on_signal() -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import subprocess
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import anyio
 
 REAPED_S = 5.0  # for another thread's wait on an exited process to return
-REAP_POLL_S = 0.01
 
 
 class ExitListener(Protocol):
@@ -45,12 +45,11 @@ async def watch_process(
         returncode = process.poll()  # readable pidfd: the process has exited, this reaps it
     finally:
         os.close(pidfd)
-    # None: another thread is in `process.wait()` and reaps it (Popen.poll does not wait for
-    # its lock); it sets the code as soon as its waitpid returns, the process being gone.
-    with anyio.fail_after(REAPED_S):
-        while returncode is None:
-            await anyio.sleep(REAP_POLL_S)
-            returncode = process.poll()
+    if returncode is None:
+        # Another thread is in `process.wait()` and reaps it (Popen.poll does not wait for its
+        # lock): Popen's own bounded wait returns the code once that one has.
+        wait = partial(process.wait, timeout=REAPED_S)
+        returncode = await anyio.to_thread.run_sync(wait)
     lanes.worker_exited(worker, returncode)
     return returncode
 
