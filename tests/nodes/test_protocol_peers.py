@@ -19,7 +19,7 @@ from pathlib import Path
 from tests.configs import FAST
 from tests.nodes.cluster import assert_nodes_left_nothing, node_configs, running_nodes
 from tests.ports import free_port
-from timeshare.protocols.nodes import BEAT_S, NodeBeat, read_record
+from timeshare.protocols.nodes import BEAT_S, NodeBeat, read_record, record_key
 from timeshare.protocols.store import JobStore, state_key
 from timeshare.state import Lifecycle, initial_state
 
@@ -105,7 +105,11 @@ def test_a_failed_leader_ends_the_peers_with_their_last_word(runtime_dir: Path) 
         text=True,
     )
     try:
-        for _ in range(4):  # the peers see the leader's beat move: a live daemon's record
+        leader.write()
+        # Once both peers beat (each starts loading torch first), they see the leader's beat
+        # move: a live daemon's record, whose failure then counts.
+        JobStore.connect("127.0.0.1", port).wait([record_key(1), record_key(2)], timeout_s=60.0)
+        for _ in range(4):
             leader.write()
             time.sleep(BEAT_S)
         failed = initial_state(1, nodes=3)
