@@ -100,6 +100,27 @@ class Endpoint:
                 f"({len(suffix)} bytes more): {exc}"
             ) from exc
 
+    def member(self, index: int) -> Endpoint:
+        """Where member `index` of a session with several receivers (an engine's tensor-parallel
+        workers) is invited: member 0 at this endpoint itself (one receiver is today's wire),
+        member k beside it: for ipc the file named for k, for tcp port + k."""
+        if index == 0:
+            return self
+        if self.path is None:
+            if self.port == 0:
+                raise TransferError(
+                    f"endpoint {self.url!r}: several receivers need a fixed port (member k "
+                    "listens at port + k), not 0 or *"
+                )
+            assert self.port is not None
+            return Endpoint.parse(f"tcp://{self.host}:{self.port + index}")
+        try:
+            return Endpoint.parse(f"{self.url}.m{index}")
+        except TransferError as exc:
+            raise TransferError(
+                f"endpoint {self.url!r} leaves no room for member {index}'s socket: {exc}"
+            ) from exc
+
     def is_live(self) -> bool:
         """Whether something accepts connections here now (a probe: connect, then close)."""
         if self.path is not None:

@@ -88,7 +88,14 @@ def run_receiver(args: dict[str, Any]) -> None:
     kept: list[torch.Tensor] = []
     if "start_when" in args:  # started early (imports done), connects when the file appears
         wait_for_file(args["start_when"])
-    with WeightReceiver(args["endpoint"], cfg, device=args.get("device", "cpu")) as receiver:
+    receiver = WeightReceiver(
+        args["endpoint"],
+        cfg,
+        device=args.get("device", "cpu"),
+        member=args.get("member", 0),
+        members=args.get("members", 1),
+    )
+    with receiver:
         emit(event="ready", pid=os.getpid())
         if "receive_when" in args:  # connected (invitations queue up), not yet receiving
             wait_for_file(args["receive_when"])
@@ -191,7 +198,7 @@ async def run_sender(args: dict[str, Any]) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             yield item
 
-    with WeightSender(args["endpoint"], cfg) as sender:
+    with WeightSender(args["endpoint"], cfg, receivers=args.get("receivers", 1)) as sender:
         emit(event="ready", pid=os.getpid())
         for version in range(args.get("transfers", 1)):
             try:

@@ -4,7 +4,8 @@ Every frame carries the protocol version and the session id; frames within a tra
 weight version and a sequence number, and every reply repeats them. Requests go from the sender
 (REQ) to the receiver (REP); each gets exactly one reply.
 
-On the endpoint both sides were given (the rendezvous), one request only:
+On the endpoint both sides were given (the rendezvous; for member k of a session with several
+receivers, the endpoint's member k: runtime.Endpoint.member), one request only:
 
     Invite    -> Ack(step="joined")      the session's own socket; the receiver that answers
                                          leaves the rendezvous and connects there
@@ -69,14 +70,22 @@ class Totals(msgspec.Struct, frozen=True, array_like=True):
     nbytes: int
 
 
-class Invite(_Frame, frozen=True, tag="invite"):
+class Invite(_Frame, frozen=True, tag="invite", omit_defaults=True):
     """Join session `session` on its own socket: for ipc the file the receiver derives from its
     endpoint and the session id; for tcp `port` on the host the receiver reached (never a host
-    of the sender's choosing: it may have bound 0.0.0.0)."""
+    of the sender's choosing: it may have bound 0.0.0.0).
+
+    A session may have several receivers (an engine's tensor-parallel workers, each loading its
+    own shard from the same staging): the invitation names which `member` of how many
+    `members` it is for, and a receiver that was set up as another refuses it. One receiver
+    leaves both out (defaults are not encoded): the wire of a single receiver is unchanged.
+    """
 
     protocol: int
     session: int
     port: int = 0  # tcp only
+    member: int = 0
+    members: int = 1
 
 
 class Offer(_Frame, frozen=True, tag="offer"):

@@ -50,12 +50,26 @@ class _Cancelled(Exception):
 
 
 class WeightReceiver:
-    """Receives transfers from one `WeightSender`, delivering tensors to `on_bucket`."""
+    """Receives transfers from one `WeightSender`, delivering tensors to `on_bucket`.
+
+    A sender may send each transfer to several receivers at once (an engine's tensor-parallel
+    workers): this one is `member` of `members` and joins only an invitation for exactly that.
+    """
 
     def __init__(
-        self, endpoint: str, config: TransferConfig | None = None, device: str = "cpu"
+        self,
+        endpoint: str,
+        config: TransferConfig | None = None,
+        device: str = "cpu",
+        *,
+        member: int = 0,
+        members: int = 1,
     ) -> None:
-        self.endpoint = Endpoint.parse(endpoint)
+        if not 0 <= member < members:
+            raise TransferError(f"weight receiver: member {member} of {members} does not exist")
+        self.member = member
+        self.members = members
+        self.endpoint = Endpoint.parse(endpoint).member(member)
         self.endpoint.check_connectable()
         self.config = config or TransferConfig()
         self.device = torch.device(device)
@@ -63,7 +77,9 @@ class WeightReceiver:
         self._closed_because: str | None = None
         self._cancel = threading.Event()
         self._spans = Spans()  # the current transfer's: loading each bucket, finalizing
-        self._socket = ReceiverSocket(self.endpoint, linger_s=self.config.linger_s)
+        self._socket = ReceiverSocket(
+            self.endpoint, linger_s=self.config.linger_s, member=member, members=members
+        )
 
     def receive(
         self,

@@ -37,8 +37,12 @@ JOIN_LINGER_MS = 1000
 class ReceiverSocket:
     """The connected REP socket of one session; `session` is None until it joined one."""
 
-    def __init__(self, endpoint: Endpoint, *, linger_s: float) -> None:
+    def __init__(
+        self, endpoint: Endpoint, *, linger_s: float, member: int = 0, members: int = 1
+    ) -> None:
         self.endpoint = endpoint
+        self.member = member
+        self.members = members
         self.session: int | None = None
         self.last_seq = 0
         self._linger_ms = int(linger_s * 1000)
@@ -56,6 +60,15 @@ class ReceiverSocket:
         it is answered with a Failure (which a later sender's REQ drops as not its own) and
         this socket stays at the endpoint for the next one.
         """
+        if (invite.member, invite.members) != (self.member, self.members):
+            self.fail(
+                invite,
+                ProtocolError(
+                    f"invitation for receiver {invite.member} of {invite.members}, this one is "
+                    f"receiver {self.member} of {self.members} (sender and engine disagree on "
+                    "the tensor-parallel size)"
+                ),
+            )
         try:
             session_endpoint = self.endpoint.session_socket(invite.session, invite.port)
             session_endpoint.check_connectable()

@@ -25,9 +25,8 @@ from typing import NamedTuple
 import anyio
 import structlog
 import torch
-import zmq
 
-from timeshare.errors import AckTimeout, PeerError, ProtocolError, SessionClosed, TransferError
+from timeshare.errors import SessionClosed, TransferError
 from timeshare.protocols.weights import frames
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
 from timeshare.protocols.weights.frames import PROTOCOL_VERSION
@@ -41,6 +40,7 @@ from timeshare.protocols.weights.layout import (
     written_devices,
 )
 from timeshare.protocols.weights.lent import LentTensor
+from timeshare.protocols.weights.members import SessionMembers
 from timeshare.protocols.weights.segments import staging_tag
 from timeshare.protocols.weights.sender_inputs import (
     NamedTensors,
@@ -49,7 +49,6 @@ from timeshare.protocols.weights.sender_inputs import (
     pairs,
     peeked,
 )
-from timeshare.protocols.weights.sender_socket import SenderSocket
 from timeshare.protocols.weights.staging import Staging
 from timeshare.protocols.weights.transport import create_staging
 from timeshare.runtime import Endpoint
@@ -93,9 +92,12 @@ async def planned(
 
 
 class WeightSender:
-    """Sends named tensors to one `WeightReceiver`; async, never blocks the event loop."""
+    """Sends named tensors to `receivers` `WeightReceiver`s at once (an engine's tensor-parallel
+    workers: members.py), through one staging; async, never blocks the event loop."""
 
-    def __init__(self, endpoint: str, config: TransferConfig | None = None) -> None:
+    def __init__(
+        self, endpoint: str, config: TransferConfig | None = None, *, receivers: int = 1
+    ) -> None:
         self.config = config or TransferConfig()
         self._session = secrets.randbits(63)
         self._staging: Staging | None = None
@@ -104,10 +106,11 @@ class WeightSender:
         self._spans = Spans()  # the current transfer's: packing, waiting for ACKs, finalizing
         self._busy = False
         self._closed_because: str | None = None
-        self._socket = SenderSocket(
+        self._socket = SessionMembers(
             Endpoint.parse(endpoint),
             session=self._session,
             ack_timeout_s=self.config.ack_timeout_s,
+            members=receivers,
         )
 
     async def send(self, weights: NamedTensors, *, version: int) -> TransferReport:
@@ -159,6 +162,11 @@ class WeightSender:
     @property
     def session(self) -> int:
         return self._session
+
+    @property
+    def receivers(self) -> int:
+        """How many receivers each transfer goes to (every one loads every bucket)."""
+        return self._socket.members
 
     @property
     def session_endpoint(self) -> Endpoint:
@@ -316,6 +324,7 @@ class WeightSender:
         try:
             # Only the receiver that joins learns the session's socket. Each wait of the
             # handshake has the whole handshake deadline (config.py says which they are).
+            # Several receivers all map the same staging before its names go.
             await self._socket.invite(self.config.handshake_timeout_s)
             offer = frames.Offer(PROTOCOL_VERSION, self._session, staging.describe())
             await self._socket.request(offer, "mapped", self.config.handshake_timeout_s, seq=0)
@@ -345,20 +354,11 @@ class WeightSender:
         The notice is best effort and bounded; nothing it raises replaces `exc`.
         """
         reason = f"{type(exc).__name__}: {exc}"
-        # Before a receiver joined there is nobody to tell (and a notice would wait in vain).
-        peer_listens = self._socket.joined and not isinstance(
-            exc, AckTimeout | PeerError | ProtocolError
-        )
-        if peer_listens:  # (joined: staging exists, it is made before the invitation)
+        # Before a receiver joined there is nobody to tell (and a notice would wait in vain);
+        # the receiver that failed (its error, its silence) is not told either: members.py.
+        if self._socket.joined:  # (joined: staging exists, it is made before the invitation)
             with anyio.CancelScope(shield=True), anyio.move_on_after(ABORT_NOTICE_S):
-                try:
-                    await self._socket.send_abort_notice(version, reason)
-                except (TransferError, zmq.ZMQError) as notice_exc:
-                    log.warning(
-                        "sync.abort.notice_failed",
-                        endpoint=self.endpoint.url,
-                        error=repr(notice_exc),
-                    )
+                await self._socket.send_abort_notice(version, reason)
         self._shutdown(reason)
 
     def _shutdown(self, reason: str) -> None:

@@ -44,10 +44,21 @@ class _Bound(NamedTuple):
 
 
 class SenderSocket:
-    """The bound REQ sockets of one session; `ack_timeout_s` bounds a send given no limit."""
+    """The bound REQ sockets of one session's receiver (`member` of `members`: members.py);
+    `ack_timeout_s` bounds a send given no limit."""
 
-    def __init__(self, endpoint: Endpoint, *, session: int, ack_timeout_s: float) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        session: int,
+        ack_timeout_s: float,
+        member: int = 0,
+        members: int = 1,
+    ) -> None:
         self.session = session
+        self.member = member
+        self.members = members
         self.joined = False  # a receiver answered the invitation
         self._ack_timeout_s = ack_timeout_s
         self._seq = 0
@@ -73,6 +84,14 @@ class SenderSocket:
     def session_endpoint(self) -> Endpoint:
         return self._session_socket.endpoint
 
+    @property
+    def who(self) -> str:
+        """The receiver, as errors name it: its endpoint, and which member when there are
+        several (a tensor-parallel worker)."""
+        if self.members == 1:
+            return f"receiver at {self.endpoint.url}"
+        return f"receiver {self.member} of {self.members} at {self.endpoint.url}"
+
     def next_seq(self) -> int:
         """The sequence number of the next request (the handshake's is 0)."""
         self._seq += 1
@@ -81,7 +100,7 @@ class SenderSocket:
     async def invite(self, limit_s: float) -> None:
         """Send the invitation on the rendezvous and wait until a receiver has joined."""
         port = self.session_endpoint.port or 0
-        invite = frames.Invite(PROTOCOL_VERSION, self.session, port)
+        invite = frames.Invite(PROTOCOL_VERSION, self.session, port, self.member, self.members)
         socket = self._rendezvous.socket
         took = "no receiver took the invitation"
         await self._send_on(socket, invite, phase="joined", seq=0, limit_s=limit_s, why=took)
@@ -165,8 +184,7 @@ class SenderSocket:
     def _checked(self, reply: frames.Reply, seq: int, version: int, step: str) -> Ack:
         if isinstance(reply, frames.Failure):
             raise PeerError(
-                f"receiver at {self.endpoint.url} failed ({step}, seq {seq}): "
-                f"{reply.type}: {reply.message}",
+                f"{self.who} failed ({step}, seq {seq}): {reply.type}: {reply.message}",
                 remote_type=reply.type,
                 remote_message=reply.message,
             )
@@ -177,7 +195,7 @@ class SenderSocket:
             step,
         ):
             raise ProtocolError(
-                f"unexpected ACK from {self.endpoint.url}: got session {reply.session:x} "
+                f"unexpected ACK from {self.who}: got session {reply.session:x} "
                 f"seq {reply.seq} version {reply.version} step {reply.step}, expected session "
                 f"{self.session:x} seq {seq} version {version} step {step}"
             )
@@ -188,9 +206,10 @@ class SenderSocket:
     ) -> AckTimeout:
         """The error for a wait of `limit_s` that ended without an answer."""
         where = f"bucket {bucket}, seq {seq}" if bucket is not None else f"seq {seq}"
+        member = "" if self.members == 1 else f" from receiver {self.member} of {self.members}"
         return AckTimeout(
-            f"weight channel {self.endpoint.url}: no answer in phase {phase} ({where}) within "
-            f"{limit_s:g} s, {why}; session closed",
+            f"weight channel {self.endpoint.url}: no answer in phase {phase} ({where}){member} "
+            f"within {limit_s:g} s, {why}; session closed",
             phase=phase,
             seq=seq,
             endpoint=self.endpoint.url,
