@@ -18,7 +18,7 @@ from typing import Any
 
 from timeshare.engines.inlet import WeightInlet
 from timeshare.errors import GenerateTimeout, PromptTooLong, UnsupportedInput, WeightsTorn
-from timeshare.protocols.commands.results import TrainFigures
+from timeshare.protocols.commands.results import TrainFigures, WorkerLoad
 from timeshare.protocols.weights import TransferConfig
 from timeshare.protocols.weights.layout import Weight
 
@@ -178,6 +178,9 @@ class RolloutEngine(ABC):
         self.progress: Callable[[], None] = no_progress
         self.weight_version: int | None = None
         self.torn = True  # no whole weight version loaded yet
+        # What each tensor-parallel worker of the engine loaded of the last version (empty:
+        # an engine that loads in one process).
+        self.worker_loads: list[WorkerLoad] = []
         # A generate still running after this is aborted (GenerateTimeout) and the engine stays
         # usable; the driver's phase deadline, around it, is longer.
         self.generate_timeout_s = generate_timeout_s

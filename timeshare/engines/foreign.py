@@ -46,15 +46,18 @@ def bounded(what: str, fn: Callable[[], T], timeout_s: float) -> T:
 
 
 @contextlib.contextmanager
-def host_pid_in_environment(name: str) -> Iterator[None]:
-    """This process's pid as `name` in the environment while the block runs (and only then:
-    other children of this process are not the engine's)."""
-    before = os.environ.get(name)
-    os.environ[name] = str(os.getpid())
+def host_pid_in_environment(name: str, extra: dict[str, str] | None = None) -> Iterator[None]:
+    """This process's pid as `name` in the environment while the block runs, with `extra`
+    (settings the engine's processes read as they start), and only then: other children of
+    this process are not the engine's."""
+    values = {**(extra or {}), name: str(os.getpid())}
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
+        for key, value in before.items():
+            if value is None:
+                del os.environ[key]
+            else:
+                os.environ[key] = value

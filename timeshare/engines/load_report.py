@@ -38,6 +38,7 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     digest: str
     call_s: float
     spent: LoadSeconds
+    worker: int = 0  # the engine's tensor-parallel rank that loaded it
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, cast
 import msgspec
 
 from timeshare.engines import registry
+from timeshare.engines.footprint import HasRolloutFootprint
 from timeshare.engines.model_config import SplitsRanks, TrainedModel, TrainsModel
 from timeshare.engines.registry import Role
 from timeshare.engines.vocab import MIN_VOCAB, PROMPT_TOKENS
@@ -127,6 +128,14 @@ class EngineChoice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 f"engine.trainer = {self.trainer!r} trains none"
             )
         return trained
+
+    def rollout_workers(self) -> int:
+        """How many processes of the rollout engine load each weight version (its
+        tensor-parallel size): the trainer's weight channel sends every bucket to each."""
+        settings = self.section(self.rollout)
+        if isinstance(settings, HasRolloutFootprint):
+            return settings.rollout_footprint(1).tensor_parallel
+        return 1
 
     def roles(self) -> dict[str, frozenset[Role]]:
         """Each engine the job runs, with the roles it takes (torch_ref may take both)."""

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
@@ -45,6 +45,7 @@ from timeshare.protocols.commands.results import (
     RolloutResult,
     SyncResult,
     TrainResult,
+    WorkerLoad,
 )
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import (
@@ -101,12 +102,23 @@ NOTHING_TO_DO: Handler = lambda params: CommandResult()  # noqa: E731 - a phase 
 
 
 def sync_result(
-    report: TransferReport, digest: str, staging_buffers: int | None = None
+    report: TransferReport,
+    digest: str,
+    staging_buffers: int | None = None,
+    *,
+    receivers: int = 1,
+    workers: Sequence[WorkerLoad] = (),
 ) -> SyncResult:
     """A transfer's report as a SYNC command's result, less its spans: the command's own
     spans hold them already (they travel once)."""
     transfer = msgspec.structs.replace(report, spans=())
-    return SyncResult(transfer=transfer, digest=digest, staging_buffers=staging_buffers)
+    return SyncResult(
+        transfer=transfer,
+        digest=digest,
+        staging_buffers=staging_buffers,
+        receivers=receivers,
+        workers=list(workers),
+    )
 
 
 class TrainerWorker:
@@ -121,7 +133,11 @@ class TrainerWorker:
         self.engine = engine
         self.engine.progress = server.report_progress
         self.loop = MainThreadLoop(server)  # the sender's, on this (the main) thread
-        self.sender = WeightSender(spec.weight_endpoint, spec.transfer)
+        # One session into every worker of the rollout engine (its tensor-parallel workers
+        # each load every bucket): protocols/weights/members.py.
+        self.sender = WeightSender(
+            spec.weight_endpoint, spec.transfer, receivers=spec.engine.rollout_workers()
+        )
         self.spans = Spans()  # within the current command (the trace shows them)
 
     def handlers(self) -> dict[str, Handler]:
@@ -160,7 +176,12 @@ class TrainerWorker:
         with self.spans.span("offload params"):
             self.engine.finish_sync()
             self.engine.offload_params()
-        return sync_result(report, digest.hexdigest(), self.sender.staging_buffers)
+        return sync_result(
+            report,
+            digest.hexdigest(),
+            self.sender.staging_buffers,
+            receivers=self.sender.receivers,
+        )
 
     def held(self, params: dict[str, Any]) -> HeldResult:
         return HeldResult(held_mb=self.engine.held_mb())
@@ -206,7 +227,7 @@ class RolloutWorker:
         with self.server.waiting_on_peer(), self.spans.span("receive"):
             report = self.inlet.receive(self.server.report_progress)
         self.spans.extend(report.spans)
-        return sync_result(report, self.engine.digest())
+        return sync_result(report, self.engine.digest(), workers=self.engine.worker_loads)
 
     def resume(self, params: dict[str, Any]) -> CommandResult:
         with self.spans.span("wake kv_cache"):

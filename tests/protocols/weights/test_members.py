@@ -168,7 +168,7 @@ async def test_a_member_that_never_joins_fails_the_handshake_naming_it(
     )
     member0.wait_ready()
     with WeightSender(url, config, receivers=2) as sender:
-        with pytest.raises(AckTimeout, match="phase joined .* from receiver 1 of 2"):
+        with pytest.raises(AckTimeout, match=r"phase joined .* from receiver 1 of 2"):
             await sender.send(make_weights(WEIGHTS, 1), version=1)
     event = member0.next_event(timeout=ACK_TIMEOUT_S)
     assert (event["event"], event["type"]) == ("error", "TransferError"), event

@@ -1,8 +1,11 @@
 """The `timeshare` weight-transfer backend: the receiving end of the weight channel, inside vLLM.
 
 This module runs in each `VLLM::Worker` process (vLLM creates the backend there from
-`weight_transfer_config={"backend": "timeshare"}`; plugin.py registers it). The rollout worker
-drives it through `LLM`'s own methods (engine.py), which reach here as:
+`weight_transfer_config={"backend": "timeshare"}`; plugin.py registers it). With tensor
+parallelism N there are N of them, and the trainer's sender sends each version to all N at once
+(protocols/weights/members.py): the backend of TP rank k joins the session as its member k and
+hands every full tensor to its model's `load_weights`, whose weight loaders keep rank k's shard.
+The rollout worker drives it through `LLM`'s own methods (engine.py), which reach here as:
 
     init_weight_transfer_engine  -> init_transfer_engine: where the trainer's sender is
     start_weight_update          -> start_weight_update: vLLM's layerwise reload begins
@@ -45,6 +48,8 @@ from timeshare.engines.load_report import LoadReport, LoadSeconds
 from timeshare.engines.vllm.report import LOADER_REFUSED
 from timeshare.errors import LoaderFailed, SessionClosed, TimeshareError
 from timeshare.protocols.weights import TransferConfig, WeightReceiver
+from vllm.config.parallel import ParallelConfig
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -89,7 +94,7 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
         self.endpoint = init_info.endpoint
         self.transfer = msgspec.convert(init_info.transfer, TransferConfig)
         self._close_receiver()
-        self.receiver = WeightReceiver(self.endpoint, self.transfer, device=str(self.device))
+        self.receiver = self._new_receiver()
 
     def start_weight_update(self) -> None:
         self.report = None
@@ -146,6 +151,7 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
             digest="" if digest is None else digest.hexdigest(),
             call_s=time.perf_counter() - started,
             spent=spent,
+            worker=receiver.member,
         )
 
     def finish_weight_update(self) -> None:
@@ -167,10 +173,15 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
         receiver = self.receiver
         if receiver is None or receiver.closed:
             self._close_receiver()
-            receiver = self.receiver = WeightReceiver(
-                self.endpoint, self.transfer, device=str(self.device)
-            )
+            receiver = self.receiver = self._new_receiver()
         return receiver
+
+    def _new_receiver(self) -> WeightReceiver:
+        """This worker's receiver: member k of the engine's N tensor-parallel workers."""
+        member, members = tensor_parallel_member(self.parallel_config)
+        return WeightReceiver(
+            self.endpoint, self.transfer, device=str(self.device), member=member, members=members
+        )
 
     def _abandon_reload(self) -> None:
         """A failed version: end the layerwise reload so the next one starts clean (torn)."""
@@ -184,6 +195,20 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
             with contextlib.suppress(SessionClosed):
                 self.receiver.close()
             self.receiver = None
+
+
+def tensor_parallel_member(parallel: ParallelConfig) -> tuple[int, int]:
+    """(this worker's TP rank, the TP size): which member of the weight session it is.
+
+    Every TP worker of the engine holds a shard of every layer, so each loads every version;
+    a pipeline-parallel stage would hold only some layers, which the session does not plan
+    (each member is sent every tensor), so it is refused by name."""
+    if parallel.pipeline_parallel_size != 1:
+        raise TimeshareError(
+            "timeshare weight transfer: pipeline_parallel_size "
+            f"{parallel.pipeline_parallel_size} is not supported (tensor parallelism is)"
+        )
+    return get_tensor_model_parallel_rank(), parallel.tensor_parallel_size
 
 
 class TimeshareWorkerExtension:

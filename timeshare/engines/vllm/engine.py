@@ -40,13 +40,13 @@ from timeshare.engines.base import (
 )
 from timeshare.engines.context import EngineContext
 from timeshare.engines.foreign import CallTimedOut, bounded, host_pid_in_environment
-from timeshare.engines.load_report import LoadReport
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import write_config_dir
 from timeshare.engines.task import mix
 from timeshare.engines.vllm.plugin import BACKEND, HOST_PID_ENV
-from timeshare.engines.vllm.report import LOADER_REFUSED, REPORT_SOURCE
+from timeshare.engines.vllm.report import LOADER_REFUSED, worker_reports
 from timeshare.engines.vllm.spec import VllmSpec
+from timeshare.engines.vllm.threads import binding_environment
 from timeshare.errors import (
     EngineBroken,
     GenerateTimeout,
@@ -54,6 +54,7 @@ from timeshare.errors import (
     TimeshareError,
     TransferError,
 )
+from timeshare.protocols.commands.results import WorkerLoad
 from timeshare.protocols.weights import TransferConfig, TransferReport
 from timeshare.runtime import (
     mapped_segments,
@@ -134,11 +135,12 @@ class VllmRollout(RolloutEngine):
         if not model_dir:
             self._scratch = Path(tempfile.mkdtemp(prefix=f"timeshare-vllm-{rank}-"))
             model_dir = str(write_config_dir(trainer_model, self._scratch))
+        self.binding = _cpu_binding(spec.tensor_parallel_size)
         started = time.perf_counter()
         try:
-            with host_pid_in_environment(
-                HOST_PID_ENV
-            ):  # plugin.py: vLLM's processes die with this one
+            # plugin.py: vLLM's processes die with this one; threads.py: where TP workers'
+            # threads run on a CPU.
+            with host_pid_in_environment(HOST_PID_ENV, self.binding):
                 self.llm = LLM(**engine_args(spec, model_dir, sleep_mode=self.sleeps))
         except BaseException:
             self._remove_scratch()
@@ -149,6 +151,8 @@ class VllmRollout(RolloutEngine):
             rank=rank,
             seconds=round(time.perf_counter() - started, 1),
             sleep_mode=self.sleeps,
+            tensor_parallel=spec.tensor_parallel_size,
+            **self.binding,
         )
 
     # -- weights --------------------------------------------------------------------------------
@@ -279,6 +283,13 @@ class VllmRollout(RolloutEngine):
             self._scratch = None
 
 
+def _cpu_binding(workers: int) -> dict[str, str]:
+    """Where TP workers' threads run on a CPU (threads.py); nothing on an accelerator."""
+    if not current_platform.is_cpu():
+        return {}
+    return binding_environment(workers, sorted(os.sched_getaffinity(0)), os.environ)
+
+
 def _is_vllm_process(pid: int) -> bool:
     """vLLM names its processes `VLLM::EngineCore`, `VLLM::Worker`, ..."""
     try:
@@ -305,16 +316,20 @@ class VllmInlet:
         self._transfer_call("start_weight_update", llm.start_weight_update)
         self._transfer_call("update_weights", lambda: llm.update_weights({"update_info": update}))
         progress()
-        reports = self.engine.call("timeshare_report", lambda: llm.collective_rpc(EXTENSION_REPORT))
-        if reports[0] is None:
-            raise TimeshareError("vLLM's worker has no report of the version it just received")
-        received = LoadReport.decode(reports[0], REPORT_SOURCE)
+        answers = self.engine.call("timeshare_report", lambda: llm.collective_rpc(EXTENSION_REPORT))
+        reports = worker_reports(answers, self.engine.rank, self.engine.spec.tensor_parallel_size)
+        received = reports[0]
         version = received.transfer.version
         self._transfer_call(
             "finish_weight_update", lambda: llm.finish_weight_update(weight_version=str(version))
         )
         self.engine.digest_of_version = received.digest
         self.engine.weights_bytes = received.transfer.bytes
+        # Each TP worker was sent every tensor and hashed what reached its loader: every one's
+        # digest must be the trainer's (weights_match, cycle/steps.py).
+        self.engine.worker_loads = [
+            WorkerLoad(report.worker, report.transfer.bytes, report.digest) for report in reports
+        ]
         self.engine.mark_whole(version)
         # vLLM's worker is a process of this machine: its spans' monotonic clock is this one's.
         return received.transfer

@@ -61,9 +61,21 @@ class BootstrapResult(CommandResult, frozen=True, kw_only=True):
     train: TrainFigures | None = None
 
 
+class WorkerLoad(msgspec.Struct, frozen=True, array_like=True):
+    """What one worker of a tensor-parallel rollout engine loaded of a version: its TP rank,
+    the bytes that reached its loader, and their digest (the trainer's, when it holds exactly
+    what was sent)."""
+
+    worker: int
+    bytes: int
+    digest: str
+
+
 class SyncResult(CommandResult, frozen=True, kw_only=True):
     """One weight transfer, from either side: the channel's report of it (what moved, how
-    fast), the weights' digest, and (the sender) the session's staging buffer count.
+    fast), the weights' digest, (the sender) the session's staging buffer count and how many
+    receivers each bucket went to, and (an engine whose TP workers each load the version)
+    what each of those workers loaded.
 
     The transfer's spans travel once, among the command's own (`spans`): `transfer.spans` is
     empty.
@@ -72,6 +84,8 @@ class SyncResult(CommandResult, frozen=True, kw_only=True):
     transfer: TransferReport
     digest: str = ""
     staging_buffers: int | None = None
+    receivers: int = 1
+    workers: list[WorkerLoad] = []
 
 
 class HeldResult(CommandResult, frozen=True, kw_only=True):
