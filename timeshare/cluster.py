@@ -116,3 +116,14 @@ def node_ranks(cluster: ClusterSection, ranks: int, node: int | None = None) -> 
 
 def ranks_of_node(node: int, per_node: int) -> range:
     return range(node * per_node, (node + 1) * per_node)
+
+
+def group_leader(rank: int, group_size: int) -> int:
+    """The first rank of the group of `group_size` consecutive ranks that `rank` is in: where a
+    rollout engine spanning that many ranks' devices (tensor parallelism) runs. A group lies
+    within one node (the config's check: its size divides the ranks of a node)."""
+    return rank - rank % group_size
+
+
+def group_ranks(leader: int, group_size: int) -> range:
+    return range(leader, leader + group_size)

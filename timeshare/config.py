@@ -31,7 +31,7 @@ from typing import Annotated, Any, NoReturn
 
 import msgspec
 
-from timeshare.cluster import ClusterSection, check_cluster, launcher_values
+from timeshare.cluster import ClusterSection, check_cluster, launcher_values, ranks_per_node
 from timeshare.engines import registry
 from timeshare.engines.faults import Fault
 from timeshare.engines.spec import EngineSpec, check_engines
@@ -169,6 +169,7 @@ def load_config(
         config.engine,
         lambda key: sources.get(key, "default"),
         ranks=config.job.ranks,
+        ranks_per_node=ranks_per_node(config.cluster, config.job.ranks),
         probe=probe,
     )
     return LoadedConfig(config, sources)

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from timeshare.capacity.memory import GIB, PHASES, Part
 from timeshare.capacity.model_size import ModelSize
-from timeshare.engines.footprint import RolloutFootprint, TrainerFootprint
+from timeshare.engines.footprint import RolloutFootprint, TrainerFootprint, heads_problem
 
 
 class Problem(NamedTuple):
@@ -55,23 +55,9 @@ def heads_rules(
         (trainer.tensor_parallel, trainer.tp_key),
         (rollout.tensor_parallel, rollout.tp_key),
     ):
-        if model.heads % size:
-            problems.append(
-                Problem(
-                    "heads",
-                    key,
-                    f"{key} ({size}) does not divide the model's attention heads ({model.heads})",
-                )
-            )
-        elif model.kv_heads % size and size % model.kv_heads:
-            problems.append(
-                Problem(
-                    "heads",
-                    key,
-                    f"{key} ({size}) neither divides the model's key/value heads "
-                    f"({model.kv_heads}) nor is a multiple of them",
-                )
-            )
+        problem = heads_problem(size, model.heads, model.kv_heads, key)
+        if problem is not None:
+            problems.append(Problem("heads", key, problem))
     return problems
 
 

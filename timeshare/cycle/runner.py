@@ -388,8 +388,11 @@ class _Cycle:
             assert isinstance(trainer, HeldResult)
             return BarrierChecked(ran.rank, trainer.held_mb)
         rollout = ran.results["rollout"]
-        if isinstance(rollout, RolloutResult):
+        if isinstance(rollout, RolloutResult) and rollout.served_by is None:
+            # An engine serving a tensor-parallel group brings the other ranks' batches too.
             self.batches[ran.rank] = rollout.samples
+            for rank, samples in rollout.batches.items():
+                self.batches[self.node_ranks.index(rank)] = samples
         await self._report(ran)
         return RankFinished(ran.rank, ran.phase)
 

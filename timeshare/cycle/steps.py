@@ -10,7 +10,8 @@ has run all six of its phases. For each step:
   produced the batch, as verl and OpenRLHF report it; None when the task scores nothing.
 - `phases`: the wall time of each phase on its slowest rank; `per_rank`: each rank's.
 - `sync`: bytes moved by every rank, over the slowest rank's transfer time, as GB/s.
-- `weights_match`: every rollout holds exactly the trainer's weights (their digests agree);
+- `weights_match`: every rollout holds exactly the trainer's weights (their digests agree, and
+  with tensor parallelism so does every TP worker's);
   `ranks_agree`: every rank's trainer sent the same weights; `weights_digest`: theirs (None
   where they differ), for comparing nodes.
 - `logprob_max_abs_diff`: the largest difference between the trainer's and the rollout's
@@ -55,8 +56,14 @@ class SyncFigures(msgspec.Struct, frozen=True):
 
 
 class RankFigures(msgspec.Struct, frozen=True):
+    """One rank's step: each phase's seconds; the bytes its trainer sent into its rollout
+    engine at SYNC (each byte once, however many workers the engine has), and the bytes that
+    reached each tensor-parallel worker's loader (empty: an engine that loads in one process)."""
+
     rank: int
     phases: dict[str, float]
+    sent_bytes: int = 0
+    loaded_bytes: list[int] = []
 
 
 class StepFigures(msgspec.Struct, frozen=True, kw_only=True):
@@ -144,8 +151,9 @@ def step_figures(
     trains = [_as(TrainResult, by_rank[r]["train"].trainer).figures for r in ranks]
     sent = [_as(SyncResult, by_rank[r]["sync"].trainer) for r in ranks]
     received = [_as(SyncResult, by_rank[r]["sync"].rollout) for r in ranks]
-    transfer_bytes = sum(s.transfer.bytes for s in sent)
-    transfer_s = max(s.transfer.seconds for s in sent)
+    senders = [s for s in sent if s.served_by is None]  # a TP group's engine: its leader sends
+    transfer_bytes = sum(s.transfer.bytes for s in senders)
+    transfer_s = max(s.transfer.seconds for s in senders)
     rewards = [t.reward_mean for t in trains if t.reward_mean is not None]
     logprob_diffs = [t.logprob_max_abs_diff for t in trains if t.logprob_max_abs_diff is not None]
     committed = [t.committed for t in trains]
@@ -155,11 +163,21 @@ def step_figures(
         sample_version=step - 1,
         reward_mean=sum(rewards) / len(rewards) if rewards else None,
         phases={p: max(by_rank[r][p].seconds for r in ranks) for p in PHASES},
-        per_rank=[RankFigures(r, {p: by_rank[r][p].seconds for p in PHASES}) for r in ranks],
+        per_rank=[
+            RankFigures(
+                r,
+                {p: by_rank[r][p].seconds for p in PHASES},
+                0 if out.served_by is not None else out.transfer.bytes,
+                [worker.bytes for worker in got.workers],
+            )
+            for r, out, got in zip(ranks, sent, received, strict=True)
+        ],
         bubble_s=sum(_bubble(by_rank[r]) for r in ranks) / len(ranks),
         step_s=max(_wall(by_rank[r]) for r in ranks),
         sync=SyncFigures(transfer_bytes, transfer_s, gbps(transfer_bytes, transfer_s)),
-        weights_match=all(s.digest == r.digest for s, r in zip(sent, received, strict=True)),
+        weights_match=_every_rollout_holds(
+            {r: sent[i] for i, r in enumerate(ranks)}, {r: received[i] for i, r in enumerate(ranks)}
+        ),
         ranks_agree=len({s.digest for s in sent}) == 1,
         weights_digest=sent[0].digest if len({s.digest for s in sent}) == 1 else None,
         held_at_barrier_mb=sum(_held(by_rank[r]["barrier"].trainer) for r in ranks),
@@ -170,6 +188,19 @@ def step_figures(
         committed_step=None if None in committed else min(c for c in committed if c is not None),
         resumed=resumed,
     )
+
+
+def _every_rollout_holds(sent: dict[int, SyncResult], received: dict[int, SyncResult]) -> bool:
+    """Every rank's rollout holds what its trainer sent: the engine's digest, and each of its TP
+    workers', are the trainer's. A rank whose rollout another rank's engine serves (a
+    tensor-parallel group's leader, served_by) holds what that engine holds."""
+    for rank, out in sent.items():
+        got = received[rank]
+        if got.served_by is not None:
+            got = received.get(got.served_by, got)
+        if out.digest != got.digest or any(w.digest != out.digest for w in got.workers):
+            return False
+    return True
 
 
 def _as(kind: type[R], result: CommandResult) -> R:

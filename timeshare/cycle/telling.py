@@ -104,6 +104,9 @@ def _figures(role: str, result: CommandResult) -> dict[str, Figure]:
     fields = msgspec.structs.asdict(result)
     if isinstance(result, SyncResult):
         fields = msgspec.structs.asdict(result.transfer) | fields
+        for worker in result.workers:  # a TP engine: what reached each worker's loader
+            fields[f"worker{worker.worker}.bytes"] = worker.bytes
+            fields[f"worker{worker.worker}.digest"] = worker.digest
     if isinstance(result, TrainResult):
         fields = msgspec.structs.asdict(result.figures) | fields
     return {

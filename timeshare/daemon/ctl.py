@@ -149,6 +149,7 @@ def status_table(status: dict[str, Any]) -> str:
         rows.append((f"last step ({last.get('step')})", phases or "-"))
         gbps = (last.get("sync") or {}).get("gbps")
         rows.append(("sync", "-" if gbps is None else f"{gbps:.3f} GB/s"))
+        rows += [("sync bytes", line) for line in _sync_bytes(last.get("per_rank") or [])]
         if last.get("reward_mean") is not None:
             rows.append(("reward", f"{last['reward_mean']:.3f}"))
         if last.get("rollout_resident_mb"):  # an engine that cannot release memory says so
@@ -164,6 +165,25 @@ def status_table(status: dict[str, Any]) -> str:
     rows += [(f"node {node['node']}", _node_line(node)) for node in status.get("nodes") or []]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _sync_bytes(per_rank: list[dict[str, Any]]) -> list[str]:
+    """Per rank: the bytes sent into its rollout engine and, for a tensor-parallel engine,
+    what reached each worker's loader."""
+    lines = []
+    for rank in per_rank:
+        line = f"rank {rank.get('rank')}: sent {_mib(rank.get('sent_bytes'))}"
+        loaded = rank.get("loaded_bytes") or []
+        if loaded:
+            line += (
+                ", loaded " + " / ".join(_mib(b) for b in loaded) + f" by {len(loaded)} TP workers"
+            )
+        lines.append(line)
+    return lines
+
+
+def _mib(nbytes: Any) -> str:
+    return f"{float(nbytes or 0) / (1 << 20):.2f} MiB"
 
 
 def _node_line(node: dict[str, Any]) -> str:

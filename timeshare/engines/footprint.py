@@ -46,3 +46,17 @@ class HasTrainerFootprint(Protocol):
 @runtime_checkable
 class HasRolloutFootprint(Protocol):
     def rollout_footprint(self, sequences: int) -> RolloutFootprint: ...
+
+
+def heads_problem(size: int, heads: int, kv_heads: int, key: str) -> str | None:
+    """Why a tensor-parallel group of `size` cannot split a model's attention (None: it can):
+    its heads must split evenly, and its key/value heads split or be replicated a whole number
+    of times."""
+    if heads % size:
+        return f"{key} ({size}) does not divide the model's attention heads ({heads})"
+    if kv_heads % size and size % kv_heads:
+        return (
+            f"{key} ({size}) neither divides the model's key/value heads ({kv_heads}) nor is a "
+            "multiple of them"
+        )
+    return None

@@ -96,3 +96,31 @@ def _next_digested(items: Iterator[tuple[str, Weight]], digest: WeightsDigest) -
     if isinstance(weight, torch.Tensor):
         digest.add(name, weight)
     return item
+
+
+def drain(
+    named: Iterable[tuple[str, Weight]], digest: WeightsDigest, bucket_bytes: int
+) -> tuple[int, int]:
+    """What a trainer rank that sends nothing at SYNC does with its weights (its rollout is
+    served by another rank's engine: a tensor-parallel group): produce every one in order,
+    running the collectives the sending rank runs as it packs (a `LentTensor` writes itself
+    into scratch of the size it would have in staging, or is materialized where the sender
+    would materialize it), and digest it. Returns (tensors, bytes) produced."""
+    tensors = nbytes = 0
+    scratch: torch.Tensor | None = None
+    for name, weight in named:
+        if isinstance(weight, LentTensor):
+            if isinstance(weight.scratch_bytes, int) and weight.scratch_bytes <= bucket_bytes:
+                if scratch is None or scratch.numel() < weight.scratch_bytes:
+                    scratch = torch.empty(bucket_bytes, dtype=torch.uint8, device=weight.device)
+                lent = scratch[: weight.scratch_bytes]
+                weight.write_into(lent)
+                digest.add(name, lent[: weight.nbytes].view(weight.dtype).view(weight.shape))
+            else:
+                digest.add(name, weight.materialize())
+            nbytes += weight.nbytes
+        else:
+            digest.add(name, weight)
+            nbytes += weight.nbytes
+        tensors += 1
+    return tensors, nbytes

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, cast
 import msgspec
 
 from timeshare.engines import registry
-from timeshare.engines.footprint import HasRolloutFootprint
+from timeshare.engines.footprint import HasRolloutFootprint, heads_problem
 from timeshare.engines.model_config import SplitsRanks, TrainedModel, TrainsModel
 from timeshare.engines.registry import Role
 from timeshare.engines.vocab import MIN_VOCAB, PROMPT_TOKENS
@@ -152,6 +152,7 @@ def check_engines(
     source_of: Sources = lambda key: "default",
     *,
     ranks: int | None = None,
+    ranks_per_node: int | None = None,
     probe: bool = True,
 ) -> None:
     """What the job's engines must accept, before any worker starts, quickest first: the
@@ -165,6 +166,8 @@ def check_engines(
     trainer = spec.section(spec.trainer)
     if ranks is not None and isinstance(trainer, SplitsRanks):
         trainer.check_ranks(ranks)
+    if ranks_per_node is not None:
+        check_rollout_group(spec, source_of, ranks_per_node)
     for name, roles in spec.roles().items():
         if check := registry.ENGINES[name].check:
             registry.load(check)(spec, roles)
@@ -174,6 +177,31 @@ def check_engines(
     for name, roles in spec.roles().items():
         if probe and (probed := registry.ENGINES[name].probe):
             registry.load(probed)(spec, roles)
+
+
+def check_rollout_group(spec: EngineChoice, source_of: Sources, ranks_per_node: int) -> None:
+    """A rollout engine with tensor parallelism N runs on the devices of N consecutive ranks
+    of one node (the first of them hosts it: cluster.group_leader), so N divides a node's
+    ranks, and N splits the served model's attention."""
+    settings = spec.section(spec.rollout)
+    if not isinstance(settings, HasRolloutFootprint):
+        return
+    footprint = settings.rollout_footprint(1)
+    size, key = footprint.tensor_parallel, footprint.tp_key
+    if size == 1:
+        return
+    if ranks_per_node % size:
+        raise ConfigError(
+            f"{key} ({size}, from {source_of(key)}) must divide the ranks of a node "
+            f"({ranks_per_node}): the engine's tensor-parallel workers use the devices of "
+            f"{size} consecutive ranks of one node"
+        )
+    trained = spec.trained_model()
+    if trained is not None:
+        model = trained.config
+        problem = heads_problem(size, model.num_attention_heads, model.num_key_value_heads, key)
+        if problem is not None:
+            raise ConfigError(f"{problem} (from {source_of(key)}; the model: {trained.where})")
 
 
 def check_choice(spec: EngineChoice, source_of: Sources) -> None:

@@ -27,12 +27,13 @@ import msgspec
 import structlog
 
 from timeshare import logs
+from timeshare.cluster import group_leader, group_ranks
 from timeshare.engines.base import RolloutEngine, RolloutSample, TrainerEngine
 from timeshare.engines.context import EngineContext
 from timeshare.engines.digest import WeightsDigest
 from timeshare.engines.faults import Fault
 from timeshare.engines.main_loop import MainThreadLoop
-from timeshare.engines.outlet import digested
+from timeshare.engines.outlet import digested, drain
 from timeshare.engines.pairs import build_rollout, build_trainer, workload_of
 from timeshare.engines.spec import EngineSpec
 from timeshare.engines.task import Workload
@@ -134,10 +135,13 @@ class TrainerWorker:
         self.engine.progress = server.report_progress
         self.loop = MainThreadLoop(server)  # the sender's, on this (the main) thread
         # One session into every worker of the rollout engine (its tensor-parallel workers
-        # each load every bucket): protocols/weights/members.py.
-        self.sender = WeightSender(
-            spec.weight_endpoint, spec.transfer, receivers=spec.engine.rollout_workers()
-        )
+        # each load every bucket): protocols/weights/members.py. An engine spanning a group
+        # of ranks is sent to by the group's first rank alone; the others only take part in
+        # the collectives producing the weights (outlet.drain).
+        workers = spec.engine.rollout_workers()
+        self.sender: WeightSender | None = None
+        if group_leader(spec.rank, workers) == spec.rank:
+            self.sender = WeightSender(spec.weight_endpoint, spec.transfer, receivers=workers)
         self.spans = Spans()  # within the current command (the trace shows them)
 
     def handlers(self) -> dict[str, Handler]:
@@ -168,14 +172,14 @@ class TrainerWorker:
         with self.spans.span("prepare"):
             self.engine.prepare_sync()
         digest = WeightsDigest()
+        if self.sender is None:
+            return self.sync_without_sending(digest)
         weights = digested(self.engine.iter_weights(), digest)
         with self.server.waiting_on_peer(), self.spans.span("send"):
             send = partial(self.sender.send, weights, version=self.engine.step)
             report = self.loop.run(send, "sync")
         self.spans.extend(report.spans)
-        with self.spans.span("offload params"):
-            self.engine.finish_sync()
-            self.engine.offload_params()
+        self.finish_sync()
         return sync_result(
             report,
             digest.hexdigest(),
@@ -183,12 +187,31 @@ class TrainerWorker:
             receivers=self.sender.receivers,
         )
 
+    def sync_without_sending(self, digest: WeightsDigest) -> SyncResult:
+        """SYNC on a rank whose rollout another rank's engine serves: the weights produced in
+        step with the sending rank (its collectives), digested, sent nowhere."""
+        leader = group_leader(self.spec.rank, self.spec.engine.rollout_workers())
+        started = time.perf_counter()
+        with self.server.waiting_on_peer(), self.spans.span("produce"):
+            produced = drain(self.engine.iter_weights(), digest, self.spec.transfer.bucket_bytes)
+        seconds = time.perf_counter() - started
+        self.finish_sync()
+        tensors, nbytes = produced
+        report = TransferReport(self.engine.step, nbytes, tensors, 0, seconds)
+        return SyncResult(transfer=report, digest=digest.hexdigest(), receivers=0, served_by=leader)
+
+    def finish_sync(self) -> None:
+        with self.spans.span("offload params"):
+            self.engine.finish_sync()
+            self.engine.offload_params()
+
     def held(self, params: dict[str, Any]) -> HeldResult:
         return HeldResult(held_mb=self.engine.held_mb())
 
     def close(self) -> None:
         try:
-            self.sender.close()
+            if self.sender is not None:
+                self.sender.close()
         finally:
             try:
                 self.loop.close()
@@ -197,10 +220,19 @@ class TrainerWorker:
 
 
 class RolloutWorker:
+    """A rank's rollout worker with its engine, which serves `ranks` (this one, or with tensor
+    parallelism the group of ranks whose devices its workers hold: groups.py)."""
+
     def __init__(
-        self, spec: WorkerSpec, engine: RolloutEngine, workload: Workload, server: WorkerServer
+        self,
+        spec: WorkerSpec,
+        engine: RolloutEngine,
+        workload: Workload,
+        server: WorkerServer,
+        ranks: range | None = None,
     ) -> None:
         self.spec = spec
+        self.ranks = ranks or range(spec.rank, spec.rank + 1)
         self.engine = engine
         self.engine.progress = server.report_progress
         self.workload = workload
@@ -239,26 +271,70 @@ class RolloutWorker:
 
     def rollout(self, params: dict[str, Any]) -> RolloutResult:
         step = int(params.get("step", 0))
-        requests = self.workload.requests(self.spec.rank, step)
-        with self.spans.span("generate"):
-            samples = self.engine.generate(requests)
-        with self.spans.span("score"):
-            scored = [
-                dataclasses.replace(sample, reward=self.workload.score(request, sample))
-                for request, sample in zip(requests, samples, strict=True)
-            ]
+        # Each rank's batch in a generate of its own: an engine seeds each request by its place
+        # in the batch, so a rank samples what it would with an engine of its own.
+        by_rank = {rank: self.generate(rank, step) for rank in self.ranks}
         with self.spans.span("sleep"):
             self.engine.sleep()
+        scored = by_rank[self.spec.rank]
         rewards = [s.reward for s in scored if s.reward is not None]
         return RolloutResult(
-            samples=msgspec.Raw(msgspec.msgpack.encode(scored)),  # for the trainer, as it is
+            samples=_encoded(scored),  # for the trainer, as it is
             version=scored[0].weight_version if scored else None,
             reward_mean=sum(rewards) / len(rewards) if rewards else None,
             resident_mb=self.engine.resident_mb(),
+            batches={rank: _encoded(s) for rank, s in by_rank.items() if rank != self.spec.rank},
         )
+
+    def generate(self, rank: int, step: int) -> list[RolloutSample]:
+        """Rank `rank`'s batch of step `step`, sampled and scored."""
+        requests = self.workload.requests(rank, step)
+        with self.spans.span("generate"):
+            samples = self.engine.generate(requests)
+        with self.spans.span("score"):
+            return [
+                dataclasses.replace(sample, reward=self.workload.score(request, sample))
+                for request, sample in zip(requests, samples, strict=True)
+            ]
 
     def close(self) -> None:
         self.inlet.close()
+
+
+def _encoded(samples: list[RolloutSample]) -> msgspec.Raw:
+    return msgspec.Raw(msgspec.msgpack.encode(samples))
+
+
+class ServedRollout:
+    """The rollout worker of a rank whose rollout another rank's engine serves (the leader of
+    its tensor-parallel group): no engine of its own; it answers every phase saying so."""
+
+    def __init__(self, spec: WorkerSpec, leader: int) -> None:
+        self.spec = spec
+        self.leader = leader
+        self.spans = Spans()
+
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "bootstrap": NOTHING_TO_DO,
+            "train": NOTHING_TO_DO,
+            "offload": NOTHING_TO_DO,
+            "sync": self.sync,
+            "barrier": NOTHING_TO_DO,
+            "resume": NOTHING_TO_DO,
+            "rollout": self.rollout,
+            "held": lambda params: HeldResult(held_mb=0.0),
+        }
+
+    def sync(self, params: dict[str, Any]) -> SyncResult:
+        nothing = TransferReport(int(params.get("step", 0)), 0, 0, 0, 0.0)
+        return SyncResult(transfer=nothing, served_by=self.leader)
+
+    def rollout(self, params: dict[str, Any]) -> RolloutResult:
+        return RolloutResult(samples=_encoded([]), served_by=self.leader)
+
+    def close(self) -> None:
+        """Nothing to stop: the leader's worker holds the engine."""
 
 
 def run(spec: WorkerSpec) -> None:
@@ -279,7 +355,7 @@ def run(spec: WorkerSpec) -> None:
         heartbeat_s=spec.heartbeat_s,
     )
     with ExitStack() as stack:
-        worker: TrainerWorker | RolloutWorker
+        worker: TrainerWorker | RolloutWorker | ServedRollout
         context = EngineContext(
             spec=spec.engine,
             rank=spec.rank,
@@ -292,12 +368,17 @@ def run(spec: WorkerSpec) -> None:
             resume_on_fewer_ranks=spec.resume_on_fewer_ranks,
             keep_checkpoints=spec.keep_checkpoints,
         )
+        group = spec.engine.rollout_workers()
+        leader = group_leader(spec.rank, group)
         if spec.role == "trainer":
             worker = TrainerWorker(spec, build_trainer(context), server)
+        elif leader != spec.rank:
+            worker = ServedRollout(spec, leader)
         else:
             rollout = build_rollout(context)
             stack.callback(rollout.close)  # the engine's processes stop even if the worker fails
-            worker = RolloutWorker(spec, rollout, workload_of(context), server)
+            ranks = group_ranks(leader, group)
+            worker = RolloutWorker(spec, rollout, workload_of(context), server, ranks)
         stack.callback(worker.close)
         for name, handler in worker.handlers().items():
             handlers[name] = _phase_handler(spec, name, handler, worker.spans)

@@ -86,6 +86,9 @@ class SyncResult(CommandResult, frozen=True, kw_only=True):
     staging_buffers: int | None = None
     receivers: int = 1
     workers: list[WorkerLoad] = []
+    # A rank whose rollout is served by another rank's engine (a tensor-parallel group's):
+    # that rank. Its trainer sent nothing and its rollout received nothing.
+    served_by: int | None = None
 
 
 class HeldResult(CommandResult, frozen=True, kw_only=True):
@@ -103,6 +106,10 @@ class RolloutResult(CommandResult, frozen=True, kw_only=True):
     version: int | None = None
     reward_mean: float | None = None
     resident_mb: float = 0.0  # memory the engine keeps asleep (no sleep mode on the platform)
+    # An engine that serves a tensor-parallel group of ranks: the samples of the group's other
+    # ranks, by rank (their own rollout workers answer with `served_by` and no samples).
+    batches: dict[int, msgspec.Raw] = {}
+    served_by: int | None = None
 
 
 class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
