@@ -59,24 +59,49 @@ def write_config(root: Path, **sections: Any) -> Path:
     return toml_file(root, VLLM_JOB, log={"file": f"{root}/log.jsonl"}, **sections)
 
 
-def test_a_vllm_run_matches_weights_and_logprobs_every_step(runtime_dir: Path) -> None:
-    summary = runtime_dir / "summary.json"
-    done = timeshare_run(write_config(runtime_dir, job={"ranks": 2}), summary, timeout_s=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    steps = steps_of(summary)
-    assert [s["step"] for s in steps] == [1, 2, 3]
-    assert all(s["weights_match"] and s["ranks_agree"] for s in steps)
-    assert all(s["logprob_max_abs_diff"] < 1e-4 for s in steps)
-    # vLLM on CPU releases nothing: the summary says what stays resident (two KV caches)
-    assert all(s["rollout_resident_mb"] >= 2 * 16.0 for s in steps)
-    assert_nothing_left(runtime_dir)
+def tp_config(root: Path, tensor_parallel: int, steps: int = 3) -> Path:
+    """Two ranks; vLLM with `tensor_parallel` workers: 1 is an engine per rank, 2 one engine
+    for both ranks (rank 0 hosts it, its two workers each load every version)."""
+    vllm = {"tensor_parallel_size": tensor_parallel}
+    return write_config(root, job={"ranks": 2, "steps": steps}, engine={"vllm": vllm})
 
 
-def test_a_vllm_worker_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Path) -> None:
-    run = start_run(runtime_dir, write_config(runtime_dir))
+def test_tp_1_and_tp_2_from_one_seed_hold_the_same_weights_every_step(runtime_dir: Path) -> None:
+    """The same job with an engine per rank and with one engine of two TP workers for both
+    ranks: each step the same weights (bit for bit, every TP worker's included), logprobs within
+    fp32 noise of the trainer's, the same rewards; each TP worker loaded every byte sent."""
+    runs = {}
+    for tp in (1, 2):
+        root = runtime_dir / f"tp{tp}"
+        root.mkdir()
+        summary = root / "summary.json"
+        done = timeshare_run(tp_config(root, tp), summary, timeout_s=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[tp] = steps_of(summary)
+        assert_nothing_left(root)
+    for tp, steps in runs.items():
+        assert [s["step"] for s in steps] == [1, 2, 3], tp
+        assert all(s["weights_match"] and s["ranks_agree"] for s in steps), tp
+        assert all(s["logprob_max_abs_diff"] < 1e-4 for s in steps), tp
+    one, two = runs[1], runs[2]
+    assert [s["weights_digest"] for s in one] == [s["weights_digest"] for s in two]
+    assert [s["reward_mean"] for s in one] == [s["reward_mean"] for s in two]
+    for step in two:  # one engine, sent to once, by rank 0; each TP worker loaded all of it
+        sent = step["per_rank"][0]["sent_bytes"]
+        assert sent > 0 and step["sync"]["bytes"] == sent
+        assert step["per_rank"][0]["loaded_bytes"] == [sent, sent]
+        assert (step["per_rank"][1]["sent_bytes"], step["per_rank"][1]["loaded_bytes"]) == (0, [])
+    # vLLM on CPU releases nothing: the summary says what stays resident (a KV cache per vLLM
+    # worker: two engines of one worker, or one engine of two)
+    assert all(s["rollout_resident_mb"] >= 2 * 16.0 for run in (one, two) for s in run)
+
+
+def test_a_vllm_tp_worker_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Path) -> None:
+    """TP worker 1 of rank 0's engine (which serves ranks 0 and 1) dies in the first SYNC."""
+    run = start_run(runtime_dir, tp_config(runtime_dir, 2))
     try:
         processes = wait_for("vLLM", lambda: recorded_processes(runtime_dir / "run"), 240, run)
-        worker = next(pid for pid in processes if "VLLM::Worker" in psutil.Process(pid).name())
+        worker = next(pid for pid in processes if tp_worker(pid) == 1)
         # The first SYNC: the vLLM worker maps the trainer's staging, buckets are on their way.
         wait_for("staging", lambda: mapped_segments(worker, SEGMENT_PREFIX), 240, run)
         segments = recorded_segments(runtime_dir / "run")
@@ -93,7 +118,8 @@ def test_a_vllm_worker_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Pat
     # The kill lands in the first SYNC while its buckets still flow, or, when that transfer of
     # a tiny model ends first on a loaded machine, in the ROLLOUT that follows: either way the
     # cycle fails naming the rollout and the phase its vLLM died in.
-    assert re.search(r"rollout rank 0 failed in phase (sync|rollout)", stderr), stderr[-3000:]
+    assert re.search(r"rank 0 failed in phase (sync|rollout)", stderr), stderr[-3000:]
+    assert re.search(r"TP worker 1\b|receiver 1 of 2", stderr), stderr[-3000:]
     # The driver waited for its workers; their vLLM children die with their group, just after.
     assert wait_gone(processes, 10) == []
     assert_nothing_left(runtime_dir)
@@ -101,15 +127,17 @@ def test_a_vllm_worker_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Pat
 
 
 def test_no_vllm_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -> None:
-    run = start_run(runtime_dir, write_config(runtime_dir, job={"steps": 1000}))
+    """A TP engine: its EngineCore and both TP workers die with the run."""
+    run = start_run(runtime_dir, tp_config(runtime_dir, 2, steps=1000))
     try:
         processes = wait_for("vLLM", lambda: recorded_processes(runtime_dir / "run"), 240, run)
-        worker = next(pid for pid in processes if "VLLM::Worker" in psutil.Process(pid).name())
+        worker = next(pid for pid in processes if tp_worker(pid) == 1)
         # Killed in the first SYNC: every process of the job is up, staging mapped everywhere.
         wait_for("staging", lambda: mapped_segments(worker, SEGMENT_PREFIX), 240, run)
         processes = recorded_processes(runtime_dir / "run")
         segments = recorded_segments(runtime_dir / "run")
-        assert len(processes) >= 3  # the rollout worker, VLLM::EngineCore, VLLM::Worker
+        # the rollout worker, VLLM::EngineCore, VLLM::Worker_TP0 and _TP1
+        assert len(processes) >= 4
         assert segments  # vLLM's message queues
         run.send_signal(signal.SIGKILL)
         run.wait(timeout=10)
@@ -120,6 +148,16 @@ def test_no_vllm_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -
     assert wait_gone(processes, 10) == []
     sweep_stale(runtime_dir / "run")  # what the next run does first
     assert [name for name in segments if (SHM / name).exists()] == []
+
+
+def tp_worker(pid: int) -> int | None:
+    """The TP rank of a vLLM worker process (its title: VLLM::Worker_TP<k>), else None."""
+    try:
+        title = " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return None
+    found = re.search(r"VLLM::Worker_TP(\d+)", title)
+    return int(found.group(1)) if found else None
 
 
 def test_a_key_vllm_rejects_is_exit_2_before_any_process(runtime_dir: Path) -> None:

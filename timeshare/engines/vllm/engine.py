@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -63,6 +64,7 @@ from timeshare.runtime import (
     reap,
     record_foreign_segments,
     release_foreign_segments,
+    running_since,
 )
 from timeshare.units import MIB
 from vllm import LLM
@@ -131,6 +133,7 @@ class VllmRollout(RolloutEngine):
         self._ids = itertools.count()
         self._scratch: Path | None = None
         self._children: list[int] = []
+        self._titles: dict[int, str] = {}  # vLLM's processes: pid -> title (VLLM::Worker_TP1)
         model_dir = spec.model_dir
         if not model_dir:
             self._scratch = Path(tempfile.mkdtemp(prefix=f"timeshare-vllm-{rank}-"))
@@ -176,6 +179,22 @@ class VllmRollout(RolloutEngine):
         except CallTimedOut as exc:
             self.broken = str(exc)
             raise EngineBroken(f"vLLM rollout rank {self.rank}: {self.broken}") from exc
+        except Exception as exc:
+            self.raise_if_process_gone(what, exc)
+            raise
+
+    def raise_if_process_gone(self, what: str, exc: Exception) -> None:
+        """A call that failed because one of vLLM's processes died (a TP worker killed, its
+        EngineCore gone) is `EngineBroken` naming that process; vLLM's own error says only
+        that its engine is dead."""
+        # (vLLM shuts its other processes down once one died: all of them may be named.)
+        gone = [f"{_named(t)} (pid {pid})" for pid, t in self._titles.items() if not _alive(pid)]
+        if gone:
+            self.broken = f"{', '.join(gone)} exited"
+            raise EngineBroken(
+                f"vLLM rollout rank {self.rank}: {what} failed, {self.broken}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     def check_usable(self) -> None:
         if self.broken is not None:
@@ -205,7 +224,8 @@ class VllmRollout(RolloutEngine):
             self.asleep -= set(waking)
 
     def _mb(self) -> float:
-        kv = self.spec.kv_cache_mb or 0.0
+        # The weights once across the TP workers (each holds its shard), a KV cache each.
+        kv = (self.spec.kv_cache_mb or 0.0) * self.spec.tensor_parallel_size
         return self.weights_bytes / MIB + kv
 
     def held_mb(self) -> float:
@@ -240,23 +260,37 @@ class VllmRollout(RolloutEngine):
         outputs: dict[int, Any] = {}
         deadline = self.generate_deadline()
         try:
-            while pending:
-                if time.monotonic() > deadline:
-                    raise GenerateTimeout(
-                        f"vLLM rollout rank {self.rank}: generate of {len(requests)} requests "
-                        f"still running after {self.generate_timeout_s:g} s "
-                        f"({len(pending)} unfinished, aborted)"
-                    )
-                for output in engine.step():
-                    done = pending.get(output.request_id)
-                    if done is not None and output.finished:
-                        outputs[done] = output
-                        del pending[output.request_id]
-                self.progress()
+            self._step_until_done(engine, pending, outputs, deadline, len(requests))
+        except Exception as exc:
+            self.raise_if_process_gone("generate", exc)
+            raise
         finally:
-            if pending:
+            if pending and self.broken is None:
                 engine.abort_request(list(pending))
         return [_sample(request, outputs[index], version) for index, request in enumerate(requests)]
+
+    def _step_until_done(
+        self,
+        engine: Any,
+        pending: dict[str, int],
+        outputs: dict[int, Any],
+        deadline: float,
+        requests: int,
+    ) -> None:
+        """Step vLLM's engine until every pending request finished, or the deadline passed."""
+        while pending:
+            if time.monotonic() > deadline:
+                raise GenerateTimeout(
+                    f"vLLM rollout rank {self.rank}: generate of {requests} requests "
+                    f"still running after {self.generate_timeout_s:g} s "
+                    f"({len(pending)} unfinished, aborted)"
+                )
+            for output in engine.step():
+                done = pending.get(output.request_id)
+                if done is not None and output.finished:
+                    outputs[done] = output
+                    del pending[output.request_id]
+            self.progress()
 
     def record_segments(self) -> None:
         """Record the shared memory vLLM's processes map (its message queues), so that a sweep
@@ -265,6 +299,7 @@ class VllmRollout(RolloutEngine):
         self._children = [
             pid for pid in tree if parent_of(pid) == os.getpid() and _is_vllm_process(pid)
         ]
+        self._titles = {pid: title for pid in tree if (title := _vllm_title(pid))}
         names = [name for pid in tree for name in mapped_segments(pid, VLLM_SEGMENT_PREFIX)]
         record_foreign_segments(self.runtime_dir, self.owner, tree, names)
 
@@ -288,6 +323,26 @@ def _cpu_binding(workers: int) -> dict[str, str]:
     if not current_platform.is_cpu():
         return {}
     return binding_environment(workers, sorted(os.sched_getaffinity(0)), os.environ)
+
+
+def _vllm_title(pid: int) -> str:
+    """The title vLLM gave its process (VLLM::EngineCore, VLLM::Worker_TP1), or ""."""
+    try:
+        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return ""
+    title = words[0].decode(errors="replace") if words else ""
+    return title if title.startswith("VLLM::") else ""
+
+
+def _named(title: str) -> str:
+    """A vLLM process as errors name it: a TP worker by its TP rank."""
+    worker = re.fullmatch(r"VLLM::Worker_TP(\d+)", title)
+    return f"TP worker {worker.group(1)} ({title})" if worker else title
+
+
+def _alive(pid: int) -> bool:
+    return running_since(pid) is not None
 
 
 def _is_vllm_process(pid: int) -> bool:
