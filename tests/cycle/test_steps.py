@@ -66,16 +66,12 @@ def served(rank: int, leader: int, digest: str = "d1") -> list[PhaseReport]:
     weights (digest) and sent nothing, its rollout worker has no engine."""
     produced = TransferReport(version=4, bytes=SENT, tensors=9, buckets=0, seconds=0.5)
     nothing = TransferReport(version=4, bytes=0, tensors=0, buckets=0, seconds=0.0)
-    out = []
-    for report in reports(rank, []):
-        if report.phase is Phase.SYNC:
-            sync = (
-                SyncResult(transfer=produced, digest=digest, receivers=0, served_by=leader),
-                SyncResult(transfer=nothing, served_by=leader),
-            )
-            report = PhaseReport(4, rank, Phase.SYNC, 10.0, 0.1, *sync, answered=10.1)
-        out.append(report)
-    return out
+    sync = (
+        SyncResult(transfer=produced, digest=digest, receivers=0, served_by=leader),
+        SyncResult(transfer=nothing, served_by=leader),
+    )
+    synced = PhaseReport(4, rank, Phase.SYNC, 10.0, 0.1, *sync, answered=10.1)
+    return [synced if r.phase is Phase.SYNC else r for r in reports(rank, [])]
 
 
 def test_a_rank_served_by_its_groups_engine_holds_what_that_engine_holds() -> None:

@@ -10,6 +10,8 @@ No engine and no torch here: both ends import it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from timeshare.errors import TimeshareError
@@ -53,3 +55,17 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
             return msgspec.msgpack.decode(data, type=cls)
         except msgspec.DecodeError as exc:  # ValidationError included
             raise TimeshareError(f"{source} answered no LoadReport: {exc}") from exc
+
+
+def worker_reports_checked(reports: Sequence[LoadReport], who: str) -> list[LoadReport]:
+    """The reports of an engine's tensor-parallel workers, in TP-rank order, checked: each
+    from the worker it stands for, all of one version (`who`: the engine, for errors)."""
+    for worker, report in enumerate(reports):
+        if report.worker != worker:
+            raise TimeshareError(
+                f"{who}: the report in TP worker {worker}'s place is worker {report.worker}'s"
+            )
+    versions = [report.transfer.version for report in reports]
+    if len(set(versions)) != 1:
+        raise TimeshareError(f"{who}: TP workers received different versions: {versions}")
+    return list(reports)

@@ -57,7 +57,8 @@ class Outcome:
 class Channel:
     """A trainer's end of the weight channel and the runtime directory of its endpoint."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, receivers: int = 1) -> None:
+        self.receivers = receivers  # the rollout engine's workers that each load a version
         self.runtime_dir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
         self.runtime_dir.chmod(0o700)
         self.endpoint = f"ipc://{self.runtime_dir}/w.sock"
@@ -72,7 +73,8 @@ class Channel:
     ) -> Outcome:
         """Send `weights` as `version` while `receive()` (the rollout's side) runs here."""
         if self.sender is None:
-            self.sender = self._trainer.submit(WeightSender, self.endpoint, TRANSFER).result()
+            make = partial(WeightSender, self.endpoint, TRANSFER, receivers=self.receivers)
+            self.sender = self._trainer.submit(make).result()
         digest = WeightsDigest()
         send = partial(self.sender.send, digested(weights, digest), version=version)
         sending: Future[TransferReport] = self._trainer.submit(anyio.run, send)
@@ -91,10 +93,13 @@ class Channel:
         return Outcome(sent, received, digest.hexdigest())
 
     def live_sockets(self) -> set[Path]:
-        """The socket files the open session may keep: its endpoint and its own socket."""
+        """The socket files the open session may keep: each receiver's endpoint and its own
+        socket."""
         if self.sender is None:
             return set()
-        paths = (self.sender.endpoint.path, self.sender.session_endpoint.path)
+        endpoints = [self.sender.endpoint.member(k) for k in range(self.receivers)]
+        session = self.sender.session
+        paths = [p for e in endpoints for p in (e.path, e.session_socket(session).path)]
         return {path for path in paths if path is not None}
 
     def check_clean(self) -> None:

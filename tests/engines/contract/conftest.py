@@ -1,7 +1,8 @@
 """The contract suite's engines: every rollout engine and every trainer engine of the registry,
 each built through it, as anyio's `anyio_backend` fixture runs a test once per backend.
 
-    rollout_engine   simulated, torch_ref, vllm, sglang  (a `RolloutHarness`, rollouts.py)
+    rollout_engine   simulated, torch_ref, vllm, vllm:tp2, sglang, sglang:tp2
+                     (a `RolloutHarness`, rollouts.py; `:tp2`: two tensor-parallel workers)
     trainer_engine   torch_ref, fsdp, megatron         (a `TrainerHarness`, trainers.py)
 
 Each test gets its engine with a whole version loaded and awake. Engines that start in
@@ -28,7 +29,9 @@ from tests.engines.contract.rollouts import (
     HARNESSES,
     RolloutHarness,
     SglangHarness,
+    SglangTp2Harness,
     VllmHarness,
+    VllmTp2Harness,
 )
 from tests.engines.contract.trainers import (
     SHAPE,
@@ -43,10 +46,18 @@ ROLLOUTS = [
     "simulated",
     "torch_ref",
     pytest.param("vllm", marks=pytest.mark.slow),
+    pytest.param("vllm:tp2", marks=pytest.mark.slow),
     # SGLang runs from .venv-sglang: make test runs the `sglang` items there, the rest in .venv.
     pytest.param("sglang", marks=[pytest.mark.slow, pytest.mark.sglang]),
+    pytest.param("sglang:tp2", marks=[pytest.mark.slow, pytest.mark.sglang]),
 ]
-SHARED = ("vllm", "sglang")  # engines that start slowly: one serves the module
+# Engines that start slowly: one serves the module (the fixture of each, by case).
+SHARED = {
+    "vllm": "shared_vllm",
+    "vllm:tp2": "shared_vllm_tp2",
+    "sglang": "shared_sglang",
+    "sglang:tp2": "shared_sglang_tp2",
+}
 TRAINERS = [
     "torch_ref",
     pytest.param("fsdp", marks=pytest.mark.slow),
@@ -55,8 +66,9 @@ TRAINERS = [
 
 
 def kinds(params: Sequence[object]) -> set[str]:
-    """The engine names among fixture parameters."""
-    return {p if isinstance(p, str) else str(p.values[0]) for p in params}  # type: ignore[attr-defined]
+    """The engine names among fixture parameters (a case "vllm:tp2" is engine "vllm")."""
+    cases = {p if isinstance(p, str) else str(p.values[0]) for p in params}  # type: ignore[attr-defined]
+    return {case.partition(":")[0] for case in cases}
 
 
 @pytest.fixture(scope="module", params=ROLLOUTS)
@@ -72,9 +84,21 @@ def shared_vllm() -> Iterator[RolloutHarness]:
 
 
 @pytest.fixture(scope="module")
+def shared_vllm_tp2() -> Iterator[RolloutHarness]:
+    """The module's vLLM engine of two tensor-parallel workers."""
+    yield from _shared(VllmTp2Harness)
+
+
+@pytest.fixture(scope="module")
 def shared_sglang() -> Iterator[RolloutHarness]:
     """The module's SGLang engine (SGLang's CPU engine), a whole version loaded."""
     yield from _shared(SglangHarness)
+
+
+@pytest.fixture(scope="module")
+def shared_sglang_tp2() -> Iterator[RolloutHarness]:
+    """The module's SGLang engine of two tensor-parallel ranks."""
+    yield from _shared(SglangTp2Harness)
 
 
 def _shared(make: Callable[[], RolloutHarness]) -> Iterator[RolloutHarness]:
@@ -89,7 +113,7 @@ def _shared(make: Callable[[], RolloutHarness]) -> Iterator[RolloutHarness]:
 @pytest.fixture
 def rollout_engine(rollout_kind: str, request: pytest.FixtureRequest) -> Iterator[RolloutHarness]:
     if rollout_kind in SHARED:
-        shared: RolloutHarness = request.getfixturevalue(f"shared_{rollout_kind}")
+        shared: RolloutHarness = request.getfixturevalue(SHARED[rollout_kind])
         deadline = shared.engine.generate_timeout_s
         yield shared
         left_usable(shared, deadline)

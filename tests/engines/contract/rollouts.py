@@ -61,9 +61,13 @@ SIMULATED: dict[str, Any] = {"tensor_numel": 8192, "delays": {"rollout": {"0": 0
 Named = list[tuple[str, Weight]]
 
 
-def causal_lm_job(rollout: str, seed: int = 0) -> EngineSpec:
-    """The reference trainer of MODEL (initialised from `seed`) with `rollout` serving it."""
-    sections: dict[str, Any] = {"vllm": VLLM, "sglang": SGLANG}
+def causal_lm_job(rollout: str, seed: int = 0, tensor_parallel: int = 1) -> EngineSpec:
+    """The reference trainer of MODEL (initialised from `seed`) with `rollout` serving it, its
+    weights loaded by `tensor_parallel` workers (vLLM, SGLang)."""
+    sections: dict[str, Any] = {
+        "vllm": {**VLLM, "tensor_parallel_size": tensor_parallel},
+        "sglang": {**SGLANG, "tp_size": tensor_parallel},
+    }
     sections = {rollout: sections[rollout]} if rollout in sections else {}
     return engine_spec(
         trainer="torch_ref",
@@ -114,6 +118,7 @@ class RolloutHarness:
     """One rollout engine and the trainer's end of its weight channel."""
 
     kind = ""
+    case = ""  # the suite's name for it: the kind, and its tensor parallelism where > 1
     most_requests = BATCH  # the most requests one generate may hold
     longest = COMPLETION  # the longest completion a request of that many may ask for
     logprob_tolerance = 1e-4  # against the trainer's logprobs of the same tokens
@@ -121,7 +126,7 @@ class RolloutHarness:
 
     def __init__(self, spec: EngineSpec, *, call_timeout_s: float = 30.0) -> None:
         self.spec = spec
-        self.channel = Channel(prefix=f"ts-{self.kind[:3]}-")
+        self.channel = Channel(prefix=f"ts-{self.kind[:3]}-", receivers=spec.rollout_workers())
         self.store = JobStore.host()
         self.sources_store = JobStore.host()  # the trainers' own (simulated) device ledger
         self._trainers: dict[int, TrainerEngine] = {}
@@ -227,6 +232,7 @@ class RolloutHarness:
 
 class SimulatedHarness(RolloutHarness):
     kind = "simulated"
+    case = "simulated"
     logprob_tolerance = 0.0
     loader_name = "simulated rollout"
 
@@ -250,6 +256,7 @@ class SimulatedHarness(RolloutHarness):
 
 class TorchRefHarness(RolloutHarness):
     kind = "torch_ref"
+    case = "torch_ref"
     longest = KV_CACHE_LEN - 3
     loader_name = "torch_ref rollout"
 
@@ -273,15 +280,18 @@ class TorchRefHarness(RolloutHarness):
 
 class VllmHarness(RolloutHarness):
     kind = "vllm"
+    case = "vllm"
+    tensor_parallel = 1
     most_requests = 64
     longest = 60  # max_model_len 64, less the prompt
     loader_name = "vLLM's loader of LlamaForCausalLM"
 
     def __init__(self) -> None:
-        super().__init__(causal_lm_job(self.kind), call_timeout_s=VLLM_CALL_TIMEOUT_S)
+        job = causal_lm_job(self.kind, tensor_parallel=self.tensor_parallel)
+        super().__init__(job, call_timeout_s=VLLM_CALL_TIMEOUT_S)
 
     def trainer_spec(self, variant: int) -> EngineSpec:
-        return causal_lm_job(self.kind, seed=variant)
+        return causal_lm_job(self.kind, seed=variant, tensor_parallel=self.tensor_parallel)
 
     def unfinished(self) -> int:
         from timeshare.engines.vllm.engine import VllmRollout  # (imports vLLM: only here)
@@ -305,17 +315,28 @@ class VllmHarness(RolloutHarness):
         assert psutil.Process().children(recursive=True) == []
 
 
+class VllmTp2Harness(VllmHarness):
+    """vLLM with two tensor-parallel workers: each loads every version, the weight channel
+    sends each bucket once into staging both map."""
+
+    case = "vllm:tp2"
+    tensor_parallel = 2
+
+
 class SglangHarness(RolloutHarness):
     kind = "sglang"
+    case = "sglang"
+    tensor_parallel = 1
     most_requests = 64
     longest = 56  # what SGLang takes of the model's 64 positions (59), less the prompt
     loader_name = "SGLang's loader of LlamaForCausalLM"
 
     def __init__(self) -> None:
-        super().__init__(causal_lm_job(self.kind), call_timeout_s=SGLANG_CALL_TIMEOUT_S)
+        job = causal_lm_job(self.kind, tensor_parallel=self.tensor_parallel)
+        super().__init__(job, call_timeout_s=SGLANG_CALL_TIMEOUT_S)
 
     def trainer_spec(self, variant: int) -> EngineSpec:
-        return causal_lm_job(self.kind, seed=variant)
+        return causal_lm_job(self.kind, seed=variant, tensor_parallel=self.tensor_parallel)
 
     def unfinished(self) -> int:
         """Requests SGLang's tokenizer manager still tracks."""
@@ -337,9 +358,18 @@ class SglangHarness(RolloutHarness):
         assert psutil.Process().children(recursive=True) == []
 
 
+class SglangTp2Harness(SglangHarness):
+    """SGLang with two tensor-parallel ranks: each rank's scheduler loads every version."""
+
+    case = "sglang:tp2"
+    tensor_parallel = 2
+
+
 HARNESSES: dict[str, Callable[[], RolloutHarness]] = {
     "simulated": SimulatedHarness,
     "torch_ref": TorchRefHarness,
     "vllm": VllmHarness,
+    "vllm:tp2": VllmTp2Harness,
     "sglang": SglangHarness,
+    "sglang:tp2": SglangTp2Harness,
 }

@@ -77,6 +77,23 @@ def test_weights_arrive_bit_for_bit_under_the_trainers_names(
     assert weights_digest(tensors(rollout_engine.weights(1))) != engine.digest()
 
 
+def test_every_worker_of_the_engine_loads_every_version_whole(
+    rollout_engine: RolloutHarness,
+) -> None:
+    """An engine whose weights load in several workers (tensor parallelism) reports what each
+    worker's loader got; each holds the trainer's weights bit for bit. One that loads in one
+    process reports at most that one."""
+    engine = rollout_engine.engine
+    workers = rollout_engine.spec.rollout_workers()
+    weights = rollout_engine.weights(rollout_engine.variant)
+    sent, _ = rollout_engine.sync(rollout_engine.variant).reports()
+    loads = engine.worker_loads
+    if workers > 1 or loads:
+        assert [load.worker for load in loads] == list(range(workers))
+    assert all(load.digest == weights_digest(tensors(weights)) for load in loads)
+    assert all(load.bytes == sent.bytes for load in loads)
+
+
 def test_seeded_generation_is_reproducible(rollout_engine: RolloutHarness) -> None:
     engine = rollout_engine.engine
     first = engine.generate(rollout_engine.requests(seed=7))

@@ -46,7 +46,9 @@ from timeshare.engines.base import (
     refuse_unsupported,
 )
 from timeshare.engines.context import EngineContext
+from timeshare.engines.cpu_binding import binding_environment, core_groups
 from timeshare.engines.foreign import CallTimedOut, bounded, host_pid_in_environment
+from timeshare.engines.load_report import LoadReport, worker_reports_checked
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import write_config_dir
 from timeshare.engines.sglang import loader
@@ -62,6 +64,7 @@ from timeshare.errors import (
     TimeshareError,
     TransferError,
 )
+from timeshare.protocols.commands.results import WorkerLoad
 from timeshare.protocols.weights import TransferConfig, TransferReport
 from timeshare.protocols.weights.segments import SHM_DIR
 from timeshare.runtime import (
@@ -83,6 +86,7 @@ SEGMENT_PREFIXES = ("psm_", "sglang")  # shared memory SGLang's processes may ma
 SEMAPHORE_PREFIX = "sem.mp-"  # Python's named semaphores (multiprocessing), in /dev/shm
 RELEASED = ("weights", "kv_cache")  # SGLang's memory tags that OFFLOAD releases
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # its CPU TP ranks' thread binding (cpu_binding.py)
 
 
 def resolve_device(spec: SglangSpec) -> str:
@@ -177,11 +181,13 @@ class SglangRollout(RolloutEngine):
         # SGLang's own handler of a child's SIGQUIT (sent as its scheduler or detokenizer fails)
         # SIGKILLs this whole process: the worker would die without a word of why.
         args["custom_sigquit_handler"] = self._sglang_failed
+        self.binding = _cpu_binding(spec.tp_size) if self.device == "cpu" else {}
         started = time.perf_counter()
         semaphores = _semaphores()
         try:
-            # boot.py and plugin.py: SGLang's processes die with this one, and are patched.
-            with host_pid_in_environment(HOST_PID_ENV):
+            # boot.py and plugin.py: SGLang's processes die with this one, and are patched;
+            # cpu_binding.py: where TP ranks' threads run on a CPU.
+            with host_pid_in_environment(HOST_PID_ENV, self.binding):
                 self.sgl = start_engine(args)
         except BaseException:
             self._remove_scratch()
@@ -201,6 +207,8 @@ class SglangRollout(RolloutEngine):
             device=self.device,
             releases_memory=self.releases,
             media=sorted(self.media.fields),
+            tensor_parallel=spec.tp_size,
+            **self.binding,
         )
 
     # -- calls into SGLang ----------------------------------------------------------------------
@@ -419,6 +427,7 @@ class SglangInlet:
             digest=digest,
             answer_path=self.answer_path,
             model_dir=engine.model_dir,
+            workers=engine.spec.tp_size,
         )
         engine.begin_weight_update()
         engine.checked("begin_weight_update", engine.sgl.begin_weight_update)
@@ -432,18 +441,55 @@ class SglangInlet:
         finally:
             engine.checked("end_weight_update", engine.sgl.end_weight_update)
         progress()
-        outcome = LoadOutcome.read(self.answer_path)
-        if outcome.report is None:
-            message = f"SGLang rollout rank {engine.rank}: {outcome.error}"
-            raise LoaderFailed(message) if outcome.failure == "loader" else TransferError(message)
-        engine.digest_of_version = outcome.report.digest
-        engine.weights_bytes = outcome.report.transfer.bytes
-        engine.mark_whole(outcome.report.transfer.version)
+        reports = self.read_answers(order)
+        received = reports[0]
+        engine.digest_of_version = received.digest
+        engine.weights_bytes = received.transfer.bytes
+        # Each TP rank was sent every tensor and hashed what reached its loader: every one's
+        # digest must be the trainer's (weights_match, cycle/steps.py).
+        engine.worker_loads = [
+            WorkerLoad(report.worker, report.transfer.bytes, report.digest) for report in reports
+        ]
+        engine.mark_whole(received.transfer.version)
         # SGLang's scheduler is a process of this machine: its spans' clock is this one's.
-        return outcome.report.transfer
+        return received.transfer
+
+    def read_answers(self, order: LoadOrder) -> list[LoadReport]:
+        """Every TP rank's answer (each read once, all of them, whatever one says), checked;
+        the first failure raised typed, naming the TP rank where there are several."""
+        who = f"SGLang rollout rank {self.engine.rank}"
+        outcomes = [_read_answer(order.answer_of(worker)) for worker in range(order.workers)]
+        for worker, outcome in enumerate(outcomes):
+            if isinstance(outcome, TimeshareError):
+                raise outcome
+            if outcome.report is None:
+                where = who if order.workers == 1 else f"{who} TP worker {worker}"
+                message = f"{where}: {outcome.error}"
+                if outcome.failure == "loader":
+                    raise LoaderFailed(message)
+                raise TransferError(message)
+        reports = [o.report for o in outcomes if isinstance(o, LoadOutcome) and o.report]
+        return worker_reports_checked(reports, who)
 
     def close(self) -> None:
         """The receiver lives in SGLang's scheduler, until it exits (plugin.py)."""
+
+
+def _read_answer(path: str) -> LoadOutcome | TimeshareError:
+    try:
+        return LoadOutcome.read(path)
+    except TimeshareError as exc:
+        return exc
+
+
+def _cpu_binding(workers: int) -> dict[str, str]:
+    """Where TP ranks' threads run on a CPU (cpu_binding.py). Without AMX SGLang binds no
+    threads itself: each rank then gets as many threads as its group has cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    binding = binding_environment(BIND_ENV, workers, cores, os.environ)
+    if binding and "OMP_NUM_THREADS" not in os.environ:
+        binding["OMP_NUM_THREADS"] = str(min(len(g) for g in core_groups(cores, workers)))
+    return binding
 
 
 def _semaphores() -> set[str]:

@@ -2,9 +2,11 @@
 
 SGLang calls a loader named in `custom_weight_loader` with its model, inside the scheduler
 process, when `update_weights_from_tensor(..., load_format=<that name>)` arrives there
-(engine.py sends one whose only entry names a `LoadOrder`, order.py). `receive_version` then
-receives ONE WHOLE VERSION through the channel with its deadlines (begin, per bucket,
-finalize):
+(engine.py sends one whose only entry names a `LoadOrder`, order.py). With tensor parallelism
+every TP rank's scheduler gets the order, and each joins the version's session as its member
+(its TP rank): the trainer's sender sends each bucket once, to all of them, and each rank's
+weight loaders keep its shard of the full tensors. `receive_version` then receives ONE WHOLE
+VERSION through the channel with its deadlines (begin, per bucket, finalize):
 
 - each bucket goes through the model's own `load_weights` by HF names: SGLang stacks q/k/v and
   gate/up itself, as when it loads a checkpoint;
@@ -50,12 +52,14 @@ _hashing = ThreadPoolExecutor(1, thread_name_prefix="timeshare-digest")  # start
 def receive_version(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """SGLang's custom loader: the order in `named_tensors`, the weights through the channel."""
     order: LoadOrder | None = None
+    worker = 0
     try:
         (name, _), *rest = named_tensors
         if rest:
             raise LoaderFailed("timeshare's SGLang loader takes one order, not weights")
         order = LoadOrder.from_name(name)
-        outcome = LoadOutcome(report=_receive(model, order))
+        worker = _tp_rank(order)
+        outcome = LoadOutcome(report=_receive(model, order, worker))
     except LoaderFailed as exc:
         outcome = LoadOutcome(failure="loader", error=str(exc))
     except Exception as exc:  # never into SGLang's scheduler (module docstring)
@@ -65,12 +69,28 @@ def receive_version(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -
         return
     if outcome.failure:
         _close(order.endpoint)  # a failure ends the session: the next version opens a new one
-    outcome.write(order.answer_path)
+    outcome.write(order.answer_of(worker))
 
 
-def _receive(model: Any, order: LoadOrder) -> LoadReport:
+def _tp_rank(order: LoadOrder) -> int:
+    """This scheduler's TP rank, checked against the size the order was made for."""
+    from sglang.srt.distributed import (  # noqa: PLC0415 - the scheduler's process has SGLang
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    size = int(get_tensor_model_parallel_world_size())
+    if size != order.workers:
+        raise LoaderFailed(
+            f"timeshare's SGLang loader: the order is for {order.workers} TP ranks, SGLang runs "
+            f"{size}"
+        )
+    return int(get_tensor_model_parallel_rank())
+
+
+def _receive(model: Any, order: LoadOrder, worker: int) -> LoadReport:
     device = next(model.parameters()).device
-    receiver = _receiver(order, str(device))
+    receiver = _receiver(order, str(device), worker)
     digest = WeightsDigest() if order.digest else None
     spent = LoadSeconds()
     load_weights = model.load_weights
@@ -110,6 +130,7 @@ def _receive(model: Any, order: LoadOrder) -> LoadReport:
         digest="" if digest is None else digest.hexdigest(),
         call_s=time.perf_counter() - started,
         spent=spent,
+        worker=worker,
     )
 
 
@@ -172,13 +193,13 @@ def _check_against(
         raise LoaderFailed(f"SGLang's loader of {type(model).__name__} refused {name!r}: {problem}")
 
 
-def _receiver(order: LoadOrder, device: str) -> WeightReceiver:
-    """The rank's receiver, or a new one (a first order, or the last session failed)."""
+def _receiver(order: LoadOrder, device: str, worker: int) -> WeightReceiver:
+    """This TP rank's receiver, or a new one (a first order, or the last session failed)."""
     receiver = _receivers.get(order.endpoint)
     if receiver is None or receiver.closed:
         _close(order.endpoint)
         receiver = _receivers[order.endpoint] = WeightReceiver(
-            order.endpoint, order.transfer, device=device
+            order.endpoint, order.transfer, device=device, member=worker, members=order.workers
         )
     return receiver
 

@@ -31,8 +31,13 @@ class LoadOrder(msgspec.Struct, frozen=True, kw_only=True):
     transfer: TransferConfig
     begin_timeout_s: float  # the wait for the trainer to begin sending
     digest: bool  # hash what arrives (weights_match); off only to measure the channel
-    answer_path: str  # where the loader writes its LoadOutcome
+    answer_path: str  # where the loader of TP rank k writes its LoadOutcome (answer_of(k))
     model_dir: str  # the directory SGLang started from (its checkpoint's names, if it has one)
+    workers: int = 1  # SGLang's TP ranks: each receives the version as that member of it
+
+    def answer_of(self, worker: int) -> str:
+        """Where TP rank `worker`'s loader answers (one answer per rank)."""
+        return self.answer_path if self.workers == 1 else f"{self.answer_path}.tp{worker}"
 
     def as_name(self) -> str:
         return PREFIX + msgspec.json.encode(self).decode()

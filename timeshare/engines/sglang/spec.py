@@ -55,9 +55,9 @@ class SglangSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     context_length: PositiveInt | None = None
     # The KV cache, in tokens (SGLang's max_total_tokens): what a CPU or a shared device needs.
     max_total_tokens: PositiveInt = 4096
-    # One scheduler receives the weights: timeshare's loader does not yet split a version
-    # across SGLang's tensor-parallel ranks.
-    tp_size: Literal[1] = 1
+    # SGLang's tensor-parallel ranks: each rank's scheduler receives every version (the
+    # trainer's sender sends each bucket once, to all of them) and loads its own shard.
+    tp_size: PositiveInt = 1
     # torch_native: the backend SGLang's CPU engine runs; on GPUs flashinfer, triton or fa3.
     attention_backend: str = "torch_native"
     seed: int = 0
@@ -70,7 +70,8 @@ class SglangSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     server_args: dict[str, Any] = {}
 
     def rollout_footprint(self, sequences: int) -> RolloutFootprint:
-        """Weights in `dtype` on one scheduler; a KV cache of max_total_tokens tokens."""
+        """Weights in `dtype`, split over tp_size ranks; a KV cache of max_total_tokens
+        tokens."""
         return RolloutFootprint(
             tensor_parallel=self.tp_size,
             tp_key="engine.sglang.tp_size",

@@ -48,6 +48,7 @@ from timeshare.engines.load_report import LoadReport, LoadSeconds
 from timeshare.engines.vllm.report import LOADER_REFUSED
 from timeshare.errors import LoaderFailed, SessionClosed, TimeshareError
 from timeshare.protocols.weights import TransferConfig, WeightReceiver
+from timeshare.protocols.wire import error_text
 from vllm.config.parallel import ParallelConfig
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.distributed.weight_transfer.base import (
@@ -211,10 +212,32 @@ def tensor_parallel_member(parallel: ParallelConfig) -> tuple[int, int]:
     return get_tensor_model_parallel_rank(), parallel.tensor_parallel_size
 
 
+# The worker's weight-transfer steps `timeshare_step` runs, and how each takes its arguments.
+STEPS = {
+    "init_weight_transfer_engine": ("init_info",),
+    "start_weight_update": (),
+    "update_weights": ("update_info",),
+    "finish_weight_update": (),
+    "shutdown_weight_transfer_engine": (),
+}
+
+
 class TimeshareWorkerExtension:
     """Methods mixed into vLLM's worker, called by name through `collective_rpc`."""
 
     weight_transfer_engine: WeightTransferEngine[Any, Any] | None
+
+    def timeshare_step(self, step: str, arguments: dict[str, Any]) -> str | None:
+        """Run the worker's own weight-transfer step `step` (one of STEPS), with `arguments`;
+        answer None, or what it raised as text (engine.py says why it never raises)."""
+        if step not in STEPS or set(arguments) != set(STEPS[step]):
+            return f"TimeshareError: no weight-transfer step {step}({', '.join(arguments)})"
+        try:
+            getattr(self, step)(*(arguments[name] for name in STEPS[step]))
+        except Exception as exc:
+            kind, message = error_text(exc)
+            return f"{kind}: {message}"
+        return None
 
     def timeshare_report(self) -> bytes | None:
         """The last whole version this worker received, a `LoadReport` as msgpack (None:

@@ -40,6 +40,7 @@ from timeshare.engines.base import (
     refuse_unsupported,
 )
 from timeshare.engines.context import EngineContext
+from timeshare.engines.cpu_binding import binding_environment
 from timeshare.engines.foreign import CallTimedOut, bounded, host_pid_in_environment
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import write_config_dir
@@ -47,7 +48,6 @@ from timeshare.engines.task import mix
 from timeshare.engines.vllm.plugin import BACKEND, HOST_PID_ENV
 from timeshare.engines.vllm.report import LOADER_REFUSED, worker_reports
 from timeshare.engines.vllm.spec import VllmSpec
-from timeshare.engines.vllm.threads import binding_environment
 from timeshare.errors import (
     EngineBroken,
     GenerateTimeout,
@@ -76,7 +76,9 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 EXTENSION = "timeshare.engines.vllm.backend.TimeshareWorkerExtension"
 EXTENSION_REPORT = "timeshare_report"  # its method that returns the last version's report
+EXTENSION_STEP = "timeshare_step"  # its method that runs one weight-transfer step
 REAP_S = 10.0  # for vLLM's processes to exit once shut down
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # its CPU workers' thread binding (cpu_binding.py)
 VLLM_SEGMENT_PREFIX = "psm_"  # Python's SharedMemory names, as vLLM's message queues use them
 
 
@@ -141,8 +143,8 @@ class VllmRollout(RolloutEngine):
         self.binding = _cpu_binding(spec.tensor_parallel_size)
         started = time.perf_counter()
         try:
-            # plugin.py: vLLM's processes die with this one; threads.py: where TP workers'
-            # threads run on a CPU.
+            # plugin.py: vLLM's processes die with this one; cpu_binding.py: where TP
+            # workers' threads run on a CPU.
             with host_pid_in_environment(HOST_PID_ENV, self.binding):
                 self.llm = LLM(**engine_args(spec, model_dir, sleep_mode=self.sleeps))
         except BaseException:
@@ -319,10 +321,11 @@ class VllmRollout(RolloutEngine):
 
 
 def _cpu_binding(workers: int) -> dict[str, str]:
-    """Where TP workers' threads run on a CPU (threads.py); nothing on an accelerator."""
+    """Where TP workers' threads run on a CPU (cpu_binding.py); nothing on an accelerator."""
     if not current_platform.is_cpu():
         return {}
-    return binding_environment(workers, sorted(os.sched_getaffinity(0)), os.environ)
+    cores = sorted(os.sched_getaffinity(0))
+    return binding_environment(BIND_ENV, workers, cores, os.environ)
 
 
 def _vllm_title(pid: int) -> str:
@@ -354,30 +357,34 @@ def _is_vllm_process(pid: int) -> bool:
 
 
 class VllmInlet:
-    """The rollout worker's end of a SYNC into vLLM: drives the backend through `LLM`."""
+    """The rollout worker's end of a SYNC into vLLM: drives the backend in every vLLM worker.
+
+    Each weight-transfer step runs in every worker through the worker extension's
+    `timeshare_step` (backend.py), which answers what the step raised instead of raising it.
+    vLLM's own calls (`LLM.update_weights`, ...) stop reading the workers' answers at the
+    first one that failed and leave the others queued: with tensor parallelism every later
+    call would then read the answer of the call before it. Here every worker answers every
+    call, and every answer is read.
+    """
 
     def __init__(self, engine: VllmRollout, endpoint: str, transfer: TransferConfig) -> None:
         self.engine = engine
         self.transfer = transfer
         init_info = {"endpoint": endpoint, "transfer": msgspec.to_builtins(transfer)}
-        engine.call(
-            "init_weight_transfer_engine",
-            lambda: engine.llm.init_weight_transfer_engine({"init_info": init_info}),
-        )
+        self._step("init_weight_transfer_engine", {"init_info": init_info})
 
     def receive(self, progress: Callable[[], None], *, digest: bool = True) -> TransferReport:
         llm = self.engine.llm
         update = {"begin_timeout_s": self.transfer.begin_timeout_s, "digest": digest}
-        self._transfer_call("start_weight_update", llm.start_weight_update)
-        self._transfer_call("update_weights", lambda: llm.update_weights({"update_info": update}))
+        self._step("start_weight_update")
+        self._step("update_weights", {"update_info": update})
         progress()
         answers = self.engine.call("timeshare_report", lambda: llm.collective_rpc(EXTENSION_REPORT))
         reports = worker_reports(answers, self.engine.rank, self.engine.spec.tensor_parallel_size)
         received = reports[0]
         version = received.transfer.version
-        self._transfer_call(
-            "finish_weight_update", lambda: llm.finish_weight_update(weight_version=str(version))
-        )
+        self._step("finish_weight_update")
+        llm.llm_engine.set_weight_version(str(version))
         self.engine.digest_of_version = received.digest
         self.engine.weights_bytes = received.transfer.bytes
         # Each TP worker was sent every tensor and hashed what reached its loader: every one's
@@ -389,28 +396,30 @@ class VllmInlet:
         # vLLM's worker is a process of this machine: its spans' monotonic clock is this one's.
         return received.transfer
 
-    def _transfer_call(self, what: str, fn: Callable[[], object]) -> None:
-        """One of vLLM's weight-transfer calls; what the backend raised in vLLM's worker comes
-        back through vLLM's RPC as a plain Exception holding its message: typed again here."""
-        try:
-            self.engine.call(what, fn)
-        except TimeshareError:
-            raise  # (EngineBroken: the call did not return)
-        except Exception as exc:
-            raise _transfer_failed(self.engine.rank, what, exc) from exc
+    def _step(self, step: str, arguments: dict[str, Any] | None = None) -> None:
+        """One weight-transfer step in every vLLM worker; what any of them raised (its text:
+        all that crosses vLLM's RPC) is raised here typed again, naming the TP worker."""
+        llm = self.engine.llm
+        answers = self.engine.call(
+            step, lambda: llm.collective_rpc(EXTENSION_STEP, args=(step, arguments or {}))
+        )
+        failed = [(worker, answer) for worker, answer in enumerate(answers) if answer is not None]
+        if failed:
+            raise _transfer_failed(self.engine.rank, step, failed, len(answers))
 
     def close(self) -> None:
         if self.engine.broken is None:
-            self.engine.call(
-                "shutdown_weight_transfer_engine", self.engine.llm.shutdown_weight_transfer_engine
-            )
+            self._step("shutdown_weight_transfer_engine")
 
 
-def _transfer_failed(rank: int, what: str, exc: Exception) -> TransferError | LoaderFailed:
-    """What the backend raised in a weight-transfer call, typed again from its message (all
-    that vLLM's RPC brings back): the model's loader refusing a weight, or the transfer failing."""
-    message = f"vLLM rollout rank {rank}: {what} failed: {type(exc).__name__}: {exc}"
-    return LoaderFailed(message) if LOADER_REFUSED in str(exc) else TransferError(message)
+def _transfer_failed(
+    rank: int, step: str, failed: list[tuple[int, object]], workers: int
+) -> TransferError | LoaderFailed:
+    """What the backend raised in a weight-transfer step, typed again from its text: the
+    model's loader refusing a weight, or the transfer failing."""
+    said = [f"{'' if workers == 1 else f'TP worker {worker}: '}{text}" for worker, text in failed]
+    message = f"vLLM rollout rank {rank}: {step} failed: {'; '.join(said)}"
+    return LoaderFailed(message) if LOADER_REFUSED in message else TransferError(message)
 
 
 def _prompt(request: RolloutRequest) -> TokensPrompt:

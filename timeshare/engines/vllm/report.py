@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from timeshare.engines.load_report import LoadReport
+from timeshare.engines.load_report import LoadReport, worker_reports_checked
 from timeshare.errors import TimeshareError
 
 # How the backend's `LoaderFailed` begins. vLLM's RPC brings a worker's exception back to the
@@ -29,29 +29,16 @@ def worker_reports(answers: Sequence[object], rank: int, workers: int) -> list[L
     """Every TP worker's report of the version just received, in TP-rank order, checked: one
     answer per worker, each a whole version (None: that worker's transfer failed), each from
     the worker it stands for, all of the same version."""
+    who = f"vLLM rollout rank {rank}"
     if len(answers) != workers:
         raise TimeshareError(
-            f"vLLM rollout rank {rank}: {REPORT_SOURCE} answered for {len(answers)} workers, "
-            f"the engine has {workers}"
+            f"{who}: {REPORT_SOURCE} answered for {len(answers)} workers, the engine has {workers}"
         )
     reports = []
     for worker, answer in enumerate(answers):
         if answer is None:
             raise TimeshareError(
-                f"vLLM rollout rank {rank}: TP worker {worker} has no report of the version "
-                "it just received"
+                f"{who}: TP worker {worker} has no report of the version it just received"
             )
-        report = LoadReport.decode(answer, f"{REPORT_SOURCE} of TP worker {worker}")
-        if report.worker != worker:
-            raise TimeshareError(
-                f"vLLM rollout rank {rank}: the report in TP worker {worker}'s place is "
-                f"worker {report.worker}'s"
-            )
-        reports.append(report)
-    versions = {report.transfer.version for report in reports}
-    if len(versions) != 1:
-        raise TimeshareError(
-            f"vLLM rollout rank {rank}: TP workers received different versions: "
-            f"{[report.transfer.version for report in reports]}"
-        )
-    return reports
+        reports.append(LoadReport.decode(answer, f"{REPORT_SOURCE} of TP worker {worker}"))
+    return worker_reports_checked(reports, who)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from timeshare.engines.cpu_binding import binding_environment, core_groups
 from timeshare.engines.load_report import LoadReport, LoadSeconds
 from timeshare.engines.vllm.report import worker_reports
-from timeshare.engines.vllm.threads import BIND_ENV, binding_environment, core_groups
 from timeshare.errors import TimeshareError
 from timeshare.protocols.weights import TransferReport
 
@@ -55,7 +55,10 @@ def test_cores_split_into_one_group_per_worker(
     assert core_groups(cores, workers) == groups
 
 
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
 def test_the_binding_is_set_only_for_several_workers_the_user_left_unbound() -> None:
-    assert binding_environment(2, [0, 1, 2, 3], {}) == {BIND_ENV: "0,1|2,3"}
-    assert binding_environment(1, [0, 1], {}) == {}  # vLLM's own default
-    assert binding_environment(2, [0, 1], {BIND_ENV: "0|0"}) == {}  # the user's choice
+    assert binding_environment(BIND_ENV, 2, [0, 1, 2, 3], {}) == {BIND_ENV: "0,1|2,3"}
+    assert binding_environment(BIND_ENV, 1, [0, 1], {}) == {}  # the engine's own default
+    assert binding_environment(BIND_ENV, 2, [0, 1], {BIND_ENV: "0|0"}) == {}  # the user's
