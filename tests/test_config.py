@@ -6,10 +6,12 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 
+from tests.configs import TINY, merged, toml_file
 from timeshare.config import Config, effective_lines, load_config
 from timeshare.engines.simulated.spec import SimulatedSpec
 from timeshare.errors import ConfigError
@@ -257,3 +259,39 @@ def test_an_unknown_engine_exits_2_and_help_lists_the_registered_ones(tmp_path: 
             "torch_ref",
         ]
     assert "vllm       rollout" in helped.stdout and "fsdp       trainer" in shown.stdout
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        (  # one rank per node: a TP 2 engine would need the devices of two
+            {"job": {"ranks": 1}, "engine": {"vllm": {"tensor_parallel_size": 2}}},
+            r"engine.vllm.tensor_parallel_size \(2, from file .*\) must divide the ranks of a "
+            r"node \(1\)",
+        ),
+        (  # 4 attention heads over 3 workers
+            {"job": {"ranks": 3}, "engine": {"vllm": {"tensor_parallel_size": 3}}},
+            r"engine.vllm.tensor_parallel_size \(3\) does not divide the model's attention "
+            r"heads \(4\)",
+        ),
+        (  # 6 heads split over 3 workers, but their 2 key/value heads neither split nor repeat
+            {
+                "job": {"ranks": 3},
+                "engine": {
+                    "rollout": "sglang",
+                    "sglang": {"tp_size": 3},
+                    "torch_ref": {"model": {"hidden_size": 192, "num_attention_heads": 6}},
+                },
+            },
+            r"engine.sglang.tp_size \(3\) neither divides the model's key/value heads \(2\)",
+        ),
+    ],
+)
+def test_a_rollout_tp_size_the_engine_cannot_take_is_refused_naming_the_key(
+    tmp_path: Path, sections: dict[str, Any], message: str
+) -> None:
+    model = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+    base = merged(TINY, {"engine": {"rollout": "vllm", "torch_ref": {"model": model}}})
+    job = merged(base, sections)
+    with pytest.raises(ConfigError, match=message):
+        load_config(toml_file(tmp_path, job), probe=False)
