@@ -23,6 +23,8 @@
 # make demo-sglang: the job with SGLang as the rollout engine (examples/sglang-grpo.toml), run from
 #            .venv-sglang; its summary in runs/sglang-grpo/summary.json.
 # make bench-sglang: syncing 256 MiB into a running SGLang engine (benchmarks/sglang_sync.py).
+# make demo-vllm-tp2 / demo-sglang-tp2: the job of two ranks with ONE rollout engine of tensor
+#            parallelism 2 serving both (examples/vllm-tp2-grpo.toml, examples/sglang-tp2-grpo.toml).
 # TORCH_SPEC picks the torch build (default: the CPU build of 2.13.0; a GPU user sets their own).
 # VLLM_SPEC picks the vLLM build (default: vLLM's CPU build, which pins that same torch; on GPUs:
 #            VLLM_SPEC=vllm==0.32.0 with a matching TORCH_SPEC).
@@ -49,7 +51,7 @@ SGLANG_TORCHVISION ?= torchvision==0.28.0
 # apt-get install $(1); the package lists are refreshed only when the first try fails.
 apt_install = apt-get install -y -q $(1) || (apt-get update -q && apt-get install -y -q $(1))
 
-.PHONY: demo demo-vllm demo-fsdp demo-fsdp-vllm demo-megatron demo-megatron-vllm demo-sglang test lint typecheck pytest \
+.PHONY: demo demo-vllm demo-vllm-tp2 demo-sglang-tp2 demo-fsdp demo-fsdp-vllm demo-megatron demo-megatron-vllm demo-sglang test lint typecheck pytest \
 	pytest-sglang test-tools bench bench-vllm bench-fsdp bench-megatron bench-nodes soak \
 	bench-scale bench-sglang docs-picture clean
 
@@ -87,6 +89,15 @@ docs-picture: demo
 demo-vllm: $(STAMP)
 	rm -rf runs/vllm-grpo
 	$(VENV)/bin/timeshare run examples/vllm-grpo.toml --summary runs/vllm-grpo/summary.json
+
+demo-vllm-tp2: $(STAMP)
+	rm -rf runs/vllm-tp2-grpo
+	$(VENV)/bin/timeshare run examples/vllm-tp2-grpo.toml --summary runs/vllm-tp2-grpo/summary.json
+
+demo-sglang-tp2: $(SGLANG_STAMP)
+	rm -rf runs/sglang-tp2-grpo
+	$(SGLANG_PY) -m timeshare.daemon.cli run examples/sglang-tp2-grpo.toml \
+		--summary runs/sglang-tp2-grpo/summary.json
 
 demo-sglang: $(SGLANG_STAMP)
 	rm -rf runs/sglang-grpo

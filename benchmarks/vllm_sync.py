@@ -15,6 +15,9 @@ of one whole SYNC as the trainer sees it, from the first call to the weights bei
   no digest       the same without the digest (what weights_match costs)
   reload /dev/shm what a user would do without a backend: safetensors written to /dev/shm,
                   then vLLM's reload_weights from there
+  ..._tp2         the same into a second engine of tensor_parallel_size 2 (--tensor-parallel
+                  1 2, the default): one sender, each bucket packed once into staging both TP
+                  workers map, each worker loading its shard; vLLM's reload at TP 2 beside it
 
 Rounds are interleaved (this machine's memory bandwidth swings); ratios are taken within a
 round and their median reported. Target: into vLLM >= 0.7 x the bare channel.
@@ -36,17 +39,17 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import structlog
 import torch
 from safetensors.torch import save_file
 from weight_sync import spawn
 
-from timeshare.engines.load_report import LoadReport
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import write_config_dir
 from timeshare.engines.torch_ref.model import init_model
 from timeshare.engines.vllm.engine import VllmInlet, VllmRollout
-from timeshare.engines.vllm.report import REPORT_SOURCE
+from timeshare.engines.vllm.report import worker_reports
 from timeshare.engines.vllm.spec import VllmSpec
 from timeshare.protocols.weights import TransferConfig, WeightSender
 
@@ -71,7 +74,9 @@ class IntoVllm:
     def __init__(self, rollout: VllmRollout, endpoint: str, config: TransferConfig) -> None:
         self.rollout = rollout
         self.trainer = ThreadPoolExecutor(1)
-        self.sender = self.trainer.submit(WeightSender, endpoint, config).result()
+        workers = rollout.spec.tensor_parallel_size
+        make = partial(WeightSender, endpoint, config, receivers=workers)
+        self.sender = self.trainer.submit(make).result()
         self.inlet = VllmInlet(rollout, endpoint, config)
         self.version = 0
 
@@ -129,20 +134,25 @@ def benchmark(args: argparse.Namespace, runtime_dir: Path, shm_dir: Path) -> dic
     spec = VllmSpec(
         model_dir=str(model_dir), max_model_len=32, kv_cache_mb=16.0, generate_timeout_s=600.0
     )
-    rollout = VllmRollout(0, spec, config, call_timeout_s=600.0, runtime_dir=runtime_dir)
-    into = IntoVllm(rollout, f"ipc://{runtime_dir}/w-vllm.sock", transfer)
+    engines: dict[int, IntoVllm] = {}
     try:
+        for tp in args.tensor_parallel:
+            tp_spec = msgspec.structs.replace(spec, tensor_parallel_size=tp)
+            rollout = VllmRollout(0, tp_spec, config, call_timeout_s=600.0, runtime_dir=runtime_dir)
+            engines[tp] = IntoVllm(rollout, f"ipc://{runtime_dir}/w-vllm-tp{tp}.sock", transfer)
         bare_version = iter(range(1, 1_000_000))
 
         def bare_sync() -> None:
             anyio.run(partial(bare.send, weights, version=next(bare_version)))
 
-        methods: dict[str, Callable[[], object]] = {
-            "bare_channel": bare_sync,
-            "into_vllm": lambda: into.sync(weights, digest=True),
-            "into_vllm_no_digest": lambda: into.sync(weights, digest=False),
-            "reload_shm": lambda: reload_from_shm(rollout, weights, shm_dir),
-        }
+        methods: dict[str, Callable[[], object]] = {"bare_channel": bare_sync}
+        for tp, into in engines.items():
+            suffix = "" if tp == 1 else f"_tp{tp}"
+            methods |= {
+                f"into_vllm{suffix}": partial(into.sync, weights, digest=True),
+                f"into_vllm_no_digest{suffix}": partial(into.sync, weights, digest=False),
+                f"reload_shm{suffix}": partial(reload_from_shm, into.rollout, weights, shm_dir),
+            }
         for run in methods.values():  # every path warm before anything is timed
             run()
         rounds = []
@@ -150,30 +160,40 @@ def benchmark(args: argparse.Namespace, runtime_dir: Path, shm_dir: Path) -> dic
             row = {name: nbytes / timed(run, args.repeats) / 1e9 for name, run in methods.items()}
             rounds.append(row)
             print(f"round {index + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
-        into.sync(weights, digest=True)
-        inside = LoadReport.decode(rollout.llm.collective_rpc("timeshare_report")[0], REPORT_SOURCE)
-        spent = inside.spent
-        print(
-            "inside vLLM's worker, one version (s): "
-            f"digest_s {spent.digest_s:.3f}, copy_s {spent.copy_s:.3f}, "
-            f"load_s {spent.load_s:.3f}, finalize_s {spent.finalize_s:.3f}, "
-            f"call_s {inside.call_s:.3f}"
-        )
+        loaded: dict[str, list[int]] = {}
+        for tp, into in engines.items():
+            into.sync(weights, digest=True)
+            answers = into.rollout.llm.collective_rpc("timeshare_report")
+            for inside in worker_reports(answers, 0, tp):
+                spent = inside.spent
+                print(
+                    f"inside vLLM's TP {tp} worker {inside.worker}, one version (s): "
+                    f"digest_s {spent.digest_s:.3f}, copy_s {spent.copy_s:.3f}, "
+                    f"load_s {spent.load_s:.3f}, finalize_s {spent.finalize_s:.3f}, "
+                    f"call_s {inside.call_s:.3f}, bytes loaded {inside.transfer.bytes}"
+                )
+                loaded.setdefault(f"tp{tp}", []).append(inside.transfer.bytes)
     finally:
-        into.close()
-        rollout.close()
+        for into in engines.values():
+            into.close()
+            into.rollout.close()
         bare.close()
         try:
             peer.wait(timeout=60)
         except subprocess.TimeoutExpired:
             peer.kill()
-    return summarize(rounds, nbytes, args)
+    return summarize(rounds, nbytes, args, loaded)
 
 
 def summarize(
-    rounds: list[dict[str, float]], nbytes: int, args: argparse.Namespace
+    rounds: list[dict[str, float]],
+    nbytes: int,
+    args: argparse.Namespace,
+    loaded: dict[str, list[int]],
 ) -> dict[str, Any]:
-    def ratio(a: str, b: str) -> float:
+    def ratio(a: str, b: str) -> float | None:
+        if a not in rounds[0] or b not in rounds[0]:
+            return None
         return statistics.median(row[a] / row[b] for row in rounds)
 
     medians = {key: statistics.median(row[key] for row in rounds) for key in rounds[0]}
@@ -182,23 +202,34 @@ def summarize(
         "bucket_mb": args.bucket_mb,
         "rounds": rounds,
         "gbps": medians,
+        "seconds": {key: nbytes / value / 1e9 for key, value in medians.items()},
+        "bytes_loaded_per_worker": loaded,
         "into_vllm_vs_bare": ratio("into_vllm", "bare_channel"),
         "into_vllm_no_digest_vs_bare": ratio("into_vllm_no_digest", "bare_channel"),
         "into_vllm_vs_reload_shm": ratio("into_vllm", "reload_shm"),
+        "into_vllm_tp2_vs_into_vllm": ratio("into_vllm_tp2", "into_vllm"),
+        "into_vllm_tp2_vs_reload_shm_tp2": ratio("into_vllm_tp2", "reload_shm_tp2"),
         "target_into_vllm_vs_bare": TARGET,
     }
 
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"\n{result['model_bytes'] / 1e6:.0f} MB of weights, {result['bucket_mb']} MiB buckets")
-    print(f"{'path':<24}{'GB/s (median)':>16}")
+    print(f"{'path':<28}{'GB/s (median)':>16}{'SYNC s':>10}")
     for name, value in result["gbps"].items():
-        print(f"{name:<24}{value:>16.3f}")
+        print(f"{name:<28}{value:>16.3f}{result['seconds'][name]:>10.3f}")
+    for engine, loaded in result["bytes_loaded_per_worker"].items():
+        print(f"bytes loaded per worker, {engine}: {loaded}")
     print(
         f"\ninto vLLM / bare channel: {result['into_vllm_vs_bare']:.2f} "
         f"(target >= {TARGET}); without the digest: {result['into_vllm_no_digest_vs_bare']:.2f}; "
         f"into vLLM / reload from /dev/shm: {result['into_vllm_vs_reload_shm']:.2f}"
     )
+    if result["into_vllm_tp2_vs_into_vllm"] is not None:
+        print(
+            f"into vLLM at TP 2 / at TP 1: {result['into_vllm_tp2_vs_into_vllm']:.2f}; "
+            f"into vLLM at TP 2 / reload at TP 2: {result['into_vllm_tp2_vs_reload_shm_tp2']:.2f}"
+        )
 
 
 def main() -> None:
@@ -211,6 +242,9 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--tensor-parallel", type=int, nargs="+", default=[1, 2], help="an engine of each size"
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args()
     runtime_dir = Path(tempfile.mkdtemp(prefix="ts-bench-", dir="/tmp"))

@@ -6,15 +6,20 @@ processes and shared memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import subprocess
 import sys
 import threading
 import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from tests.cycle.jobs import RESOURCE_TRACKER
 from timeshare.protocols.weights import sweep_stale
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -106,3 +111,24 @@ def start_run(root: Path, config: Path) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def child_pids() -> set[int]:
+    """The live processes under this one, but Python's resource tracker."""
+    live = set()
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.status() != psutil.STATUS_ZOMBIE and RESOURCE_TRACKER not in " ".join(
+                child.cmdline()
+            ):
+                live.add(child.pid)
+    return live
+
+
+def stop_resource_tracker_when_alone() -> None:
+    """Stop the resource tracker that starting an engine (spawn) started in this test process,
+    once nothing else runs under it: left running, it would fail later tests' check that they
+    leave no process. While another engine of this process still runs (another module's shared
+    one), its processes hold the tracker's pipe and stopping would wait for them: it stays."""
+    if not child_pids():
+        resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]

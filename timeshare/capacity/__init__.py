@@ -150,10 +150,10 @@ def notes(rollout: RolloutFootprint, staging: Staging) -> list[str]:
     ]
     if rollout.tensor_parallel > 1:
         said.append(
-            f"{rollout.tp_key} = {rollout.tensor_parallel}: planned as groups of "
-            f"{rollout.tensor_parallel} ranks, each holding 1/{rollout.tensor_parallel} of the "
-            "weights and KV cache; timeshare's weight channel is one sender to one receiver "
-            "today, so `timeshare run` needs 1 (README: vLLM)"
+            f"{rollout.tp_key} = {rollout.tensor_parallel}: one engine per group of "
+            f"{rollout.tensor_parallel} ranks, each rank's device holding "
+            f"1/{rollout.tensor_parallel} of the weights and KV cache; the group's first rank "
+            "hosts it, and its trainer sends each bucket once to all the engine's TP workers"
         )
     if not staging.on_device:
         said.append("transfer.transport = shm: staging is on the host, not the device")

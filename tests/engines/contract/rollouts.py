@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from multiprocessing import resource_tracker
 from typing import Any, Protocol
 
-import psutil
 import torch
 
 from tests.engines.contract.channel import TRANSFER, Channel, Outcome
+from tests.engines.foreign_hosts import child_pids, stop_resource_tracker_when_alone
 from timeshare.engines import registry
 from timeshare.engines.base import (
     RolloutRequest,
@@ -126,6 +125,7 @@ class RolloutHarness:
 
     def __init__(self, spec: EngineSpec, *, call_timeout_s: float = 30.0) -> None:
         self.spec = spec
+        self.children_before = child_pids()  # (another module's engine may be running)
         self.channel = Channel(prefix=f"ts-{self.kind[:3]}-", receivers=spec.rollout_workers())
         self.store = JobStore.host()
         self.sources_store = JobStore.host()  # the trainers' own (simulated) device ledger
@@ -309,10 +309,8 @@ class VllmHarness(RolloutHarness):
         try:
             super().close()
         finally:
-            # Starting vLLM (spawn) started Python's resource tracker as a child of this
-            # process; left running, it would fail later tests' check that they leave none.
-            resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
-        assert psutil.Process().children(recursive=True) == []
+            stop_resource_tracker_when_alone()
+        assert child_pids() <= self.children_before  # every process of this engine is gone
 
 
 class VllmTp2Harness(VllmHarness):
@@ -354,8 +352,8 @@ class SglangHarness(RolloutHarness):
         try:
             super().close()
         finally:
-            resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
-        assert psutil.Process().children(recursive=True) == []
+            stop_resource_tracker_when_alone()
+        assert child_pids() <= self.children_before  # every process of this engine is gone
 
 
 class SglangTp2Harness(SglangHarness):

@@ -15,15 +15,14 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from multiprocessing import resource_tracker
 from pathlib import Path
 
 import anyio
 import msgspec
-import psutil
 import pytest
 import torch
 
+from tests.engines.foreign_hosts import child_pids, stop_resource_tracker_when_alone
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import ModelShape, init_model_dir
 from timeshare.engines.torch_ref.model import CausalLM, init_model
@@ -110,6 +109,7 @@ def engine(trainer_model: CausalLM) -> Iterator[Engine]:
     # the first SYNC then replaces its weights with the trainer's.
     model_dir = init_model_dir(directory / "model", SHAPE, seed=0)
     spec = msgspec.structs.replace(SPEC, model_dir=str(model_dir))
+    before = child_pids()  # (another module's engine may be running)
     rollout = VllmRollout(0, spec, MODEL, call_timeout_s=120.0, runtime_dir=directory)
     try:
         endpoint = f"ipc://{directory}/w-rank0.sock"
@@ -124,7 +124,5 @@ def engine(trainer_model: CausalLM) -> Iterator[Engine]:
     finally:
         rollout.close()
         shutil.rmtree(directory, ignore_errors=True)
-        # Starting vLLM (spawn) started Python's resource tracker as a child of this test
-        # process; left running, it would fail later tests' check that they leave no process.
-        resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
-        assert psutil.Process().children(recursive=True) == []
+        stop_resource_tracker_when_alone()
+        assert child_pids() <= before  # every process of this engine is gone
