@@ -74,7 +74,7 @@ def receive_version(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -
 
 def _tp_rank(order: LoadOrder) -> int:
     """This scheduler's TP rank, checked against the size the order was made for."""
-    from sglang.srt.distributed import (  # noqa: PLC0415 - the scheduler's process has SGLang
+    from sglang.srt.distributed.parallel_state import (  # noqa: PLC0415 - in the scheduler
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
     )
