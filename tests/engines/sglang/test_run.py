@@ -1,9 +1,10 @@
 """`timeshare run` with SGLang as the rollout engine: real workers, real SGLang, end to end.
 
-A run's every step has weights_match and the logprob difference; SGLang's scheduler SIGKILLed
-in the middle of a SYNC fails the cycle naming rank, role and phase, with nothing left behind;
-a run SIGKILLed leaves no SGLang process; a key SGLang rejects is exit 2 before any process
-starts.
+The same job with an engine per rank and with one engine of two TP ranks holds the same weights
+every step, each with weights_match and the logprob difference; a TP rank's scheduler SIGKILLed
+in the middle of a SYNC fails the cycle naming rank, phase and TP worker, with nothing left
+behind; a TP run SIGKILLed leaves no SGLang process; a key SGLang rejects is exit 2 before any
+process starts.
 """
 
 from __future__ import annotations
@@ -57,24 +58,58 @@ def is_scheduler(pid: int) -> bool:
         return False
 
 
-def test_an_sglang_run_matches_weights_and_logprobs_every_step(runtime_dir: Path) -> None:
-    summary = runtime_dir / "summary.json"
-    done = timeshare_run(write_config(runtime_dir, job={"ranks": 2}), summary, timeout_s=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    steps = steps_of(summary)
-    assert [s["step"] for s in steps] == [1, 2, 3]
-    assert all(s["weights_match"] and s["ranks_agree"] for s in steps)
-    assert all(s["logprob_max_abs_diff"] < 1e-4 for s in steps)
-    # SGLang on CPU releases nothing: the summary says what stays resident (two engines)
-    assert all(s["rollout_resident_mb"] > 0 for s in steps)
-    assert_nothing_left(runtime_dir)
+def tp_config(root: Path, tensor_parallel: int, steps: int = 3) -> Path:
+    """Two ranks; SGLang with `tensor_parallel` ranks: 1 is an engine per rank, 2 one engine
+    for both ranks (rank 0 hosts it, both TP ranks' schedulers load every version)."""
+    sglang = {"tp_size": tensor_parallel}
+    return write_config(root, job={"ranks": 2, "steps": steps}, engine={"sglang": sglang})
 
 
-def test_an_sglang_scheduler_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Path) -> None:
-    run = start_run(runtime_dir, write_config(runtime_dir))
+def scheduler_rank(pid: int) -> int | None:
+    """The TP rank of an SGLang scheduler (its title: sglang::scheduler_TP<k>; 0 without TP)."""
+    if not is_scheduler(pid):
+        return None
+    found = re.search(r"_TP(\d+)", " ".join(psutil.Process(pid).cmdline()))
+    return int(found.group(1)) if found else 0
+
+
+def test_tp_1_and_tp_2_from_one_seed_hold_the_same_weights_every_step(runtime_dir: Path) -> None:
+    """The same job with an engine per rank and with one engine of two TP ranks for both:
+    each step the same weights (bit for bit, every TP rank's included), logprobs within fp32
+    noise of the trainer's, the same rewards; each TP rank loaded every byte sent."""
+    runs = {}
+    for tp in (1, 2):
+        root = runtime_dir / f"tp{tp}"
+        root.mkdir()
+        summary = root / "summary.json"
+        done = timeshare_run(tp_config(root, tp), summary, timeout_s=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[tp] = steps_of(summary)
+        assert_nothing_left(root)
+    for tp, steps in runs.items():
+        assert [s["step"] for s in steps] == [1, 2, 3], tp
+        assert all(s["weights_match"] and s["ranks_agree"] for s in steps), tp
+        assert all(s["logprob_max_abs_diff"] < 1e-4 for s in steps), tp
+        # SGLang on CPU releases nothing: the summary says what stays resident
+        assert all(s["rollout_resident_mb"] > 0 for s in steps), tp
+    one, two = runs[1], runs[2]
+    assert [s["weights_digest"] for s in one] == [s["weights_digest"] for s in two]
+    assert [s["reward_mean"] for s in one] == [s["reward_mean"] for s in two]
+    for step in two:  # one engine, sent to once, by rank 0; each TP rank loaded all of it
+        sent = step["per_rank"][0]["sent_bytes"]
+        assert sent > 0 and step["sync"]["bytes"] == sent
+        assert step["per_rank"][0]["loaded_bytes"] == [sent, sent]
+        assert (step["per_rank"][1]["sent_bytes"], step["per_rank"][1]["loaded_bytes"]) == (0, [])
+
+
+def test_an_sglang_tp_scheduler_killed_in_sync_fails_the_cycle_naming_it(
+    runtime_dir: Path,
+) -> None:
+    """TP rank 1's scheduler of rank 0's engine (which serves ranks 0 and 1) dies in SYNC."""
+    run = start_run(runtime_dir, tp_config(runtime_dir, 2))
     try:
         processes = wait_for("SGLang", lambda: recorded_processes(runtime_dir / "run"), 240, run)
-        scheduler = next(pid for pid in processes if is_scheduler(pid))
+        scheduler = next(pid for pid in processes if scheduler_rank(pid) == 1)
         # The first SYNC: the scheduler maps the trainer's staging, buckets are on their way.
         wait_for("staging", lambda: mapped_segments(scheduler, SEGMENT_PREFIX), 240, run)
         killed = time.monotonic()
@@ -88,21 +123,22 @@ def test_an_sglang_scheduler_killed_in_sync_fails_the_cycle_naming_it(runtime_di
     assert time.monotonic() - killed < 120  # within SYNC's deadline (phase_s)
     # The kill lands in the first SYNC while its buckets still flow, or, when that transfer of
     # a tiny model ends first, in the ROLLOUT that follows.
-    assert re.search(r"rollout rank 0 failed in phase (sync|rollout)", stderr), stderr[-3000:]
+    assert re.search(r"rank 0 failed in phase (sync|rollout)", stderr), stderr[-3000:]
+    assert re.search(r"TP worker 1\b|receiver 1 of 2", stderr), stderr[-3000:]
     assert wait_gone(processes, 10) == []
     assert_nothing_left(runtime_dir)
 
 
 def test_no_sglang_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -> None:
     before = set(os.listdir(SHM))  # (make test runs the SGLang tests one at a time)
-    run = start_run(runtime_dir, write_config(runtime_dir, job={"steps": 1000}))
+    run = start_run(runtime_dir, tp_config(runtime_dir, 2, steps=1000))  # a TP engine
     try:
         processes = wait_for("SGLang", lambda: recorded_processes(runtime_dir / "run"), 240, run)
-        scheduler = next(pid for pid in processes if is_scheduler(pid))
+        scheduler = next(pid for pid in processes if scheduler_rank(pid) == 1)
         # Killed in the first SYNC: every process of the job is up, staging mapped everywhere.
         wait_for("staging", lambda: mapped_segments(scheduler, SEGMENT_PREFIX), 240, run)
         processes = recorded_processes(runtime_dir / "run")
-        assert sum(is_scheduler(pid) for pid in processes) == 1
+        assert sum(is_scheduler(pid) for pid in processes) == 2  # TP ranks 0 and 1
         run.send_signal(signal.SIGKILL)
         run.wait(timeout=10)
     finally:

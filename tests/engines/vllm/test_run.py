@@ -1,8 +1,10 @@
 """`timeshare run` with vLLM as the rollout engine: real workers, real vLLM, end to end.
 
-A run's every step has weights_match and the logprob difference; a vLLM worker SIGKILLed in the
-middle of a SYNC fails the cycle naming rank, role and phase, with nothing left behind; a run
-SIGKILLed leaves no vLLM process; a key vLLM rejects is exit 2 before any process starts.
+The same job with an engine per rank and with one engine of two TP workers holds the same
+weights every step, each with weights_match and the logprob difference; a TP worker SIGKILLed in
+the middle of a SYNC fails the cycle naming rank, phase and TP worker, with nothing left behind;
+a TP run SIGKILLed leaves no vLLM process; a key vLLM rejects is exit 2 before any process
+starts.
 """
 
 from __future__ import annotations

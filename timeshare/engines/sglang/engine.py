@@ -47,7 +47,13 @@ from timeshare.engines.base import (
 )
 from timeshare.engines.context import EngineContext
 from timeshare.engines.cpu_binding import binding_environment, core_groups
-from timeshare.engines.foreign import CallTimedOut, bounded, host_pid_in_environment
+from timeshare.engines.foreign import (
+    CallTimedOut,
+    bounded,
+    exited,
+    host_pid_in_environment,
+    process_titles,
+)
 from timeshare.engines.load_report import LoadReport, worker_reports_checked
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import write_config_dir
@@ -175,6 +181,7 @@ class SglangRollout(RolloutEngine):
         self._ids = itertools.count()
         self._scratch = Path(tempfile.mkdtemp(prefix=f"timeshare-sglang-{rank}-"))
         self._children: list[int] = []
+        self._titles: dict[int, str] = {}  # SGLang's processes: pid -> title
         model_dir = spec.model_dir or str(write_config_dir(trainer_model, self._scratch / "model"))
         self.model_dir = model_dir
         args = server_args(spec, model_dir, self.device, dummy=not spec.model_dir)
@@ -237,7 +244,9 @@ class SglangRollout(RolloutEngine):
     def _sglang_failed(self, signum: int, frame: object) -> None:
         """SIGQUIT from one of SGLang's processes: it failed (its log says how). The engine is
         unusable; this raises in the worker's main thread, whatever it was waiting on."""
-        self.broken = "one of SGLang's processes failed (it sent SIGQUIT; see its log)"
+        gone = exited(self._titles)  # (a TP rank's scheduler killed: named)
+        why = f"{', '.join(gone)} exited" if gone else "it sent SIGQUIT; see its log"
+        self.broken = f"one of SGLang's processes failed ({why})"
         raise EngineBroken(f"SGLang rollout rank {self.rank}: {self.broken}")
 
     def wait_idle(self, timeout_s: float | None = None) -> None:
@@ -388,6 +397,7 @@ class SglangRollout(RolloutEngine):
         self._children = [
             pid for pid in tree if parent_of(pid) == os.getpid() and _is_sglang_process(pid)
         ]
+        self._titles = process_titles(tree, "sglang::")
         names = [
             name
             for pid in tree

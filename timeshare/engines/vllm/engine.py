@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -41,7 +40,13 @@ from timeshare.engines.base import (
 )
 from timeshare.engines.context import EngineContext
 from timeshare.engines.cpu_binding import binding_environment
-from timeshare.engines.foreign import CallTimedOut, bounded, host_pid_in_environment
+from timeshare.engines.foreign import (
+    CallTimedOut,
+    bounded,
+    exited,
+    host_pid_in_environment,
+    process_titles,
+)
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import write_config_dir
 from timeshare.engines.task import mix
@@ -64,7 +69,6 @@ from timeshare.runtime import (
     reap,
     record_foreign_segments,
     release_foreign_segments,
-    running_since,
 )
 from timeshare.units import MIB
 from vllm import LLM
@@ -190,7 +194,7 @@ class VllmRollout(RolloutEngine):
         EngineCore gone) is `EngineBroken` naming that process; vLLM's own error says only
         that its engine is dead."""
         # (vLLM shuts its other processes down once one died: all of them may be named.)
-        gone = [f"{_named(t)} (pid {pid})" for pid, t in self._titles.items() if not _alive(pid)]
+        gone = exited(self._titles)
         if gone:
             self.broken = f"{', '.join(gone)} exited"
             raise EngineBroken(
@@ -301,7 +305,7 @@ class VllmRollout(RolloutEngine):
         self._children = [
             pid for pid in tree if parent_of(pid) == os.getpid() and _is_vllm_process(pid)
         ]
-        self._titles = {pid: title for pid in tree if (title := _vllm_title(pid))}
+        self._titles = process_titles(tree, "VLLM::")
         names = [name for pid in tree for name in mapped_segments(pid, VLLM_SEGMENT_PREFIX)]
         record_foreign_segments(self.runtime_dir, self.owner, tree, names)
 
@@ -326,26 +330,6 @@ def _cpu_binding(workers: int) -> dict[str, str]:
         return {}
     cores = sorted(os.sched_getaffinity(0))
     return binding_environment(BIND_ENV, workers, cores, os.environ)
-
-
-def _vllm_title(pid: int) -> str:
-    """The title vLLM gave its process (VLLM::EngineCore, VLLM::Worker_TP1), or ""."""
-    try:
-        words = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return ""
-    title = words[0].decode(errors="replace") if words else ""
-    return title if title.startswith("VLLM::") else ""
-
-
-def _named(title: str) -> str:
-    """A vLLM process as errors name it: a TP worker by its TP rank."""
-    worker = re.fullmatch(r"VLLM::Worker_TP(\d+)", title)
-    return f"TP worker {worker.group(1)} ({title})" if worker else title
-
-
-def _alive(pid: int) -> bool:
-    return running_since(pid) is not None
 
 
 def _is_vllm_process(pid: int) -> bool:
