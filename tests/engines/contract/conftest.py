@@ -1,8 +1,9 @@
 """The contract suite's engines: every rollout engine and every trainer engine of the registry,
 each built through it, as anyio's `anyio_backend` fixture runs a test once per backend.
 
-    rollout_engine   simulated, torch_ref, vllm, vllm:tp2, sglang, sglang:tp2
-                     (a `RolloutHarness`, rollouts.py; `:tp2`: two tensor-parallel workers)
+    rollout_engine      simulated, torch_ref, vllm, sglang  (a `RolloutHarness`, rollouts.py)
+    tp_rollout_engine   the same and vllm:tp2, sglang:tp2 (two tensor-parallel workers), for
+                        the promises about weights, which TP workers keep each
     trainer_engine   torch_ref, fsdp, megatron         (a `TrainerHarness`, trainers.py)
 
 Each test gets its engine with a whole version loaded and awake. Engines that start in
@@ -46,9 +47,13 @@ ROLLOUTS = [
     "simulated",
     "torch_ref",
     pytest.param("vllm", marks=pytest.mark.slow),
-    pytest.param("vllm:tp2", marks=pytest.mark.slow),
     # SGLang runs from .venv-sglang: make test runs the `sglang` items there, the rest in .venv.
     pytest.param("sglang", marks=[pytest.mark.slow, pytest.mark.sglang]),
+]
+# The promises a tensor-parallel engine keeps differently (its weights load in every worker)
+# are held for these cases too (`tp_rollout_engine`): every engine with TP workers, at TP 2.
+TP_CASES = [
+    pytest.param("vllm:tp2", marks=pytest.mark.slow),
     pytest.param("sglang:tp2", marks=[pytest.mark.slow, pytest.mark.sglang]),
 ]
 # Engines that start slowly: one serves the module (the fixture of each, by case).
@@ -110,15 +115,33 @@ def _shared(make: Callable[[], RolloutHarness]) -> Iterator[RolloutHarness]:
         harness.close()
 
 
+@pytest.fixture(scope="module", params=[*ROLLOUTS, *TP_CASES])
+def rollout_case(request: pytest.FixtureRequest) -> str:
+    case: str = request.param
+    return case
+
+
 @pytest.fixture
 def rollout_engine(rollout_kind: str, request: pytest.FixtureRequest) -> Iterator[RolloutHarness]:
-    if rollout_kind in SHARED:
-        shared: RolloutHarness = request.getfixturevalue(SHARED[rollout_kind])
+    yield from _engine(rollout_kind, request)
+
+
+@pytest.fixture
+def tp_rollout_engine(
+    rollout_case: str, request: pytest.FixtureRequest
+) -> Iterator[RolloutHarness]:
+    """Each engine, and each engine with tensor-parallel workers at TP 2."""
+    yield from _engine(rollout_case, request)
+
+
+def _engine(case: str, request: pytest.FixtureRequest) -> Iterator[RolloutHarness]:
+    if case in SHARED:
+        shared: RolloutHarness = request.getfixturevalue(SHARED[case])
         deadline = shared.engine.generate_timeout_s
         yield shared
         left_usable(shared, deadline)
         return
-    harness = HARNESSES[rollout_kind]()
+    harness = HARNESSES[case]()
     try:
         harness.sync(0)
         yield harness

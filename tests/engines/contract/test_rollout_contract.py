@@ -60,12 +60,12 @@ def test_it_is_built_through_the_registry_and_refuses_to_generate_before_a_whole
 
 
 def test_weights_arrive_bit_for_bit_under_the_trainers_names(
-    rollout_engine: RolloutHarness,
+    tp_rollout_engine: RolloutHarness,
 ) -> None:
-    engine = rollout_engine.engine
+    engine = tp_rollout_engine.engine
     for variant in (1, 0):  # another trainer's weights, then the first one's again
-        weights = rollout_engine.weights(variant)
-        sent, received = rollout_engine.sync(variant).reports()
+        weights = tp_rollout_engine.weights(variant)
+        sent, received = tp_rollout_engine.sync(variant).reports()
         assert (received.version, received.tensors, received.bytes) == (
             sent.version,
             sent.tensors,
@@ -74,19 +74,19 @@ def test_weights_arrive_bit_for_bit_under_the_trainers_names(
         assert received.tensors == len(weights) and received.buckets > 1
         assert engine.digest() == weights_digest(tensors(weights))
         assert engine.weight_version == sent.version and not engine.torn
-    assert weights_digest(tensors(rollout_engine.weights(1))) != engine.digest()
+    assert weights_digest(tensors(tp_rollout_engine.weights(1))) != engine.digest()
 
 
 def test_every_worker_of_the_engine_loads_every_version_whole(
-    rollout_engine: RolloutHarness,
+    tp_rollout_engine: RolloutHarness,
 ) -> None:
     """An engine whose weights load in several workers (tensor parallelism) reports what each
     worker's loader got; each holds the trainer's weights bit for bit. One that loads in one
     process reports at most that one."""
-    engine = rollout_engine.engine
-    workers = rollout_engine.spec.rollout_workers()
-    weights = rollout_engine.weights(rollout_engine.variant)
-    sent, _ = rollout_engine.sync(rollout_engine.variant).reports()
+    engine = tp_rollout_engine.engine
+    workers = tp_rollout_engine.spec.rollout_workers()
+    weights = tp_rollout_engine.weights(tp_rollout_engine.variant)
+    sent, _ = tp_rollout_engine.sync(tp_rollout_engine.variant).reports()
     loads = engine.worker_loads
     if workers > 1 or loads:
         assert [load.worker for load in loads] == list(range(workers))
@@ -107,13 +107,13 @@ def test_seeded_generation_is_reproducible(rollout_engine: RolloutHarness) -> No
 
 
 def test_each_sample_carries_its_version_and_the_logprobs_of_its_tokens(
-    rollout_engine: RolloutHarness,
+    tp_rollout_engine: RolloutHarness,
 ) -> None:
-    engine = rollout_engine.engine
-    requests = rollout_engine.requests(seed=3)
+    engine = tp_rollout_engine.engine
+    requests = tp_rollout_engine.requests(seed=3)
     by_variant: dict[int, list[RolloutSample]] = {}
     for variant in (0, 1):
-        version = rollout_engine.sync(variant).reports()[0].version
+        version = tp_rollout_engine.sync(variant).reports()[0].version
         samples = engine.generate(requests)
         assert [s.request_id for s in samples] == [r.request_id for r in requests]
         for sample, request in zip(samples, requests, strict=True):
@@ -121,13 +121,13 @@ def test_each_sample_carries_its_version_and_the_logprobs_of_its_tokens(
             assert sample.prompt_tokens == request.prompt_tokens
             assert len(sample.tokens) == len(sample.logprobs) == request.sampling.max_tokens
             assert all(math.isfinite(p) and p <= 0.0 for p in sample.logprobs)
-        trainer = rollout_engine.trainer(variant)
+        trainer = tp_rollout_engine.trainer(variant)
         gap = logprob_gap(samples, trainer.logprobs(samples))
-        assert gap <= rollout_engine.logprob_tolerance, (variant, gap)
+        assert gap <= tp_rollout_engine.logprob_tolerance, (variant, gap)
         by_variant[variant] = samples
-    if rollout_engine.family == "causal_lm":  # the version is the weights that sampled them
-        other = rollout_engine.trainer(0).logprobs(by_variant[1])
-        assert logprob_gap(by_variant[1], other) > 100 * rollout_engine.logprob_tolerance
+    if tp_rollout_engine.family == "causal_lm":  # the version is the weights that sampled them
+        other = tp_rollout_engine.trainer(0).logprobs(by_variant[1])
+        assert logprob_gap(by_variant[1], other) > 100 * tp_rollout_engine.logprob_tolerance
 
 
 def test_a_generate_past_its_deadline_is_aborted_and_the_engine_stays_usable(
@@ -177,23 +177,23 @@ def test_sleep_releases_what_held_mb_counted_and_resident_mb_says_what_stays(
 
 
 def test_a_loader_failure_is_a_typed_error_naming_the_engine_until_a_whole_version_comes(
-    rollout_engine: RolloutHarness,
+    tp_rollout_engine: RolloutHarness,
 ) -> None:
-    engine = rollout_engine.engine
-    variant = rollout_engine.variant
-    weights = rollout_engine.weights(variant)
-    requests = rollout_engine.requests(seed=4)
+    engine = tp_rollout_engine.engine
+    variant = tp_rollout_engine.variant
+    weights = tp_rollout_engine.weights(variant)
+    requests = tp_rollout_engine.requests(seed=4)
     expected = engine.generate(requests)
     for broken in (misnamed(weights), misshapen(weights)):
-        outcome = rollout_engine.attempt(broken)
+        outcome = tp_rollout_engine.attempt(broken)
         assert isinstance(outcome.sent, PeerError), outcome.sent  # the trainer's side
         assert outcome.sent.remote_type == "LoaderFailed"
         assert isinstance(outcome.received, LoaderFailed), outcome.received  # the rollout's
         for message in (outcome.sent.remote_message, str(outcome.received)):
-            assert rollout_engine.loader_name in message
+            assert tp_rollout_engine.loader_name in message
         with pytest.raises(WeightsTorn):
             engine.generate(requests)
-        rollout_engine.sync(variant)  # a new session after the failed one: whole again
+        tp_rollout_engine.sync(variant)  # a new session after the failed one: whole again
         assert engine.digest() == weights_digest(tensors(weights))
         assert engine.generate(requests) == with_version(expected, engine.weight_version)
 
