@@ -58,3 +58,18 @@ def test_the_status_table_shows_memory_a_rollout_engine_cannot_release() -> None
         {"lifecycle": "running", "last_step": {**last, "rollout_resident_mb": 0.0}}
     )
     assert "resident" not in released
+
+
+def test_the_status_table_shows_what_each_rank_sent_and_each_tp_worker_loaded() -> None:
+    last = {
+        "step": 3,
+        "phases": {},
+        "sync": {"gbps": 0.1},
+        "per_rank": [
+            {"rank": 0, "sent_bytes": 3 << 20, "loaded_bytes": [3 << 20, 3 << 20]},
+            {"rank": 1, "sent_bytes": 0, "loaded_bytes": []},
+        ],
+    }
+    table = status_table({"lifecycle": "running", "last_step": last, "pid": 1})
+    assert "rank 0: sent 3.00 MiB, loaded 3.00 MiB / 3.00 MiB by 2 TP workers" in table
+    assert "rank 1: sent 0.00 MiB" in table

@@ -14,7 +14,14 @@ from timeshare.cycle.hooks import PhaseReport
 from timeshare.cycle.records import MarkRecord, PhaseRecord, Record, record_of_line
 from timeshare.cycle.telling import phase_record
 from timeshare.errors import ReportError
-from timeshare.protocols.commands.results import CommandResult, TrainFigures, TrainResult
+from timeshare.protocols.commands.results import (
+    CommandResult,
+    SyncResult,
+    TrainFigures,
+    TrainResult,
+    WorkerLoad,
+)
+from timeshare.protocols.weights import TransferReport
 from timeshare.report.trace import (
     BARRIER_WAIT,
     DRIVER_TID,
@@ -277,3 +284,15 @@ def test_a_live_trace_past_its_size_starts_a_new_file_each_whole_and_named(
 def load_trace_of(records: list[PhaseRecord], directory: Path) -> list[dict[str, object]]:
     write_trace(list(records), directory / "whole.json")
     return load_trace(directory / "whole.json")
+
+
+def test_a_sync_into_a_tp_engine_shows_what_each_worker_loaded() -> None:
+    transfer = TransferReport(version=3, bytes=4096, tensors=2, buckets=1, seconds=0.1)
+    workers = [WorkerLoad(0, 4096, "d"), WorkerLoad(1, 4096, "d")]
+    trainer = SyncResult(transfer=transfer, digest="d", receivers=2)
+    rollout = SyncResult(transfer=transfer, digest="d", workers=workers)
+    report = PhaseReport(3, 0, Phase.SYNC, 100.0, 0.5, trainer, rollout, answered=100.4)
+    figures = phase_record(report, node=0, clock=CLOCK).figures
+    assert (figures["trainer.bytes"], figures["trainer.receivers"]) == (4096, 2)
+    assert figures["rollout.worker0.bytes"] == figures["rollout.worker1.bytes"] == 4096
+    assert figures["rollout.worker1.digest"] == "d"

@@ -46,9 +46,12 @@ def stack() -> Iterator[ExitStack]:
         yield peers
 
 
-def members(stack: ExitStack, url: str, count: int, **per_member: dict[str, Any]) -> list[Peer]:
-    """`count` receiver processes, member k of `count` each, all ready; `per_member["k"]` adds
-    to member k's arguments (a fault)."""
+def members(
+    stack: ExitStack, url: str, count: int, per_member: dict[int, dict[str, Any]] | None = None
+) -> list[Peer]:
+    """`count` receiver processes, member k of `count` each, all ready; `per_member[k]`: member
+    k's arguments (a fault; default: three clean transfers)."""
+    per_member = per_member or {}
     peers = [
         stack.enter_context(
             Peer(
@@ -57,7 +60,7 @@ def members(stack: ExitStack, url: str, count: int, **per_member: dict[str, Any]
                 config=CFG,
                 member=k,
                 members=count,
-                **per_member.get(str(k), {"transfers": 3}),
+                **per_member.get(k, {"transfers": 3}),
             )
         )
         for k in range(count)
@@ -99,8 +102,8 @@ async def test_a_buffer_is_reused_only_after_every_member_acked_it(
     goes where bucket 1 was. Had the sender reused that buffer on member 0's ACK alone,
     member 1 would read bucket 3's bytes under bucket 1's names."""
     url = endpoint(runtime_dir)
-    slow = {"transfers": 1, "mode": "hang_on_bucket", "bucket": 1, "hang_s": 1.5}
-    peers = members(stack, url, 2, **{"0": {"transfers": 1}, "1": slow})
+    slow: dict[str, Any] = {"transfers": 1, "mode": "hang_on_bucket", "bucket": 1, "hang_s": 1.5}
+    peers = members(stack, url, 2, {0: {"transfers": 1}, 1: slow})
     with WeightSender(url, TransferConfig(**CFG), receivers=2) as sender:
         started = time.monotonic()
         await sender.send(make_weights(WEIGHTS, 7), version=7)
@@ -116,8 +119,8 @@ async def test_a_member_that_fails_ends_the_session_for_all_naming_it(
     runtime_dir: Path, stack: ExitStack
 ) -> None:
     url = endpoint(runtime_dir)
-    fails = {"transfers": 1, "mode": "raise_on_bucket", "bucket": 2}
-    peers = members(stack, url, 2, **{"0": {"transfers": 1}, "1": fails})
+    fails: dict[str, Any] = {"transfers": 1, "mode": "raise_on_bucket", "bucket": 2}
+    peers = members(stack, url, 2, {0: {"transfers": 1}, 1: fails})
     with WeightSender(url, TransferConfig(**CFG), receivers=2) as sender:
         with pytest.raises(PeerError, match=r"receiver 1 of 2 .* failed \(bucket") as failed:
             await sender.send(make_weights(WEIGHTS, 1), version=1)
@@ -140,8 +143,8 @@ async def test_a_member_killed_mid_transfer_is_an_ack_timeout_naming_it(
     runtime_dir: Path, stack: ExitStack
 ) -> None:
     url = endpoint(runtime_dir)
-    dies = {"transfers": 1, "mode": "kill_on_bucket", "bucket": 3}
-    peers = members(stack, url, 2, **{"0": {"transfers": 1}, "1": dies})
+    dies: dict[str, Any] = {"transfers": 1, "mode": "kill_on_bucket", "bucket": 3}
+    peers = members(stack, url, 2, {0: {"transfers": 1}, 1: dies})
     with WeightSender(url, TransferConfig(**CFG), receivers=2) as sender:
         started = time.monotonic()
         with pytest.raises(AckTimeout, match="from receiver 1 of 2") as timed_out:
