@@ -221,7 +221,7 @@ class TrainerWorker:
 
 class RolloutWorker:
     """A rank's rollout worker with its engine, which serves `ranks` (this one, or with tensor
-    parallelism the group of ranks whose devices its workers hold: groups.py)."""
+    parallelism the group of ranks whose devices its workers hold: cluster.group_ranks)."""
 
     def __init__(
         self,

@@ -1,6 +1,7 @@
 """ShardGather with real FSDP2: two processes, gloo over a loopback TCPStore, a model sharded
 with `fully_shard`; every gather written into a buffer, and every one sent through a real weight
-channel, equals `full_tensor()` bit for bit.
+channel, equals `full_tensor()` bit for bit; one rank sending to two receivers while the other
+only drains (a tensor-parallel rollout group) runs the same gathers on both.
 
 The test process hosts the store (port 0: the kernel picks a free one); each rank runs in a
 spawned process, joined with a deadline and killed on failure.
@@ -140,6 +141,55 @@ def check_sent_through_the_channel(model: torch.nn.Module, runtime_dir: Path, ra
         assert_identical(got[name], tensor, name)
 
 
+def check_one_sends_for_the_group(model: torch.nn.Module, runtime_dir: Path, rank: int) -> None:
+    """A tensor-parallel rollout group of both ranks: rank 0 sends to the engine's two workers
+    (two receivers, threads here), rank 1 only drains (outlet.drain): their gathers pair up,
+    materialized ones included, and both digest the same weights."""
+    import anyio
+
+    from timeshare.engines.digest import WeightsDigest
+    from timeshare.engines.outlet import digested, drain
+
+    config = TransferConfig(bucket_mb=BUCKET_MB, checksum=True, ack_timeout_s=60.0)
+    url = weight_endpoint(runtime_dir, 0)
+    want = full_tensors(model, torch.bfloat16)
+    digest = WeightsDigest()
+    if rank == 1:
+        tensors, nbytes = drain(
+            lent_parameters(model, dtype=torch.bfloat16, timeout_s=60.0),
+            digest,
+            config.bucket_bytes,
+        )
+        assert (tensors, nbytes) == (len(want), sum(t.nbytes for t in want.values()))
+    else:
+        got: list[dict[str, torch.Tensor]] = [{}, {}]
+
+        def receive(member: int) -> None:
+            with WeightReceiver(url, config, member=member, members=2) as receiver:
+                receiver.receive(lambda items: got[member].update((n, t.clone()) for n, t in items))
+
+        async def send() -> None:
+            with WeightSender(url, config, receivers=2) as sender:
+                items = lent_parameters(model, dtype=torch.bfloat16, timeout_s=60.0)
+                await sender.send(digested(items, digest), version=0)
+
+        threads = [threading.Thread(target=receive, args=(k,)) for k in range(2)]
+        for thread in threads:
+            thread.start()
+        try:
+            anyio.run(send)
+        finally:
+            for thread in threads:
+                thread.join(timeout=60)
+        for member in range(2):
+            assert sorted(got[member]) == sorted(want)
+            for name, tensor in want.items():
+                assert_identical(got[member][name], tensor, name)
+    digests = [None, None]
+    dist.all_gather_object(digests, digest.hexdigest())
+    assert digests[0] == digests[1], digests
+
+
 def run_rank(rank: int, port: int, check: str, runtime_dir: str) -> None:
     """One rank's process: join the group through the test's store, run `check`, leave."""
     torch.set_num_threads(1)
@@ -153,6 +203,8 @@ def run_rank(rank: int, port: int, check: str, runtime_dir: str) -> None:
             check_written_into_buffers(model, None)
             check_written_into_buffers(model, torch.bfloat16)
             check_refuses_other_shardings()
+        elif check == "group":
+            check_one_sends_for_the_group(model, Path(runtime_dir), rank)
         else:
             check_sent_through_the_channel(model, Path(runtime_dir), rank)
         dist.barrier()  # neither leaves while the other may still need it
@@ -207,6 +259,13 @@ def test_lent_parameters_sent_through_the_channel_equal_full_tensor(
     store_port: int, runtime_dir: Path
 ) -> None:
     run_ranks(run_rank, store_port, "channel", str(runtime_dir))
+
+
+@pytest.mark.slow
+def test_a_rank_that_sends_nothing_runs_the_senders_gathers_in_step(
+    store_port: int, runtime_dir: Path
+) -> None:
+    run_ranks(run_rank, store_port, "group", str(runtime_dir))
 
 
 def test_an_unsharded_module_lends_its_parameters_as_detached_tensors() -> None:
