@@ -88,7 +88,8 @@ T = TypeVar("T")
 REAP_S = 10.0  # for SGLang's processes to exit once shut down
 IDLE_POLL_S = 0.05  # between SGLang's flush_cache tries while it finishes what it runs
 PROGRESS_S = 0.5  # the heartbeat while a generate runs
-SEGMENT_PREFIXES = ("psm_", "sglang")  # shared memory SGLang's processes may map
+SEGMENT_PREFIXES = ("psm_", "sglang", "sgl_shm_mq_")  # shared memory SGLang's processes map
+# (sgl_shm_mq_: the message queues of its tensor-parallel ranks)
 SEMAPHORE_PREFIX = "sem.mp-"  # Python's named semaphores (multiprocessing), in /dev/shm
 RELEASED = ("weights", "kv_cache")  # SGLang's memory tags that OFFLOAD releases
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
