@@ -68,6 +68,7 @@ def tp_config(root: Path, tensor_parallel: int, steps: int = 3) -> Path:
     return write_config(root, job={"ranks": 2, "steps": steps}, engine={"vllm": vllm})
 
 
+@pytest.mark.alone
 def test_tp_1_and_tp_2_from_one_seed_hold_the_same_weights_every_step(runtime_dir: Path) -> None:
     """The same job with an engine per rank and with one engine of two TP workers for both
     ranks: each step the same weights (bit for bit, every TP worker's included), logprobs within
@@ -98,6 +99,7 @@ def test_tp_1_and_tp_2_from_one_seed_hold_the_same_weights_every_step(runtime_di
     assert all(s["rollout_resident_mb"] >= 2 * 16.0 for run in (one, two) for s in run)
 
 
+@pytest.mark.alone
 def test_a_vllm_tp_worker_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Path) -> None:
     """TP worker 1 of rank 0's engine (which serves ranks 0 and 1) dies in the first SYNC."""
     run = start_run(runtime_dir, tp_config(runtime_dir, 2))
@@ -128,6 +130,7 @@ def test_a_vllm_tp_worker_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: 
     assert [name for name in segments if (SHM / name).exists()] == []
 
 
+@pytest.mark.alone
 def test_no_vllm_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -> None:
     """A TP engine: its EngineCore and both TP workers die with the run."""
     run = start_run(runtime_dir, tp_config(runtime_dir, 2, steps=1000))
