@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
@@ -132,3 +133,37 @@ def stop_resource_tracker_when_alone() -> None:
     one), its processes hold the tracker's pipe and stopping would wait for them: it stays."""
     if not child_pids():
         resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+
+
+def tp_1_and_tp_2_runs(
+    root: Path, config_of: Callable[[Path, int], Path]
+) -> dict[int, list[dict[str, Any]]]:
+    """The same job (`config_of(directory, tensor_parallel)`) run with an engine per rank and
+    with one engine of two TP workers for both ranks: each run's steps, checked to agree step
+    by step (the same weights bit for bit, every TP worker's included; logprobs within fp32
+    noise of the trainer's; the same rewards), each TP worker having loaded every byte sent."""
+    from tests.cycle.jobs import assert_nothing_left
+    from tests.daemon.test_run import steps_of, timeshare_run
+
+    runs = {}
+    for tp in (1, 2):
+        directory = root / f"tp{tp}"
+        directory.mkdir()
+        summary = directory / "summary.json"
+        done = timeshare_run(config_of(directory, tp), summary, timeout_s=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[tp] = steps_of(summary)
+        assert_nothing_left(directory)
+    for tp, steps in runs.items():
+        assert [s["step"] for s in steps] == [1, 2, 3], tp
+        assert all(s["weights_match"] and s["ranks_agree"] for s in steps), tp
+        assert all(s["logprob_max_abs_diff"] < 1e-4 for s in steps), tp
+    one, two = runs[1], runs[2]
+    assert [s["weights_digest"] for s in one] == [s["weights_digest"] for s in two]
+    assert [s["reward_mean"] for s in one] == [s["reward_mean"] for s in two]
+    for step in two:  # one engine, sent to once, by rank 0; each TP worker loaded all of it
+        sent = step["per_rank"][0]["sent_bytes"]
+        assert sent > 0 and step["sync"]["bytes"] == sent
+        assert step["per_rank"][0]["loaded_bytes"] == [sent, sent]
+        assert (step["per_rank"][1]["sent_bytes"], step["per_rank"][1]["loaded_bytes"]) == (0, [])
+    return runs

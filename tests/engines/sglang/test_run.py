@@ -21,10 +21,11 @@ import pytest
 
 from tests.configs import TINY, merged, toml_file
 from tests.cycle.jobs import assert_nothing_left
-from tests.daemon.test_run import steps_of, timeshare_run
+from tests.daemon.test_run import timeshare_run
 from tests.engines.foreign_hosts import (
     recorded_processes,
     start_run,
+    tp_1_and_tp_2_runs,
     wait_for,
 )
 from timeshare.protocols.weights import sweep_stale
@@ -77,29 +78,9 @@ def test_tp_1_and_tp_2_from_one_seed_hold_the_same_weights_every_step(runtime_di
     """The same job with an engine per rank and with one engine of two TP ranks for both:
     each step the same weights (bit for bit, every TP rank's included), logprobs within fp32
     noise of the trainer's, the same rewards; each TP rank loaded every byte sent."""
-    runs = {}
-    for tp in (1, 2):
-        root = runtime_dir / f"tp{tp}"
-        root.mkdir()
-        summary = root / "summary.json"
-        done = timeshare_run(tp_config(root, tp), summary, timeout_s=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[tp] = steps_of(summary)
-        assert_nothing_left(root)
-    for tp, steps in runs.items():
-        assert [s["step"] for s in steps] == [1, 2, 3], tp
-        assert all(s["weights_match"] and s["ranks_agree"] for s in steps), tp
-        assert all(s["logprob_max_abs_diff"] < 1e-4 for s in steps), tp
-        # SGLang on CPU releases nothing: the summary says what stays resident
-        assert all(s["rollout_resident_mb"] > 0 for s in steps), tp
-    one, two = runs[1], runs[2]
-    assert [s["weights_digest"] for s in one] == [s["weights_digest"] for s in two]
-    assert [s["reward_mean"] for s in one] == [s["reward_mean"] for s in two]
-    for step in two:  # one engine, sent to once, by rank 0; each TP rank loaded all of it
-        sent = step["per_rank"][0]["sent_bytes"]
-        assert sent > 0 and step["sync"]["bytes"] == sent
-        assert step["per_rank"][0]["loaded_bytes"] == [sent, sent]
-        assert (step["per_rank"][1]["sent_bytes"], step["per_rank"][1]["loaded_bytes"]) == (0, [])
+    runs = tp_1_and_tp_2_runs(runtime_dir, tp_config)
+    # SGLang on CPU releases nothing: the summary says what stays resident
+    assert all(s["rollout_resident_mb"] > 0 for run in runs.values() for s in run)
 
 
 def test_an_sglang_tp_scheduler_killed_in_sync_fails_the_cycle_naming_it(
