@@ -53,7 +53,8 @@ ROLLOUTS = [
 # The promises a tensor-parallel engine keeps differently (its weights load in every worker)
 # are held for these cases too (`tp_rollout_engine`): every engine with TP workers, at TP 2.
 TP_CASES = [
-    pytest.param("vllm:tp2", marks=pytest.mark.slow),
+    # (alone: its two TP workers poll while idle, about 14% of a core each, for the module)
+    pytest.param("vllm:tp2", marks=[pytest.mark.slow, pytest.mark.alone]),
     pytest.param("sglang:tp2", marks=[pytest.mark.slow, pytest.mark.sglang]),
 ]
 # Engines that start slowly: one serves the module (the fixture of each, by case).
