@@ -207,6 +207,7 @@ async def _run_service(
             group.start_soon(service.loop_lag.measure, service.parts.metrics.loop_lag.set)
             group.start_soon(service.watch_idle_nodes)
             await service.run_cycles()
+            await service.let_nodes_hear_stop()  # the store goes with this daemon
             await server.wait_answered(timeout_s=ANSWER_GRACE_S)
             group.cancel_scope.cancel()
     finally:

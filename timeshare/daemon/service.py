@@ -34,7 +34,7 @@ from timeshare.daemon.watchers import Watchers
 from timeshare.errors import CycleFailed, StoreError
 from timeshare.protocols.control import ServiceStatus
 from timeshare.protocols.nodes import NodeSeen
-from timeshare.protocols.store import AsyncJobStore
+from timeshare.protocols.store import AsyncJobStore, heard_key
 from timeshare.report.scalars import ScalarWriter
 from timeshare.report.trace import TraceFile
 from timeshare.state import JobState
@@ -55,6 +55,11 @@ log = structlog.get_logger(__name__)
 # running cycle's command feed skips START (cycle/commands.py, which names it).
 START, STOP = IDLE_START, "stop"
 IDLE_POLL_S = 0.25
+# How long the leader's daemon, which hosts the job store, stays after telling idle nodes to
+# stop, until each has read it: gone at once, it took the store with it before a node that
+# polls every IDLE_POLL_S (slower on a loaded machine) had read the stop, and that node idled
+# on. Ample for a node that is there; a node that is down costs this much on the way out.
+STOP_HEARD_S = 15.0
 S = ServiceLifecycle
 
 
@@ -110,6 +115,7 @@ class Service:
         self._last_progress = time.monotonic()
         self._cycle_scope: anyio.CancelScope | None = None
         self._commands_from: int | None = None  # the job store's last command before the cycle
+        self._stop_told: int | None = None  # the generation of a stop told to idle nodes
         self._changed = anyio.Event()
         parts.metrics.lifecycle.state(self.state.value)
 
@@ -167,7 +173,30 @@ class Service:
         """Several nodes: `start` or `stop` given here while idle, for every other node's
         daemon that is idle too (`watch_idle_nodes`); a running cycle reads its own commands."""
         if self.config.cluster.nodes > 1:
-            await self.command(command)
+            generation = await self.command(command)
+            if command == STOP:
+                self._stop_told = generation
+
+    async def let_nodes_hear_stop(self) -> None:
+        """The leader, which hosts the job store, after telling idle nodes to stop: stay until
+        each has read it (`heard_key`), or STOP_HEARD_S; a node that never does is named."""
+        cluster = self.config.cluster
+        if self._stop_told is None or cluster.node_rank != 0:
+            return
+        keys = {node: heard_key(self._stop_told, node) for node in range(1, cluster.nodes)}
+        unheard = list(keys)
+        with anyio.move_on_after(STOP_HEARD_S):
+            while unheard:
+                try:
+                    heard = await self.parts.store.read_present([keys[n] for n in unheard])
+                except StoreError as exc:
+                    log.warning("service.stop.unheard", nodes=unheard, error=str(exc))
+                    return
+                unheard = [node for node, seen in zip(unheard, heard, strict=True) if seen is None]
+                if unheard:
+                    await anyio.sleep(IDLE_POLL_S / 2)
+        if unheard:
+            log.warning("service.stop.unheard", nodes=unheard, waited_s=STOP_HEARD_S)
 
     async def watch_idle_nodes(self) -> None:
         """Several nodes: while this daemon is idle, a `start` or `stop` given on another node
@@ -202,6 +231,8 @@ class Service:
         if name == STOP:
             self.move(StopRequested())
             self.parts.notifier.stopping("stopping: stop given on another node")
+            node = self.config.cluster.node_rank
+            await self.parts.store.put(heard_key(generation, node), node)
         elif self.steps_left():
             await self.want_cycle()
 
@@ -318,10 +349,11 @@ class Service:
         """A stream of every transition from now on (`watch`); the first item is the status."""
         return self.watchers.subscribe({"kind": "status", **msgspec.to_builtins(self.status())})
 
-    async def command(self, name: str, **params: Any) -> None:
-        """Tell the job (every node, through the job store), and journal it."""
-        await self.parts.store.record_command(name, **params)
+    async def command(self, name: str, **params: Any) -> int:
+        """Tell the job (every node, through the job store), and journal it; the generation."""
+        generation = await self.parts.store.record_command(name, **params)
         self.journal_add("command", command=name, **params)
+        return generation
 
     def use_config(self, config: Config, loaded: LoadedConfig | None = None) -> None:
         """Run on `config` from now on (a reload, a log level); `loaded`: the file as read."""

@@ -35,6 +35,12 @@ def state_key(node: int) -> str:
     return f"state/node/{node}"
 
 
+def heard_key(generation: int, node: int) -> str:
+    """Where node `node` says it read the command of `generation` while idle (a stop: the
+    leader's daemon, which hosts the store, waits for it before it exits)."""
+    return f"{COMMAND}/{generation}/heard/{node}"
+
+
 class JobCommand(msgspec.Struct, frozen=True):
     """A command that changes the cycle (pause, resume, drain, stop, steps, log_level)."""
 
@@ -249,6 +255,9 @@ class AsyncJobStore:
             "reason": state.reason,
         }
         await self.put(state_key(node), record)
+
+    async def read_present(self, keys: list[str]) -> list[Any | None]:
+        return await self._call(partial(self.blocking.read_present, keys))
 
     async def record_command(self, command: str, **params: Any) -> int:
         return await self._call(partial(self.blocking.record_command, command, **params))
