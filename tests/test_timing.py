@@ -26,6 +26,18 @@ def test_spans_time_their_blocks_and_are_taken_once() -> None:
     assert spans.take() == ()
 
 
+def test_each_span_that_ends_well_is_progress_and_one_that_raises_is_not() -> None:
+    ended: list[int] = []
+    spans = Spans(on_end=lambda: ended.append(len(ended)))
+    with spans.span("wake weights"):
+        assert ended == []
+    with pytest.raises(ValueError), spans.span("failed"):
+        raise ValueError("no progress")
+    with spans.span("digest"):
+        pass
+    assert ended == [0, 1]
+
+
 def test_past_the_limit_the_first_spans_and_the_last_are_kept() -> None:
     spans = Spans(limit=5, tail=2)
     spans.extend(Span(f"pack {i}", float(i), 0.5) for i in range(10))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -63,8 +63,15 @@ class Spans:
     """The spans of one command, in the order they ended: all of them, or past `limit` the
     first `limit - tail` and the last `tail`."""
 
-    def __init__(self, limit: int = MAX_SPANS, tail: int = TAIL_SPANS) -> None:
+    def __init__(
+        self,
+        limit: int = MAX_SPANS,
+        tail: int = TAIL_SPANS,
+        *,
+        on_end: Callable[[], None] | None = None,
+    ) -> None:
         assert 0 <= tail < limit, (limit, tail)
+        self._on_end = on_end  # called as each span ends well: a worker's progress
         self._head: list[Span] = []
         self._head_limit = limit - tail
         self._tail: deque[Span] = deque(maxlen=tail)
@@ -77,6 +84,8 @@ class Spans:
             yield
         finally:
             self.add(Span(name, start, time.monotonic() - start))
+        if self._on_end is not None:
+            self._on_end()
 
     def add(self, span: Span) -> None:
         if len(self._head) < self._head_limit:

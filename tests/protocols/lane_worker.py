@@ -38,6 +38,17 @@ def main() -> None:
             server.report_progress()
         return {"steps": steps}
 
+    def compute(params: dict[str, Any]) -> Any:
+        """`cpu_s` of this thread's CPU time, with no progress reported: a stretch of work."""
+        end = time.thread_time() + params["cpu_s"]
+        while time.thread_time() < end:
+            pass
+        return {"computed": params["cpu_s"]}
+
+    def spin(params: dict[str, Any]) -> Any:
+        while True:  # an endless loop that makes no progress (interruptible: Python code)
+            pass
+
     def hang(params: dict[str, Any]) -> Any:
         threading.Event().wait()  # never set: an engine stuck waiting
 
@@ -69,6 +80,8 @@ def main() -> None:
             "echo": echo,
             "work": work,
             "hang": hang,
+            "compute": compute,
+            "spin": spin,
             "wait_on_peer": wait_on_peer,
             "hang_hard": hang_hard,
             "raise": fail,

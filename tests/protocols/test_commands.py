@@ -19,6 +19,7 @@ import anyio.abc
 import pytest
 
 from tests.conftest import socket_files
+from tests.starving import cpu_starved
 from timeshare.errors import (
     CommandTimeout,
     ProtocolError,
@@ -305,3 +306,32 @@ async def test_an_exit_another_thread_is_reaping_is_still_reported() -> None:
         if lock.locked():
             lock.release()
     assert exits.exits == [(TRAINER, 3)]
+
+
+@pytest.mark.asyncio
+async def test_a_call_starved_of_cpu_is_slow_not_stalled(runtime_dir: Path) -> None:
+    """A stretch of work with no progress reported, which takes 0.3 s of CPU: alone, well
+    inside the 1 s stall timeout; held to a tenth of a CPU (a quota, a loaded machine), about
+    3 s. The time it waited for a CPU is the machine's, not the call's: it is not a stall."""
+    async with one_worker(runtime_dir, stall_timeout_s=1.0) as (lanes, process):
+        with cpu_starved([process.pid], 0.1) as how:
+            started = time.monotonic()
+            computed = await lanes.call(
+                TRAINER, "compute", {"cpu_s": 0.3}, deadline_s=60.0, returns=object
+            )
+            took_s = time.monotonic() - started
+        assert computed == {"computed": 0.3}
+        assert took_s > 1.5, (how, took_s)  # it was starved: longer than the stall timeout
+
+
+@pytest.mark.asyncio
+async def test_an_endless_loop_is_a_stall_within_the_timeout_and_a_beat(
+    runtime_dir: Path,
+) -> None:
+    async with one_worker(runtime_dir, stall_timeout_s=1.0) as (lanes, _):
+        started = time.monotonic()
+        with pytest.raises(WorkerStalled, match="made no progress in spin for 1 s"):
+            await lanes.call(TRAINER, "spin", deadline_s=30.0, returns=object)
+        # The stall timeout, one heartbeat (0.1 s here), the driver's check, and slack for a
+        # loaded machine (whose CPU waits the worker leaves out of its idleness).
+        assert time.monotonic() - started < 1.0 + 0.1 + 2.0

@@ -23,7 +23,7 @@ def busy_server() -> WorkerServer:
 
 def test_a_call_without_progress_grows_idle_and_progress_resets_it() -> None:
     server = busy_server()
-    server._progress_at = time.monotonic() - 5.0
+    server._progress_mark = (time.monotonic() - 5.0, 0.0)
     assert server._heartbeat().idle_s >= 5.0
     server.report_progress()
     assert server._heartbeat().idle_s < 1.0
@@ -31,21 +31,18 @@ def test_a_call_without_progress_grows_idle_and_progress_resets_it() -> None:
 
 def test_a_wait_on_the_peer_counts_as_progress_up_to_its_end() -> None:
     server = busy_server()
-    server._progress_at = time.monotonic() - 60.0  # the wait began a minute ago
+    server._progress_mark = (time.monotonic() - 60.0, 0.0)  # the wait began a minute ago
     with server.waiting_on_peer():
         assert server._heartbeat().idle_s == 0.0
     assert server._heartbeat().idle_s < 1.0  # the wait counted as progress up to its end
 
 
-def test_time_the_process_was_held_up_is_not_the_calls_idleness() -> None:
+def test_the_machines_time_since_the_last_progress_is_not_the_calls_idleness() -> None:
     server = busy_server()
-    server._progress_at = time.monotonic() - 3.5  # idle 0.5 s, then paused 3 s
-    # The control thread's 0.05 s wait began 3 s ago: the process (or VM) was paused.
-    server._forgive_lateness(time.monotonic() - 3.0, 0.05)
+    server._machine_s = 10.0  # (the machine's time before the last progress: not this call's)
+    server._progress_mark = (time.monotonic() - 3.5, 10.0)  # idle 0.5 s, then 3 s held up
+    server._machine_s = 13.0  # as the control thread adds it up (state/stall.py)
     assert 0.4 <= server._heartbeat().idle_s < 1.0
-    server._progress_at = time.monotonic() - 0.5
-    server._forgive_lateness(time.monotonic() - 3.0, 0.05)  # a pause longer than the idleness
-    assert 0.0 <= server._heartbeat().idle_s < 0.2  # forgives it, and no more
-    server._progress_at = time.monotonic() - 0.5
-    server._forgive_lateness(time.monotonic() - 0.3, 0.05)  # on time: nothing forgiven
-    assert server._heartbeat().idle_s >= 0.5
+    server.report_progress()  # from here on, the machine's earlier time counts for nothing
+    server._progress_mark = (time.monotonic() - 2.0, 13.0)
+    assert server._heartbeat().idle_s >= 2.0

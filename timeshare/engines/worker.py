@@ -142,7 +142,9 @@ class TrainerWorker:
         self.sender: WeightSender | None = None
         if group_leader(spec.rank, workers) == spec.rank:
             self.sender = WeightSender(spec.weight_endpoint, spec.transfer, receivers=workers)
-        self.spans = Spans()  # within the current command (the trace shows them)
+        # Within the current command (the trace shows them); each stretch that ends is progress
+        # (waking weights, preparing, sleeping: none is a stall of its own).
+        self.spans = Spans(on_end=server.report_progress)
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -238,7 +240,9 @@ class RolloutWorker:
         self.workload = workload
         self.inlet = engine.open_inlet(spec.weight_endpoint, spec.transfer)
         self.server = server
-        self.spans = Spans()  # within the current command (the trace shows them)
+        # Within the current command (the trace shows them); each stretch that ends is progress
+        # (waking weights, preparing, sleeping: none is a stall of its own).
+        self.spans = Spans(on_end=server.report_progress)
 
     def handlers(self) -> dict[str, Handler]:
         return {

@@ -7,13 +7,10 @@ lane from then on (lane_socket.py has the framing).
 `WorkerLanes.call` sends a command on the work lane and waits for its result, watching three
 things at once: the result; the worker's process (`worker_exited`, fed by `watch_process`, ends
 the wait at once with `WorkerDied`); and the worker's heartbeats. A heartbeat saying the call
-has gone `stall_timeout_s` without progress is `WorkerStalled` (a wait on the peer, which the
-weight channel's own deadlines bound, counts as progress); so is no heartbeat at all for as long
-while this driver was watching. Both are measured so that a driver held up itself (its event
-loop late, the machine or VM paused) blames no worker for time it did not watch: progress by the
-worker's clock (which leaves out time its own process was held up: worker_side.py), silence only
-over time the driver's checks ran on schedule. A call the worker never started while its
-heartbeats say it is on another (one it would not let go of) is a stall too. The deadline is
+has gone `stall_timeout_s` without progress is `WorkerStalled`; so is no heartbeat at all for as
+long while this driver was watching, and a call the worker never started while its heartbeats
+say it is on another (one it would not let go of). The rule is state/stall.py's: it blames no
+worker for the machine's time (a driver held up, a worker starved of CPU). The deadline is
 `CommandTimeout`.
 A command that raised in the worker comes back as `WorkerError` with the remote type and
 message. `WorkerLanes.control` uses the control lane, answered while the work runs.
@@ -54,6 +51,7 @@ from timeshare.protocols.commands import frames
 from timeshare.protocols.commands.lane_socket import DriverConnection
 from timeshare.protocols.commands.processes import WorkerId, describe_exit
 from timeshare.runtime import Endpoint
+from timeshare.state.stall import CallHealth, CallSeen, judge_call
 
 log = structlog.get_logger(__name__)
 
@@ -303,20 +301,24 @@ class WorkerLanes:
         return now
 
     def _stall(self, pending: _Pending, started: float, now: float) -> str | None:
-        """Why the call counts as stalled, or None: its worker's last heartbeat about it said
-        `stall_timeout_s` without progress, or no heartbeat came for that long while the
-        driver watched on schedule (a worker stuck in C code holding the GIL, or stopped)."""
+        """Why the call counts as stalled (state/stall.py judges), or None."""
         liveness, limit = self._workers[pending.worker], self.stall_timeout_s
-        if liveness.busy == pending.id and liveness.idle_s > limit:
-            return f"{pending.worker} made no progress in {pending.command} for {limit:g} s"
-        if liveness.busy != pending.id and liveness.heard_at > started and now - started > limit:
-            # Its heartbeats say it is on something else (an earlier call it never let go of).
-            return (
-                f"{pending.worker} made no progress in {pending.command} for {limit:g} s "
-                "(it has not started it)"
-            )
-        if now - max(started, liveness.heard_at, self._watching_since) > limit:
-            return f"{pending.worker} sent no heartbeat in {pending.command} for {limit:g} s"
+        seen = CallSeen(
+            started=started,
+            heard_at=liveness.heard_at,
+            on_this_call=liveness.busy == pending.id,
+            idle_s=liveness.idle_s,
+            watching_since=self._watching_since,
+            now=now,
+        )
+        health = judge_call(seen, limit)
+        worker, command = pending.worker, pending.command
+        if health is CallHealth.NO_PROGRESS:
+            return f"{worker} made no progress in {command} for {limit:g} s"
+        if health is CallHealth.NOT_STARTED:
+            return f"{worker} made no progress in {command} for {limit:g} s (it has not started it)"
+        if health is CallHealth.SILENT:
+            return f"{worker} sent no heartbeat in {command} for {limit:g} s"
         return None
 
     async def _check_on(

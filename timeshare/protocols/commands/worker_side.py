@@ -4,10 +4,10 @@ The work lane runs one call at a time in the main thread (train_step, sync, gene
 take minutes). The control lane has its own thread and socket, so it answers `status` and
 `abort` while work runs, and it sends a heartbeat every `heartbeat_s` carrying a progress count
 that the engine raises with `report_progress()`, and how long the running call has gone without
-progress, by this process's clock (a wait on the peer counts as progress; time the control
-thread itself was held up, a paused VM, is left out): the driver calls a worker stalled on what
-the worker says, so a driver that was itself held up blames no one for the time it did not
-watch.
+progress, by this process's clock: the driver calls a worker stalled on what the worker says, so
+a driver that was itself held up blames no one for the time it did not watch. The rule, and the
+machine's time left out of idleness (the process held up, its threads waiting for a CPU), is
+state/stall.py's; cpu_wait.py measures the wait.
 
 `abort` interrupts the running call by a signal to the main thread: a call waiting in Python
 (sleeping, waiting on a lock or an event, polling) ends at once with `Aborted`. A call stuck inside
@@ -30,16 +30,17 @@ import structlog
 from timeshare import logs
 from timeshare.errors import Aborted, ProtocolError, UnknownCommand
 from timeshare.protocols.commands import frames
+from timeshare.protocols.commands.cpu_wait import CpuWait
 from timeshare.protocols.commands.lane_socket import WorkerSocket
 from timeshare.protocols.commands.results import WorkerStatus
 from timeshare.runtime import Endpoint
+from timeshare.state.stall import call_idle_s, held_up_s, machine_time_s
 
 log = structlog.get_logger(__name__)
 
 Handler: TypeAlias = Callable[[dict[str, Any]], Any]
 ABORT_SIGNAL = signal.SIGUSR1
 POLL_SLICE_S = 0.05
-LATE_S = 1.0  # the control thread this late: the process was held up (see _forgive_lateness)
 CONNECT_S = 10.0  # the driver listens before it starts a worker: this is for a slow start
 SHUTDOWN = "shutdown"  # answered at once, or after the worker's own `shutdown` handler ran
 
@@ -63,7 +64,10 @@ class WorkerServer:
         self._heartbeat_s = heartbeat_s
         self._endpoints = {"work": work_endpoint, "control": control_endpoint}
         self._progress = 0
-        self._progress_at = time.monotonic()  # the running call's last progress (or start)
+        # The machine's time (state/stall.py) so far, the control thread's to add to; and the
+        # running call's last progress (or start) with that total then, set as one tuple.
+        self._machine_s = 0.0
+        self._progress_mark = (time.monotonic(), 0.0)
         self._waiting = False
         self._busy: frames.Call | None = None
         self._armed = False  # an abort signal may raise Aborted now
@@ -74,7 +78,10 @@ class WorkerServer:
     def report_progress(self) -> None:
         """Called by the engine as it makes progress (a batch generated, a bucket loaded)."""
         self._progress += 1
-        self._progress_at = time.monotonic()
+        self._mark_progress()
+
+    def _mark_progress(self) -> None:
+        self._progress_mark = (time.monotonic(), self._machine_s)
 
     @contextmanager
     def waiting_on_peer(self) -> Iterator[None]:
@@ -89,7 +96,7 @@ class WorkerServer:
             # The wait was progress, up to its end: noted before the flag drops, so that no
             # heartbeat between the two says the whole wait was idle (_heartbeat reads the flag
             # first).
-            self._progress_at = time.monotonic()
+            self._mark_progress()
             self._waiting = False
 
     @contextmanager
@@ -159,7 +166,7 @@ class WorkerServer:
         handler = self._handlers.get(call.command)
         if handler is None:
             return frames.failure(call.id, UnknownCommand(f"no handler for {call.command!r}"))
-        self._progress_at = time.monotonic()
+        self._mark_progress()
         self._busy = call
         try:
             self._armed = True
@@ -193,16 +200,23 @@ class WorkerServer:
         except ConnectionError as exc:  # the work lane connected: the driver went meanwhile
             log.warning("worker.lane.lost", role=self.role, rank=self.rank, error=str(exc))
             return
-        next_beat = time.monotonic()
+        next_beat = last_beat = time.monotonic()
+        held_up = 0.0  # in this heartbeat interval
+        cpu_wait = CpuWait()
         try:
             while not self._stop.is_set():
                 wait_s = min(POLL_SLICE_S, max(0.0, next_beat - time.monotonic()))
                 waiting_since = time.monotonic()
                 data = control.receive(wait_s)
-                self._forgive_lateness(waiting_since, wait_s)
+                held_up += held_up_s(time.monotonic() - waiting_since, wait_s)
                 if data is not None:
                     self._answer_control(control, data)
                 if time.monotonic() >= next_beat:
+                    now = time.monotonic()
+                    self._machine_s += machine_time_s(
+                        now - last_beat, held_up, cpu_wait.since_last()
+                    )
+                    held_up, last_beat = 0.0, now
                     control.send(frames.encode(self._heartbeat()))
                     next_beat = time.monotonic() + self._heartbeat_s
         except (ConnectionError, ProtocolError) as exc:  # the work loop sees the same and ends
@@ -210,17 +224,6 @@ class WorkerServer:
                 log.warning("worker.lane.lost", role=self.role, rank=self.rank, error=str(exc))
         finally:
             control.close()
-
-    def _forgive_lateness(self, since: float, allowed_s: float) -> None:
-        """This thread's wait from `since` ran LATE_S past `allowed_s` (the machine or VM
-        paused, or another thread held the GIL): that time is not the call's idleness, so its
-        last progress moves on by as much (before the next heartbeat says how idle it is). A
-        worker that held the GIL that long sent no heartbeat meanwhile: the driver's silence
-        rule judges that."""
-        now = time.monotonic()
-        late_s = now - since - allowed_s
-        if late_s > LATE_S:
-            self._progress_at = min(self._progress_at + late_s, now)
 
     def _answer_control(self, control: WorkerSocket, data: bytes) -> None:
         try:
@@ -260,7 +263,11 @@ class WorkerServer:
     def _heartbeat(self) -> frames.Heartbeat:
         busy = self._busy
         waiting = self._waiting
-        idle_s = 0.0 if busy is None or waiting else time.monotonic() - self._progress_at
+        progress_at, machine_at = self._progress_mark
+        machine_s = self._machine_s - machine_at
+        idle_s = call_idle_s(
+            time.monotonic(), progress_at, machine_s, busy=busy is not None, waiting=waiting
+        )
         return frames.Heartbeat(
             None if busy is None else busy.id,
             None if busy is None else busy.command,
