@@ -35,6 +35,10 @@ CASES: list[tuple[str, CallSeen, CallHealth]] = [
     ("silent past the limit", CallSeen(100, 100.5, True, 0, 0, 110.6), H.SILENT),
     ("silent, but the driver was late", CallSeen(100, 100.5, True, 0, 105, 110.6), H.ALIVE),
     ("silent since the driver's lateness", CallSeen(100, 100.5, True, 0, 105, 115.1), H.SILENT),
+    # Silent because it waited for a CPU (starved): the machine's time, not a stall ...
+    ("silent, starved", CallSeen(100, 100.5, True, 0, 0, 112, starved_s=8), H.ALIVE),
+    # ... but a worker stopped, or stuck in C code holding the GIL, waits for no CPU.
+    ("silent, barely starved", CallSeen(100, 100.5, True, 0, 0, 112, starved_s=1), H.SILENT),
     # Idle past the limit wins over silence: its heartbeat said so.
     ("idle and then silent", CallSeen(100, 111, True, 10.5, 0, 125), H.NO_PROGRESS),
 ]

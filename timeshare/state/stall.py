@@ -17,7 +17,9 @@ Rules (the functions below are the truth; this comment explains them):
   about another call (one the worker would not let go of) for longer than `stall_s` since this
   one was sent; SILENT when no heartbeat came for `stall_s` of time the driver itself watched on
   schedule (its own lateness, a paused machine, restarts that clock: it blames no worker for
-  time it did not watch). Otherwise ALIVE.
+  time it did not watch), less the time the worker's threads waited for a CPU meanwhile (a
+  starved worker is silent because it cannot run; a stopped one, or one stuck in C code holding
+  the GIL, waits for no CPU). Otherwise ALIVE.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ class CallSeen:
     idle_s: float  # how idle it said the call was (the worker's clock, machine time left out)
     watching_since: float  # since when the driver's own checks ran on schedule
     now: float
+    # How long the worker's threads waited for a CPU since its last heartbeat: silence spent
+    # so is the machine's (read only once the call looks silent without it).
+    starved_s: float = 0.0
 
 
 def judge_call(seen: CallSeen, stall_s: float) -> CallHealth:
@@ -55,7 +60,8 @@ def judge_call(seen: CallSeen, stall_s: float) -> CallHealth:
         return CallHealth.NO_PROGRESS
     if not seen.on_this_call and seen.heard_at > seen.started and seen.now - seen.started > stall_s:
         return CallHealth.NOT_STARTED
-    if seen.now - max(seen.started, seen.heard_at, seen.watching_since) > stall_s:
+    silent_s = seen.now - max(seen.started, seen.heard_at, seen.watching_since) - seen.starved_s
+    if silent_s > stall_s:
         return CallHealth.SILENT
     return CallHealth.ALIVE
 

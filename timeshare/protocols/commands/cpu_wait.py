@@ -3,9 +3,10 @@ vLLM's engine core and TP workers, SGLang's schedulers), waited for a CPU while 
 
 Linux counts it per thread in /proc/<pid>/task/<tid>/schedstat (its second field, run_delay, in
 ns), and counts a CPU quota's throttled time there too. Time a thread waited for a CPU is the
-machine's, not the call's (state/stall.py): `CpuWait.since_last()` says how much of it passed
-since it was last asked, as the largest wait of any one thread: threads that waited together are
-one wait, not their sum.
+machine's, not the call's (state/stall.py). For the worker's idleness, `CpuWait.since_last()`
+says how much of it passed since it was last asked, as the largest wait of any one thread:
+threads that waited together are one wait, not their sum. For the driver's silence rule,
+`process_cpu_wait_ns` sums one process's threads.
 
 Where the kernel keeps no schedstat (not Linux, or built without CONFIG_SCHED_INFO) nothing is
 measured and every wait reads 0: a starved worker is then judged as if it ran.
@@ -49,6 +50,14 @@ class CpuWait:
                     delays[int(task.name)] = delay
                 pending.extend(_children(task))
         return delays
+
+
+def process_cpu_wait_ns(pid: int) -> int:
+    """The run_delay of every thread of process `pid` (not of its children), summed: how long
+    they have waited for a CPU so far, in ns (0 for a process that is gone, or where the kernel
+    keeps no schedstat). For the driver: a worker's silence spent waiting for a CPU is the
+    machine's, not the worker's."""
+    return sum(delay for task in _tasks(pid) if (delay := _run_delay(task)) is not None)
 
 
 def _tasks(pid: int) -> list[Path]:

@@ -24,6 +24,7 @@ not end that way; its worker is killed with the cycle.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import socket
 import time
@@ -48,6 +49,7 @@ from timeshare.errors import (
     WorkerStalled,
 )
 from timeshare.protocols.commands import frames
+from timeshare.protocols.commands.cpu_wait import process_cpu_wait_ns
 from timeshare.protocols.commands.lane_socket import DriverConnection
 from timeshare.protocols.commands.processes import WorkerId, describe_exit
 from timeshare.runtime import Endpoint
@@ -74,6 +76,7 @@ class _Liveness:
     heard_at: float = field(default_factory=time.monotonic)  # its last heartbeat
     busy: int | None = None  # the call its last heartbeat was about
     idle_s: float = 0.0  # how long that call had gone without progress, by the worker's clock
+    cpu_wait_ns: int = 0  # its threads' wait for a CPU so far, as its last heartbeat said
     returncode: int | None = None
     why: str | None = None  # what ended it, when its exit status alone does not say
     exited: anyio.Event = field(default_factory=anyio.Event)
@@ -312,6 +315,9 @@ class WorkerLanes:
             now=now,
         )
         health = judge_call(seen, limit)
+        if health is CallHealth.SILENT and liveness.pid is not None and liveness.cpu_wait_ns:
+            starved_ns = process_cpu_wait_ns(liveness.pid) - liveness.cpu_wait_ns
+            health = judge_call(dataclasses.replace(seen, starved_s=starved_ns * 1e-9), limit)
         worker, command = pending.worker, pending.command
         if health is CallHealth.NO_PROGRESS:
             return f"{worker} made no progress in {command} for {limit:g} s"
@@ -443,6 +449,7 @@ class WorkerLanes:
             liveness = self._workers.setdefault(worker, _Liveness())
             liveness.heard_at = time.monotonic()
             liveness.busy, liveness.idle_s = frame.busy, frame.idle_s
+            liveness.cpu_wait_ns = frame.cpu_wait_ns
         else:
             pending = self._pending.get(frame.id)
             if pending is None:

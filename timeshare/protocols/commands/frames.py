@@ -55,6 +55,10 @@ class Heartbeat(_Frame, frozen=True, tag="heartbeat"):
     # Seconds the busy call has gone without progress, by the worker's own clock (0 while it
     # waits on its peer): the driver's stall rule reads this, not its own clock.
     idle_s: float = 0.0
+    # Nanoseconds this worker's threads have waited for a CPU so far (their run_delay, summed;
+    # 0 where the kernel keeps none): a driver that hears nothing for a while reads it again
+    # to tell a worker starved of CPU from one stopped or stuck (state/stall.py).
+    cpu_wait_ns: int = 0
 
 
 ToWorker = Call

@@ -30,7 +30,7 @@ import structlog
 from timeshare import logs
 from timeshare.errors import Aborted, ProtocolError, UnknownCommand
 from timeshare.protocols.commands import frames
-from timeshare.protocols.commands.cpu_wait import CpuWait
+from timeshare.protocols.commands.cpu_wait import CpuWait, process_cpu_wait_ns
 from timeshare.protocols.commands.lane_socket import WorkerSocket
 from timeshare.protocols.commands.results import WorkerStatus
 from timeshare.runtime import Endpoint
@@ -274,6 +274,7 @@ class WorkerServer:
             self._progress,
             waiting,
             idle_s,
+            process_cpu_wait_ns(os.getpid()),
         )
 
     def _connect(self, lane: str) -> WorkerSocket:
