@@ -21,7 +21,7 @@ import pytest
 
 from tests.configs import TINY, merged, toml_file
 from tests.cycle.jobs import assert_nothing_left
-from tests.daemon.test_run import timeshare_run
+from tests.daemon.test_run import steps_of, timeshare_run
 from tests.engines.foreign_hosts import (
     recorded_processes,
     recorded_segments,
@@ -29,6 +29,7 @@ from tests.engines.foreign_hosts import (
     tp_1_and_tp_2_runs,
     wait_for,
 )
+from tests.starving import cpu_starved
 from timeshare.protocols.weights import sweep_stale
 from timeshare.protocols.weights.segments import SEGMENT_PREFIX
 from timeshare.protocols.weights.segments import SHM_DIR as SHM
@@ -134,6 +135,37 @@ def test_no_vllm_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -
     assert wait_gone(processes, 10) == []
     sweep_stale(runtime_dir / "run")  # what the next run does first
     assert [name for name in segments if (SHM / name).exists()] == []
+
+
+@pytest.mark.alone  # starved on purpose: it would starve the tests beside it as well
+def test_a_vllm_sync_starved_of_cpu_is_slow_not_stalled(runtime_dir: Path) -> None:
+    """From the first SYNC on, every process of the run (vLLM's EngineCore included) is held to
+    0.3 of a CPU by a quota: the stall timeout as it is (10 s), the deadlines that do bound a
+    starved job ample. Every step completes, the weights matching."""
+    waits = ("ack", "finalize", "handshake", "begin")
+    config = write_config(
+        runtime_dir,
+        deadlines={"stall_s": 10.0, "phase_s": 400.0, "barrier_s": 120.0},
+        transfer={f"{wait}_timeout_s": 120.0 for wait in waits},
+        engine={"vllm": {"generate_timeout_s": 300.0}},
+    )
+    run = start_run(runtime_dir, config)
+    try:
+        processes = wait_for("vLLM", lambda: recorded_processes(runtime_dir / "run"), 240, run)
+        mapped = lambda: any(mapped_segments(pid, SEGMENT_PREFIX) for pid in processes)  # noqa: E731
+        wait_for("the first SYNC", mapped, 240, run)
+        tree = [run.pid, *(child.pid for child in psutil.Process(run.pid).children(recursive=True))]
+        with cpu_starved(tree, 0.3) as how:
+            _, err = run.communicate(timeout=900)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    assert run.returncode == 0, f"({how}) {err}"
+    steps = steps_of(runtime_dir / "summary.json")
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["weights_match"] for s in steps), steps
+    assert_nothing_left(runtime_dir)
 
 
 def tp_worker(pid: int) -> int | None:
