@@ -142,7 +142,6 @@ KILLS = [
 ]
 
 
-@pytest.mark.alone  # its workers' stalls are judged on a loaded machine (Makefile)
 def test_killed_in_every_phase_one_daemon_after_another(runtime_dir: Path) -> None:
     """Six daemons in turn hang in a phase and are SIGKILLed there; a seventh finishes."""
     for role, phase, step, resumes_at in KILLS:

@@ -78,7 +78,6 @@ def kill_in(root: Path, port: int, victim: int, fault: dict[str, Any]) -> tuple[
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # its workers' stalls are judged on a loaded machine (Makefile)
 def test_a_follower_killed_mid_rollout_fails_the_leader_naming_it(runtime_dir: Path) -> None:
     port = free_port()
     code, out, seen_s = kill_in(runtime_dir, port, 1, hang("rollout", 2, "rollout", 3))
@@ -90,7 +89,6 @@ def test_a_follower_killed_mid_rollout_fails_the_leader_naming_it(runtime_dir: P
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # its workers' stalls are judged on a loaded machine (Makefile)
 def test_the_leader_killed_mid_sync_ends_every_follower(runtime_dir: Path) -> None:
     port = free_port()
     code, out, seen_s = kill_in(runtime_dir, port, 0, hang("trainer", 0, "sync", 3))
@@ -126,7 +124,6 @@ def test_a_follower_whose_leader_never_comes_exits_1_naming_it(
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # its workers' stalls are judged on a loaded machine (Makefile)
 def test_a_node_that_fails_says_why_to_the_others(runtime_dir: Path) -> None:
     """The leader's trainer raises in TRAIN: the follower fails naming node 0 and the reason
     (from the leader's last record), not a lost store: the leader left only after it."""

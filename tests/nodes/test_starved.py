@@ -20,7 +20,7 @@ CHANNEL_WAITS = ("ack", "finalize", "handshake", "begin")
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # starved on purpose: it would starve the tests beside it as well
+@pytest.mark.alone  # held to a share of a CPU: beside other tests it would get less still
 def test_a_two_node_job_starved_of_cpu_completes(runtime_dir: Path) -> None:
     root = runtime_dir
     configs = node_configs(

@@ -33,7 +33,6 @@ STEPS = 5
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # its workers' stalls are judged on a loaded machine (Makefile)
 def test_two_nodes_run_one_job_with_the_same_weights_everywhere(runtime_dir: Path) -> None:
     root = runtime_dir
     port = free_port()
@@ -115,7 +114,6 @@ def within(inner: dict[str, Any], outer: dict[str, Any]) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # its workers' stalls are judged on a loaded machine (Makefile)
 def test_a_pause_given_on_the_follower_pauses_both_nodes_at_the_same_step(
     runtime_dir: Path,
 ) -> None:
@@ -171,7 +169,6 @@ def test_a_pause_given_on_the_follower_pauses_both_nodes_at_the_same_step(
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # its workers' stalls are judged on a loaded machine (Makefile)
 def test_one_resume_or_stop_on_either_node_acts_on_both_idle_daemons(runtime_dir: Path) -> None:
     root = runtime_dir
     configs = node_configs(root, SERVICE, free_port(), job={"ranks": 4})

@@ -137,7 +137,7 @@ def test_no_vllm_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -
     assert [name for name in segments if (SHM / name).exists()] == []
 
 
-@pytest.mark.alone  # starved on purpose: it would starve the tests beside it as well
+@pytest.mark.alone  # held to a share of a CPU: beside other tests it would get less still
 def test_a_vllm_sync_starved_of_cpu_is_slow_not_stalled(runtime_dir: Path) -> None:
     """From the first SYNC on, every process of the run (vLLM's EngineCore included) is held to
     0.3 of a CPU by a quota: the stall timeout as it is (10 s), the deadlines that do bound a
