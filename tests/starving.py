@@ -40,8 +40,8 @@ def cpu_starved(pids: list[int], fraction: float) -> Iterator[str]:
         yield version
     finally:
         parent = path.parent / "cgroup.procs"
-        for pid in (path / "cgroup.procs").read_text().split():
-            _move(int(pid), parent)  # back, so that the group can go
+        for member in (path / "cgroup.procs").read_text().split():
+            _move(int(member), parent)  # back, so that the group can go
         with suppress(OSError):
             path.rmdir()
 
