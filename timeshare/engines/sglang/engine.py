@@ -54,6 +54,7 @@ from timeshare.engines.foreign import (
     host_pid_in_environment,
     process_titles,
 )
+from timeshare.engines.gpu_placement import group_devices
 from timeshare.engines.load_report import LoadReport, worker_reports_checked
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import write_config_dir
@@ -190,6 +191,10 @@ class SglangRollout(RolloutEngine):
         # SIGKILLs this whole process: the worker would die without a word of why.
         args["custom_sigquit_handler"] = self._sglang_failed
         self.binding = _cpu_binding(spec.tp_size) if self.device == "cpu" else {}
+        if self.device == "cuda" and "base_gpu_id" not in spec.server_args:
+            # gpu_placement.py: the engine for ranks rank.. runs on their devices.
+            devices = group_devices(rank, spec.tp_size, torch.cuda.device_count())
+            args["base_gpu_id"] = devices.start
         started = time.perf_counter()
         semaphores = _semaphores()
         try:

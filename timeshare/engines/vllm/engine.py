@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 import msgspec
 import structlog
+import torch
 
 from timeshare.engines.base import (
     RolloutEngine,
@@ -47,6 +48,7 @@ from timeshare.engines.foreign import (
     host_pid_in_environment,
     process_titles,
 )
+from timeshare.engines.gpu_placement import visible_environment
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import write_config_dir
 from timeshare.engines.task import mix
@@ -144,11 +146,11 @@ class VllmRollout(RolloutEngine):
         if not model_dir:
             self._scratch = Path(tempfile.mkdtemp(prefix=f"timeshare-vllm-{rank}-"))
             model_dir = str(write_config_dir(trainer_model, self._scratch))
-        self.binding = _cpu_binding(spec.tensor_parallel_size)
+        self.binding = _placement(rank, spec.tensor_parallel_size)
         started = time.perf_counter()
         try:
-            # plugin.py: vLLM's processes die with this one; cpu_binding.py: where TP
-            # workers' threads run on a CPU.
+            # plugin.py: vLLM's processes die with this one; cpu_binding.py and
+            # gpu_placement.py: where its TP workers run.
             with host_pid_in_environment(HOST_PID_ENV, self.binding):
                 self.llm = LLM(**engine_args(spec, model_dir, sleep_mode=self.sleeps))
         except BaseException:
@@ -324,12 +326,15 @@ class VllmRollout(RolloutEngine):
             self._scratch = None
 
 
-def _cpu_binding(workers: int) -> dict[str, str]:
-    """Where TP workers' threads run on a CPU (cpu_binding.py); nothing on an accelerator."""
-    if not current_platform.is_cpu():
-        return {}
-    cores = sorted(os.sched_getaffinity(0))
-    return binding_environment(BIND_ENV, workers, cores, os.environ)
+def _placement(leader: int, workers: int) -> dict[str, str]:
+    """Where the TP workers of the engine for ranks leader.. run: their threads' cores on a CPU
+    (cpu_binding.py), their group's GPUs on CUDA (gpu_placement.py)."""
+    if current_platform.is_cpu():
+        cores = sorted(os.sched_getaffinity(0))
+        return binding_environment(BIND_ENV, workers, cores, os.environ)
+    if current_platform.is_cuda():
+        return visible_environment(leader, workers, torch.cuda.device_count(), os.environ)
+    return {}
 
 
 def _is_vllm_process(pid: int) -> bool:
