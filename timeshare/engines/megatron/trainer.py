@@ -51,12 +51,10 @@ from timeshare.engines.megatron.tp_rows import TpRows
 from timeshare.engines.spec import EngineChoice
 from timeshare.errors import ConfigError
 from timeshare.protocols.store import JobStore
-from timeshare.protocols.weights.layout import Weight
+from timeshare.protocols.weights.layout import DTYPES, Weight
 from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def pick_device(name: str) -> torch.device:

@@ -73,6 +73,7 @@ from timeshare.errors import (
 )
 from timeshare.protocols.commands.results import WorkerLoad
 from timeshare.protocols.weights import TransferConfig, TransferReport
+from timeshare.protocols.weights.layout import DTYPES
 from timeshare.protocols.weights.segments import SHM_DIR
 from timeshare.runtime import (
     mapped_segments,
@@ -315,7 +316,7 @@ class SglangRollout(RolloutEngine):
     def _kv_bytes(self) -> int:
         """SGLang's KV cache: K and V of every layer for `max_total_tokens` tokens."""
         model = self.model
-        element = torch.finfo(_DTYPES.get(self.spec.dtype, torch.float32)).bits // 8
+        element = torch.finfo(DTYPES.get(self.spec.dtype, torch.float32)).bits // 8
         per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
         return self.spec.max_total_tokens * per_token * element
 
@@ -528,9 +529,6 @@ def _is_sglang_process(pid: int) -> bool:
         return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sglang::")
     except OSError:
         return False
-
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _success_of(answer: Any) -> tuple[bool, str]:
