@@ -76,6 +76,32 @@ def test_every_entry_names_parts_that_exist(name: str) -> None:
             path, names = defined_names(target)
             assert target.partition(":")[2] in names, f"{target}: not defined in {path}"
     assert isinstance(entry.spec_type()(), msgspec.Struct)
+    if entry.export:  # a module (read, not imported: torch and safetensors)
+        path = ROOT / (entry.export.replace(".", "/") + ".py")
+        defined = {
+            n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)
+        }
+        assert {"is_checkpoint", "export_checkpoint"} <= defined, path
+        assert entry.trainer, f"{name} exports checkpoints but is no trainer"
+
+
+def test_export_asks_the_registrys_trainers_and_names_them_when_none_claims(
+    tmp_path: Path,
+) -> None:
+    assert registry.exporters() == {
+        "fsdp": "timeshare.engines.fsdp.export",
+        "megatron": "timeshare.engines.megatron.export",
+    }
+    exported = subprocess.run(
+        [sys.executable, "-m", "timeshare", "export", str(tmp_path), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert exported.returncode == 2, exported.stderr
+    assert "no checkpoint of a trainer that exports (fsdp, megatron)" in exported.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_kinds_and_lookups_name_what_exists() -> None:

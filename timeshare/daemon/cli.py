@@ -13,8 +13,9 @@
                                     as a Mermaid diagram
     timeshare model init --arch llama|qwen2 --layers N --hidden H ... DIR
                                     a random-initialised transformers model from a seed
-    timeshare export CHECKPOINT DIR the FSDP trainer's checkpoint (a step's directory, or the
-                                    job's: its newest committed step) as a transformers model
+    timeshare export CHECKPOINT DIR a trainer's checkpoint (a step's directory, or the job's:
+                                    its newest committed step) as a transformers model; the
+                                    trainers that export are the registry's (fsdp, megatron)
     timeshare report RUN_DIR [--out PNG] [--steps N]
                                     the picture of a run: its last N steps rank by rank, each
                                     step's time by phase, reward and sync rate (RUN_DIR: where
@@ -35,6 +36,7 @@ unusable config names the key and its source), 128 + signal number when stopped 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -160,13 +162,19 @@ def _trace(paths: list[Path], out: Path | None) -> int:
 
 
 def _export(source: Path, target: Path) -> None:
-    # Imported here: torch and safetensors (and megatron's tables), for this command only.
-    from timeshare.engines.fsdp import export as fsdp  # noqa: PLC0415
-    from timeshare.engines.megatron import export as megatron  # noqa: PLC0415
-
-    exporter = megatron if megatron.is_megatron(source) else fsdp
-    step = exporter.export_checkpoint(source, target)
-    print(f"wrote {target} (from {step})")
+    """The checkpoint's trainer (the registry's exporters, each asked whether it is its own)
+    writes it out; imported only now: torch and safetensors, for this command only."""
+    exporters = registry.exporters()
+    for module_name in exporters.values():
+        exporter = importlib.import_module(module_name)
+        if exporter.is_checkpoint(source):
+            step = exporter.export_checkpoint(source, target)
+            print(f"wrote {target} (from {step})")
+            return
+    raise ConfigError(
+        f"{source}: no checkpoint of a trainer that exports ({', '.join(exporters)}): a step's "
+        "directory, or a job's checkpoint directory holding such steps"
+    )
 
 
 def _shape(args: argparse.Namespace) -> ModelShape:
@@ -300,7 +308,10 @@ def _parser() -> argparse.ArgumentParser:
         "--out", type=Path, help=f"the file to write (default RUN_DIR/{REBUILT_TRACE})"
     )
     export = commands.add_parser(
-        "export", help="an FSDP or Megatron checkpoint as a transformers model"
+        "export",
+        help="a trainer's checkpoint as a transformers model ("
+        + ", ".join(registry.exporters())
+        + ")",
     )
     export.add_argument("checkpoint", type=Path, help="a step's directory or a job's checkpoints")
     export.add_argument("directory", type=Path, help="a new or empty directory")

@@ -12,6 +12,9 @@ modules import nothing but msgspec and the package's torch-free modules.
                                 run at config load, before any process starts (quick)
     probe    "module:function"  the same, asking the engine's own library in a child process
                                 (seconds): run after every check has passed
+    export   "module"           a trainer's checkpoints as a transformers directory (`timeshare
+                                export`): `is_checkpoint(path) -> bool` and
+                                `export_checkpoint(source, target) -> Path` ("": none)
     family   what its weights are; a trainer and a rollout engine pair only within one family
     extra    the pyproject extra that installs the engine's library ("": none)
 
@@ -43,6 +46,7 @@ class EngineEntry:
     rollout: str = ""
     check: str = ""
     probe: str = ""
+    export: str = ""
     extra: str = ""
 
     def roles(self) -> tuple[Role, ...]:
@@ -100,6 +104,7 @@ ENGINES: dict[str, EngineEntry] = {
         trainer="timeshare.engines.fsdp.trainer:build",
         check="timeshare.engines.fsdp.check:check",
         probe="timeshare.engines.fsdp.check:probe",
+        export="timeshare.engines.fsdp.export",
         extra="transformers",
     ),
     "megatron": EngineEntry(
@@ -109,6 +114,7 @@ ENGINES: dict[str, EngineEntry] = {
         trainer="timeshare.engines.megatron.trainer:build",
         check="timeshare.engines.megatron.check:check",
         probe="timeshare.engines.megatron.check:probe",
+        export="timeshare.engines.megatron.export",
         extra="megatron",
     ),
 }
@@ -128,6 +134,11 @@ def find(name: str, role: Role) -> EngineEntry:
             f"engine.{role} = {name!r}: {what}; {role} engines are {', '.join(kinds(role))}"
         )
     return entry
+
+
+def exporters() -> dict[str, str]:
+    """The trainers whose checkpoints `timeshare export` writes out: name -> module."""
+    return {name: entry.export for name, entry in ENGINES.items() if entry.export}
 
 
 def described() -> list[str]:

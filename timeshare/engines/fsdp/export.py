@@ -28,6 +28,11 @@ from timeshare.errors import CheckpointError, ConfigError
 MODEL_PREFIX = "model."  # the model's keys in the checkpoint (the optimiser's are beside them)
 
 
+def is_checkpoint(source: Path) -> bool:
+    """Whether `source` is an FSDP step or a job directory holding FSDP steps."""
+    return (source / checkpoint.METADATA).is_file() or (source / checkpoint.SUBDIR).is_dir()
+
+
 def find_step(source: Path) -> Path:
     """The step directory `source` names, or the newest committed step of a job's directory."""
     if (source / checkpoint.METADATA).is_file():

@@ -22,7 +22,7 @@ from timeshare.engines.megatron.names import hf_state
 from timeshare.errors import CheckpointError, ConfigError
 
 
-def is_megatron(source: Path) -> bool:
+def is_checkpoint(source: Path) -> bool:
     """Whether `source` is a Megatron step or a job directory holding Megatron steps."""
     return (source / checkpoint.LAYOUT_FILE).is_file() or (source / checkpoint.SUBDIR).is_dir()
 
