@@ -34,6 +34,7 @@ import msgspec
 from timeshare.cluster import ClusterSection, check_cluster, launcher_values, ranks_per_node
 from timeshare.engines import registry
 from timeshare.engines.faults import Fault
+from timeshare.engines.handoff import KEEP_CHECKPOINTS
 from timeshare.engines.spec import EngineSpec, check_engines
 from timeshare.errors import ConfigError, TransferError
 from timeshare.levels import LogLevel
@@ -52,7 +53,7 @@ class JobSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     checkpoint_dir: str = "runs/checkpoints"
     # The newest committed steps each trainer keeps; older ones are deleted as new ones commit
     # (never the one a resume needs: the newest committed step is always among them).
-    keep_checkpoints: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
+    keep_checkpoints: Annotated[int, msgspec.Meta(ge=1, le=1000)] = KEEP_CHECKPOINTS
 
 
 class DeadlineSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -13,6 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from timeshare.engines.handoff import (
+    CALL_TIMEOUT_S,
+    COLLECTIVE_TIMEOUT_S,
+    GENERATE_TIMEOUT_S,
+    KEEP_CHECKPOINTS,
+)
 from timeshare.engines.spec import EngineSpec
 from timeshare.protocols.store import JobStore
 
@@ -24,13 +30,13 @@ class EngineContext:
     world_size: int
     store: JobStore
     # The trainers' process group (data-parallel engines): each collective's deadline.
-    collective_timeout_s: float = 30.0
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
     # An engine of processes of its own (vLLM): each call into them, and where what they leave
     # is recorded so that a sweep removes it.
-    call_timeout_s: float = 30.0
+    call_timeout_s: float = CALL_TIMEOUT_S
     runtime_dir: Path = Path()
     # A rollout's generate, unless its own settings give one (inside ROLLOUT's deadline).
-    generate_timeout_s: float = 27.0
+    generate_timeout_s: float = GENERATE_TIMEOUT_S
     # A checkpoint written by more ranks may be resumed, resharded ([cluster] min_nodes).
     resume_on_fewer_ranks: bool = False
-    keep_checkpoints: int = 3  # [job]: the newest committed steps a trainer keeps
+    keep_checkpoints: int = KEEP_CHECKPOINTS

@@ -19,6 +19,7 @@ import torch
 
 from timeshare.engines.base import RolloutSample, TrainerEngine
 from timeshare.engines.context import EngineContext
+from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S, KEEP_CHECKPOINTS
 from timeshare.engines.spec import EngineChoice, GrpoSpec, TaskSpec
 from timeshare.errors import OffPolicy, TimeshareError
 from timeshare.protocols.commands.results import TrainFigures
@@ -130,7 +131,7 @@ class GrpoTrainer(TrainerEngine):
     task: TaskSpec
     grpo: GrpoSpec
     # From the job ([job], [cluster]), set by from_context:
-    keep_checkpoints: int = 3  # the newest committed steps kept on disk
+    keep_checkpoints: int = KEEP_CHECKPOINTS
     resume_on_fewer_ranks: bool = False  # a checkpoint of more ranks is resharded (min_nodes)
 
     @abstractmethod
@@ -141,7 +142,7 @@ class GrpoTrainer(TrainerEngine):
         engine: EngineChoice,
         *,
         store: JobStore | None = None,
-        collective_timeout_s: float = 30.0,
+        collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
     ) -> None: ...
 
     @classmethod

@@ -32,6 +32,12 @@ from timeshare.engines.base import RolloutEngine, RolloutSample, TrainerEngine
 from timeshare.engines.context import EngineContext
 from timeshare.engines.digest import WeightsDigest
 from timeshare.engines.faults import Fault
+from timeshare.engines.handoff import (
+    CALL_TIMEOUT_S,
+    COLLECTIVE_TIMEOUT_S,
+    GENERATE_TIMEOUT_S,
+    KEEP_CHECKPOINTS,
+)
 from timeshare.engines.main_loop import MainThreadLoop
 from timeshare.engines.outlet import digested, drain
 from timeshare.engines.pairs import build_rollout, build_trainer, workload_of
@@ -74,15 +80,16 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     engine: EngineSpec = EngineSpec()
     faults: list[Fault] = []
     heartbeat_s: float = 0.2
-    collective_timeout_s: float = 30.0  # the trainers' gloo group, for data-parallel engines
-    engine_call_timeout_s: float = 30.0  # one call into an engine's own processes (vLLM)
-    generate_timeout_s: float = 27.0  # a rollout's generate, unless its settings give one
+    # (context.py states what each is, and its default)
+    collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    engine_call_timeout_s: float = CALL_TIMEOUT_S
+    generate_timeout_s: float = GENERATE_TIMEOUT_S
     log_file: str = ""
     log_level: str = "info"
     log_max_mb: float = 0.0  # the job's [log] rotation: every writer of the file follows it
     log_keep: int = 0
     resume_on_fewer_ranks: bool = False  # [cluster] min_nodes set: a checkpoint is resharded
-    keep_checkpoints: int = 3  # [job]
+    keep_checkpoints: int = KEEP_CHECKPOINTS
 
 
 def fire_faults(spec: WorkerSpec, phase: str, step: int | None) -> None:

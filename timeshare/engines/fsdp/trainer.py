@@ -39,6 +39,7 @@ from timeshare.engines.grpo import (
     figures_kept,
     token_logprobs,
 )
+from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
 from timeshare.engines.host_memory import HostStore, resident_bytes
 from timeshare.engines.spec import EngineChoice
 from timeshare.errors import ConfigError
@@ -112,7 +113,7 @@ class FsdpTrainer(GrpoTrainer):
         engine: EngineChoice,
         *,
         store: JobStore | None = None,
-        collective_timeout_s: float = 30.0,
+        collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
     ) -> None:
         self.rank = rank
         self.world_size = world_size

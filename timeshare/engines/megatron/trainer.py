@@ -39,6 +39,7 @@ from timeshare.engines.grpo import (
     group_advantages,
     rewards_of,
 )
+from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
 from timeshare.engines.host_memory import HostStore, resident_bytes
 from timeshare.engines.megatron import checkpoint, parallel
 from timeshare.engines.megatron.gather import lent_weights
@@ -73,7 +74,7 @@ class MegatronTrainer(GrpoTrainer):
         engine: EngineChoice,
         *,
         store: JobStore | None = None,
-        collective_timeout_s: float = 30.0,
+        collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
     ) -> None:
         self.rank = rank
         self.world_size = world_size

@@ -28,6 +28,7 @@ from timeshare.engines.grpo import (
     figures_kept,
     token_logprobs,
 )
+from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
 from timeshare.engines.host_memory import return_free_heap
 from timeshare.engines.spec import EngineChoice
 from timeshare.engines.torch_ref import checkpoint
@@ -53,7 +54,7 @@ class TorchRefTrainer(GrpoTrainer):
         engine: EngineChoice,
         *,
         store: JobStore | None = None,
-        collective_timeout_s: float = 30.0,
+        collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
