@@ -1,8 +1,5 @@
-"""The driver's end of the command lanes: one listening socket per lane, every call with a
-deadline.
-
-Each worker connects once per lane and says hello first: that connection is the worker's on that
-lane from then on (lane_socket.py has the framing).
+"""The driver's end of the command lanes: every call with a deadline. What serves it (the
+listening sockets, each worker's connections, liveness and pending calls) is lane_server.py.
 
 `WorkerLanes.call` sends a command on the work lane and waits for its result, watching three
 things at once: the result; the worker's process (`worker_exited`, fed by `watch_process`, ends
@@ -23,14 +20,11 @@ not end that way; its worker is killed with the cycle.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
-import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -41,7 +35,6 @@ import structlog
 from timeshare.errors import (
     BadResult,
     CommandTimeout,
-    ProtocolError,
     WorkerDied,
     WorkerError,
     WorkerFailure,
@@ -50,9 +43,8 @@ from timeshare.errors import (
 )
 from timeshare.protocols.commands import frames
 from timeshare.protocols.commands.cpu_wait import process_cpu_wait_ns
-from timeshare.protocols.commands.lane_socket import DriverConnection
+from timeshare.protocols.commands.lane_server import LANES, LaneServer, PendingCall
 from timeshare.protocols.commands.processes import WorkerId, describe_exit
-from timeshare.runtime import Endpoint
 from timeshare.state.stall import CallHealth, CallSeen, judge_call
 
 log = structlog.get_logger(__name__)
@@ -63,39 +55,7 @@ CHECK_S = 0.05
 DRIVER_LATE_S = 1.0
 ABORT_S = 2.0  # for the control lane's answer to `abort`, then for the aborted call's
 EXIT_REPORT_S = 2.0  # a worker gone from its socket: for its exit to be reported
-LANES = ("work", "control")
-CLOSE_S = 1.0  # for closed connections to let go of their sockets
-BACKLOG = 256  # connections not yet accepted: two per worker as they all start
 R = TypeVar("R")
-
-
-@dataclass
-class _Liveness:
-    lanes: set[str] = field(default_factory=set)  # lanes that said hello
-    pid: int | None = None
-    heard_at: float = field(default_factory=time.monotonic)  # its last heartbeat
-    busy: int | None = None  # the call its last heartbeat was about
-    idle_s: float = 0.0  # how long that call had gone without progress, by the worker's clock
-    cpu_wait_ns: int = 0  # its threads' wait for a CPU so far, as its last heartbeat said
-    returncode: int | None = None
-    why: str | None = None  # what ended it, when its exit status alone does not say
-    exited: anyio.Event = field(default_factory=anyio.Event)
-
-
-@dataclass
-class _Pending:
-    id: int
-    worker: WorkerId
-    command: str
-    reply: frames.Result | frames.Failure | None = None
-    done: anyio.Event = field(default_factory=anyio.Event)
-    wake: anyio.Event | None = None  # the waiter's, shared by the calls it waits for together
-
-    def settle(self) -> None:
-        """Answered, or its worker is gone: whoever waits for it learns it now."""
-        self.done.set()
-        if self.wake is not None:
-            self.wake.set()
 
 
 class LaneCall(NamedTuple):
@@ -112,16 +72,10 @@ class WorkerLanes:
 
     def __init__(self, runtime_dir: Path, *, stall_timeout_s: float) -> None:
         self.stall_timeout_s = stall_timeout_s
-        self.endpoints = {
-            lane: Endpoint.parse(f"ipc://{runtime_dir}/{lane}.sock") for lane in LANES
-        }
-        self._servers: list[asyncio.Server] = []
-        self._connections: dict[DriverConnection, tuple[str, WorkerId | None]] = {}
-        self._peers: dict[tuple[str, WorkerId], DriverConnection] = {}
-        self._all_closed = anyio.Event()  # (set when the last connection ends)
-        self._inodes: dict[str, int | None] = {}
-        self._workers: dict[WorkerId, _Liveness] = {}
-        self._pending: dict[int, _Pending] = {}
+        self.server = LaneServer(runtime_dir)
+        self.endpoints = self.server.endpoints
+        self._workers = self.server.workers
+        self._pending = self.server.pending
         self._ids = itertools.count(1)
         self._checked_at = time.monotonic()  # the last check of a waiting call
         self._watching_since = self._checked_at  # checks on schedule since (see _check_on)
@@ -132,12 +86,12 @@ class WorkerLanes:
         lanes = cls(runtime_dir, stall_timeout_s=stall_timeout_s)
         try:
             # Clearing a stale socket file probes it with a connect: not on the event loop.
-            bound = await anyio.to_thread.run_sync(lanes._bind)
-            await lanes._serve(bound)
+            bound = await anyio.to_thread.run_sync(lanes.server.bind)
+            await lanes.server.serve(bound)
             yield lanes
         finally:
             with anyio.CancelScope(shield=True):
-                await lanes._close()
+                await lanes.server.close()
 
     @property
     def work_endpoint(self) -> str:
@@ -151,8 +105,7 @@ class WorkerLanes:
 
     def expect(self, worker: WorkerId) -> None:
         """Track `worker` from now on (before it is spawned, so its hello is not missed)."""
-        if worker not in self._workers:  # (every call asks: a _Liveness is not free to make)
-            self._workers[worker] = _Liveness()
+        self.server.liveness(worker)
 
     async def wait_ready(self, workers: list[WorkerId], *, timeout_s: float) -> None:
         """Wait until every worker said hello on both lanes; a worker that exits first is fatal."""
@@ -171,13 +124,7 @@ class WorkerLanes:
     def worker_exited(self, worker: WorkerId, returncode: int, why: str | None = None) -> None:
         """The worker's process is gone (`why`, if its own exit does not say it): every wait on
         it ends now."""
-        liveness = self._workers.setdefault(worker, _Liveness())
-        liveness.returncode = returncode
-        liveness.why = why
-        liveness.exited.set()
-        for pending in self._pending.values():
-            if pending.worker == worker:
-                pending.settle()
+        self.server.worker_exited(worker, returncode, why)
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -233,11 +180,11 @@ class WorkerLanes:
         for worker, command, _ in calls:
             self.expect(worker)
             self._raise_if_exited(worker, command)
-        pending: dict[int, _Pending] = {}
+        pending: dict[int, PendingCall] = {}
         try:
             for worker, command, params in calls:
                 call_id = next(self._ids)
-                pending[call_id] = self._pending[call_id] = _Pending(call_id, worker, command)
+                pending[call_id] = self._pending[call_id] = PendingCall(call_id, worker, command)
                 await self._send(lane, worker, frames.Call(call_id, command, params), deadline_s)
             await self._wait_for_replies(lane, list(pending.values()), time.monotonic(), deadline_s)
         finally:
@@ -249,7 +196,7 @@ class WorkerLanes:
         self, lane: str, worker: WorkerId, call: frames.Call, deadline_s: float
     ) -> None:
         try:
-            connection = self._peers.get((lane, worker))
+            connection = self.server.peer(lane, worker)
             if connection is None:
                 raise ConnectionResetError("it is not connected")
             connection.send(frames.encode(call))
@@ -273,7 +220,7 @@ class WorkerLanes:
             await self._workers[worker].exited.wait()
 
     async def _wait_for_replies(
-        self, lane: str, pending: list[_Pending], started: float, deadline_s: float
+        self, lane: str, pending: list[PendingCall], started: float, deadline_s: float
     ) -> None:
         """Until every reply, or the first failure of any: a failure answered, a worker's exit,
         a stall (work lane) or the deadline."""
@@ -303,7 +250,7 @@ class WorkerLanes:
         self._checked_at = now
         return now
 
-    def _stall(self, pending: _Pending, started: float, now: float) -> str | None:
+    def _stall(self, pending: PendingCall, started: float, now: float) -> str | None:
         """Why the call counts as stalled (state/stall.py judges), or None."""
         liveness, limit = self._workers[pending.worker], self.stall_timeout_s
         seen = CallSeen(
@@ -328,7 +275,7 @@ class WorkerLanes:
         return None
 
     async def _check_on(
-        self, lane: str, pending: _Pending, started: float, now: float, deadline_s: float
+        self, lane: str, pending: PendingCall, started: float, now: float, deadline_s: float
     ) -> None:
         """Raise if the call cannot be answered any more: its worker exited, stalled (aborted
         first), or the deadline passed (aborted first)."""
@@ -347,7 +294,7 @@ class WorkerLanes:
                 self._raise_if_exited(worker, command)
             raise _failure(CommandTimeout, worker, command, message)
 
-    async def _abort(self, pending: _Pending) -> None:
+    async def _abort(self, pending: PendingCall) -> None:
         """Interrupt the worker's call where it waits, and give it ABORT_S to answer it."""
         worker = pending.worker
         with anyio.CancelScope(shield=True):
@@ -371,108 +318,8 @@ class WorkerLanes:
                 message, rank=worker.rank, role=worker.role, command=command, returncode=returncode
             )
 
-    # -- sockets ------------------------------------------------------------------------------
 
-    def _bind(self) -> dict[str, socket.socket]:
-        """A listening socket per lane (blocking: a stale file is probed with a connect)."""
-        bound: dict[str, socket.socket] = {}
-        try:
-            for lane, endpoint in self.endpoints.items():
-                endpoint.prepare_bind()
-                sock = bound[lane] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.bind(str(endpoint.path))
-                sock.listen(BACKLOG)
-                self._inodes[lane] = endpoint.bound_inode()
-        except BaseException:
-            for sock in bound.values():
-                sock.close()
-            raise
-        return bound
-
-    async def _serve(self, bound: dict[str, socket.socket]) -> None:
-        """Serve each lane's listening socket (closed here if it cannot be)."""
-        loop = asyncio.get_running_loop()
-        try:
-            for lane in LANES:
-                sock = bound.pop(lane)
-
-                def connection(lane: str = lane) -> DriverConnection:
-                    made = DriverConnection(self._on_frame, self._on_broken, self._on_lost)
-                    self._connections[made] = (lane, None)
-                    return made
-
-                try:
-                    self._servers.append(await loop.create_unix_server(connection, sock=sock))
-                except BaseException:
-                    sock.close()
-                    raise
-        finally:
-            for sock in bound.values():
-                sock.close()
-
-    def _on_frame(self, connection: DriverConnection, data: bytes) -> None:
-        """One frame of a connection: it is a worker's once it said hello."""
-        lane, worker = self._connections[connection]
-        try:
-            frame = frames.decode_from_worker(data)
-        except ProtocolError as exc:
-            log.warning("lanes.frame.malformed", lane=lane, error=str(exc))
-            return
-        if isinstance(frame, frames.Hello):
-            worker = WorkerId(frame.role, frame.rank)
-            self._connections[connection] = (lane, worker)
-            self._peers[(lane, worker)] = connection
-        elif worker is None:
-            log.warning("lanes.frame.before_hello", lane=lane, kind=type(frame).__name__)
-            return
-        self._dispatch(lane, worker, frame)
-
-    def _on_broken(self, connection: DriverConnection, error: ProtocolError) -> None:
-        lane, worker = self._connections[connection]
-        log.warning("lanes.stream.broken", lane=lane, worker=str(worker), error=str(error))
-
-    def _on_lost(self, connection: DriverConnection) -> None:
-        """A connection ended: the worker closed it or died (its exit is the process watcher's
-        to report). A later connection of the same worker keeps its place."""
-        lane, worker = self._connections.pop(connection, ("", None))
-        if worker is not None and self._peers.get((lane, worker)) is connection:
-            del self._peers[(lane, worker)]
-        if not self._connections:
-            self._all_closed.set()
-
-    def _dispatch(self, lane: str, worker: WorkerId, frame: frames.FromWorker) -> None:
-        if isinstance(frame, frames.Hello):
-            liveness = self._workers.setdefault(worker, _Liveness())
-            liveness.lanes.add(frame.lane)
-            liveness.pid = frame.pid
-        elif isinstance(frame, frames.Heartbeat):
-            liveness = self._workers.setdefault(worker, _Liveness())
-            liveness.heard_at = time.monotonic()
-            liveness.busy, liveness.idle_s = frame.busy, frame.idle_s
-            liveness.cpu_wait_ns = frame.cpu_wait_ns
-        else:
-            pending = self._pending.get(frame.id)
-            if pending is None:
-                log.debug("lanes.reply.late", lane=lane, id=frame.id)  # its caller gave up
-                return
-            pending.reply = frame
-            pending.settle()
-
-    async def _close(self) -> None:
-        for server in self._servers:
-            server.close()  # (its listening socket: the connections are closed below)
-        self._all_closed = anyio.Event()
-        for connection in list(self._connections):
-            connection.close()
-        # A transport lets go of its socket on the loop's next turn: let it, for a moment.
-        if self._connections:
-            with anyio.move_on_after(CLOSE_S):
-                await self._all_closed.wait()
-        for lane, endpoint in self.endpoints.items():
-            endpoint.remove_socket_file(self._inodes.get(lane))
-
-
-def _raise_first_failure(pending: list[_Pending]) -> None:
+def _raise_first_failure(pending: list[PendingCall]) -> None:
     """A call answered with a failure ends the wait for all: raise the first such."""
     for p in pending:
         if isinstance(p.reply, frames.Failure):
