@@ -82,7 +82,7 @@ demo: $(STAMP)
 	$(VENV)/bin/timeshare report runs/tiny-grpo --text
 	$(VENV)/bin/timeshare report runs/tiny-grpo
 
-# The demo's picture in the docs (README: "Seeing a run"), from a fresh demo run.
+# The demo's picture in the docs (docs/runs.md), from a fresh demo run.
 docs-picture: demo
 	$(VENV)/bin/timeshare report runs/tiny-grpo --out docs/tiny-grpo-report.png
 

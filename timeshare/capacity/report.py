@@ -32,7 +32,7 @@ def text(plan: Plan, name: str) -> str:
         f"{plan.sync_gbps:g} GB/s, within {sync.deadline_key} ({sync.deadline_s:g} s); "
         f"a bucket {sync.bucket_seconds:.3f} s of transfer.ack_timeout_s "
         f"({sync.ack_timeout_s:g} s)",
-        "(exact: from sizes; <= an upper bound; ~ an estimate; see README: Planning a job)",
+        "(exact: from sizes; <= an upper bound; ~ an estimate; see docs/planning.md)",
         *(f"note: {note}" for note in plan.notes),
         *(f"PROBLEM [{p.rule}] {p.key}: {p.message}" for p in plan.problems),
     ]
