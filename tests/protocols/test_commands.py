@@ -217,7 +217,9 @@ async def test_control_lane_answers_while_work_runs_and_abort_interrupts(runtime
             assert status["busy"] == "hang" and status["role"] == "trainer"
             asked = time.monotonic()
             assert await lanes.control(TRAINER, "abort", timeout_s=5.0) == "hang"
-        assert outcome["at"] - asked < 1.0
+        # The abort's answer, not the stall (30 s) or the deadline (60 s): a moment here, a few
+        # seconds on a machine loaded past its cores.
+        assert outcome["at"] - asked < 10.0
         assert outcome["error"].remote_type == "Aborted"
         idle = await lanes.control(TRAINER, "status", timeout_s=5.0)
         assert idle["busy"] is None
@@ -332,6 +334,7 @@ async def test_an_endless_loop_is_a_stall_within_the_timeout_and_a_beat(
         started = time.monotonic()
         with pytest.raises(WorkerStalled, match="made no progress in spin for 1 s"):
             await lanes.call(TRAINER, "spin", deadline_s=30.0, returns=object)
-        # The stall timeout, one heartbeat (0.1 s here), the driver's check, and slack for a
-        # loaded machine (whose CPU waits the worker leaves out of its idleness).
-        assert time.monotonic() - started < 1.0 + 0.1 + 2.0
+        # The stall timeout and one heartbeat (0.1 s here), and the driver's check. On a machine
+        # loaded past its cores the loop's own waits for a CPU are the machine's time, left out
+        # of its idleness: then it takes longer, yet far less than the deadline (30 s).
+        assert time.monotonic() - started < 1.0 + 0.1 + 10.0
