@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from timeshare.protocols.commands.cpu_wait import CpuWait
+from timeshare.protocols.commands.cpu_wait import CpuWait, process_cpu_wait_ns
 
 SPIN = "import time\nend = time.monotonic() + 30\nwhile time.monotonic() < end: pass\n"
 
@@ -37,3 +37,10 @@ def test_a_process_that_is_gone_reads_as_no_wait() -> None:
     watched = CpuWait(process.pid)
     process.wait()
     assert watched.since_last() == 0.0
+
+
+def test_the_processes_own_threads_are_summed_from_the_same_scan() -> None:
+    watched = CpuWait()
+    watched.since_last()
+    # As process_cpu_wait_ns reads it for the driver; a moment later it can only have grown.
+    assert 0 <= watched.own_ns <= process_cpu_wait_ns(os.getpid())

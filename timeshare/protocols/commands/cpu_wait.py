@@ -25,6 +25,9 @@ class CpuWait:
     def __init__(self, pid: int | None = None) -> None:
         self.pid = os.getpid() if pid is None else pid
         self.measured = (PROC / str(self.pid) / "schedstat").exists()
+        # The process's own threads' run_delay, summed, as the last scan read it: what its
+        # heartbeat tells the driver (process_cpu_wait_ns's figure, without a second read).
+        self.own_ns = 0
         self._last: dict[int, int] = self._run_delays() if self.measured else {}
 
     def since_last(self) -> float:
@@ -49,6 +52,8 @@ class CpuWait:
                 if delay is not None:
                     delays[int(task.name)] = delay
                 pending.extend(_children(task))
+            if pid == self.pid:
+                self.own_ns = sum(delays.values())  # (its threads are the first read)
         return delays
 
 

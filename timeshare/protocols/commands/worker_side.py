@@ -30,7 +30,7 @@ import structlog
 from timeshare import logs
 from timeshare.errors import Aborted, ProtocolError, UnknownCommand
 from timeshare.protocols.commands import frames
-from timeshare.protocols.commands.cpu_wait import CpuWait, process_cpu_wait_ns
+from timeshare.protocols.commands.cpu_wait import CpuWait
 from timeshare.protocols.commands.lane_socket import WorkerSocket
 from timeshare.protocols.commands.results import WorkerStatus
 from timeshare.runtime import Endpoint
@@ -68,6 +68,7 @@ class WorkerServer:
         # running call's last progress (or start) with that total then, set as one tuple.
         self._machine_s = 0.0
         self._progress_mark = (time.monotonic(), 0.0)
+        self._cpu_wait_ns = 0  # this process's threads' wait for a CPU, as the last beat read it
         self._waiting = False
         self._busy: frames.Call | None = None
         self._armed = False  # an abort signal may raise Aborted now
@@ -216,6 +217,7 @@ class WorkerServer:
                     self._machine_s += machine_time_s(
                         now - last_beat, held_up, cpu_wait.since_last()
                     )
+                    self._cpu_wait_ns = cpu_wait.own_ns
                     held_up, last_beat = 0.0, now
                     control.send(frames.encode(self._heartbeat()))
                     next_beat = time.monotonic() + self._heartbeat_s
@@ -274,7 +276,7 @@ class WorkerServer:
             self._progress,
             waiting,
             idle_s,
-            process_cpu_wait_ns(os.getpid()),
+            self._cpu_wait_ns,
         )
 
     def _connect(self, lane: str) -> WorkerSocket:
