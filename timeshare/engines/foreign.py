@@ -1,5 +1,6 @@
 """Driving an inference engine we do not own from the rollout worker: every call bounded by a
-deadline, and the processes it starts marked as ours.
+deadline, and the processes it starts marked as ours. `ForeignRollout` is what vLLM's and
+SGLang's rollout engines share on top of these.
 
 Both vLLM and SGLang run their own processes and answer calls that can block without an end.
 `bounded` runs one such call in a thread and gives up after its deadline (the engine is then
@@ -16,12 +17,25 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
+import tempfile
 import threading
+from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
-from timeshare.runtime import running_since
+from timeshare.engines.base import RolloutEngine
+from timeshare.errors import EngineBroken, TimeshareError
+from timeshare.runtime import (
+    mapped_segments,
+    parent_of,
+    process_tree,
+    reap,
+    record_foreign_segments,
+    release_foreign_segments,
+    running_since,
+)
 
 T = TypeVar("T")
 
@@ -95,3 +109,145 @@ def exited(titles: dict[int, str]) -> list[str]:
             named = f"TP worker {worker.group(1)} ({title}" if worker else f"{title} ("
             gone.append(f"{named}, pid {pid})")
     return gone
+
+
+REAP_S = 10.0  # for an engine's processes to exit once it was shut down
+RELEASED = frozenset({"weights", "kv_cache"})  # the memory tags that OFFLOAD releases
+
+
+class ForeignRollout(RolloutEngine):
+    """A rollout engine whose model lives in processes the engine starts itself (vLLM's
+    EngineCore and workers, SGLang's schedulers): each call into it is bounded, and past its
+    deadline the engine is broken for good; a call that fails because one of its processes
+    died names that process; its processes and the shared memory they map are recorded for
+    the runtime directory's sweep (a SIGKILL leaves nothing behind), and `close` reaps them
+    whatever state the engine is in.
+
+    An engine says its name and its processes' title prefix, how it shuts down, whether its
+    sleep frees memory on this platform (`releases`) and what it holds (`_mb`)."""
+
+    name: ClassVar[str]  # as errors name it: "vLLM", "SGLang"
+    title_prefix: ClassVar[str]  # its processes' titles: "VLLM::", "sglang::"
+    segment_prefixes: ClassVar[tuple[str, ...]]  # the /dev/shm names its processes map
+
+    def __init__(
+        self,
+        rank: int,
+        runtime_dir: Path,
+        call_timeout_s: float,
+        generate_timeout_s: float,
+        *,
+        releases: bool,
+    ) -> None:
+        super().__init__(generate_timeout_s)
+        self.rank = rank
+        self.runtime_dir = runtime_dir
+        self.owner = f"{self.name.lower()}-rank{rank}"  # of its segments, in the runtime dir
+        self.call_timeout_s = call_timeout_s
+        self.releases = releases  # whether sleep frees memory here (CUDA) or only pauses
+        self.broken: str | None = None  # why the engine can no longer be used
+        self.digest_of_version = ""
+        self.weights_bytes = 0
+        self.asleep: set[str] = set()
+        self._scratch: Path | None = None  # a directory of its own (a config-only model, ...)
+        self._children: list[int] = []  # its processes this one started
+        self._titles: dict[int, str] = {}  # all its processes: pid -> title
+        self._orphans: list[str] = []  # segments its start-up left that nobody maps
+
+    @property
+    def who(self) -> str:
+        return f"{self.name} rollout rank {self.rank}"
+
+    @abstractmethod
+    def shutdown_engine(self) -> None:
+        """The engine's own shutdown (its processes exit; `close` reaps them)."""
+
+    @abstractmethod
+    def _mb(self) -> float:
+        """Weights and KV cache the engine holds while awake, in MiB."""
+
+    # -- calls ----------------------------------------------------------------------------------
+
+    def call(self, what: str, fn: Callable[[], T], timeout_s: float | None = None) -> T:
+        """`fn` (a call into the engine) within the deadline; past it, the engine is broken."""
+        self.check_usable()
+        bound = self.call_timeout_s if timeout_s is None else timeout_s
+        try:
+            return bounded(f"{self.name.lower()}-{what}", fn, bound)
+        except CallTimedOut as exc:
+            self.broken = str(exc)
+            raise EngineBroken(f"{self.who}: {self.broken}") from exc
+        except Exception as exc:
+            self.raise_if_process_gone(what, exc)
+            raise
+
+    def raise_if_process_gone(self, what: str, exc: Exception) -> None:
+        """A call that failed because one of the engine's processes died (a TP worker killed)
+        is `EngineBroken` naming that process; the engine's own error says only that it is
+        dead. (Once one died the engine shuts the others down: all of them may be named.)"""
+        gone = exited(self._titles)
+        if gone:
+            self.broken = f"{', '.join(gone)} exited"
+            raise EngineBroken(
+                f"{self.who}: {what} failed, {self.broken}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def check_usable(self) -> None:
+        if self.broken is not None:
+            raise EngineBroken(f"{self.who} is unusable: {self.broken}")
+
+    def digest(self) -> str:
+        """What arrived at the engine's loader for the last whole version."""
+        if self.torn or not self.digest_of_version:
+            raise TimeshareError("digest: no whole weight version has been loaded")
+        return self.digest_of_version
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def held_mb(self) -> float:
+        """What sleep could release and still holds (0 where it can release nothing)."""
+        if not self.releases or self.asleep >= RELEASED:
+            return 0.0
+        return self._mb()
+
+    def resident_mb(self) -> float:
+        """Weights and KV cache that stay in memory because the platform cannot free them."""
+        return 0.0 if self.releases else self._mb()
+
+    # -- processes ------------------------------------------------------------------------------
+
+    def scratch(self) -> Path:
+        """This engine's own temporary directory, made on first use, removed by `close`."""
+        if self._scratch is None:
+            prefix = f"timeshare-{self.name.lower()}-{self.rank}-"
+            self._scratch = Path(tempfile.mkdtemp(prefix=prefix))
+        return self._scratch
+
+    def record_processes(self) -> None:
+        """Record the engine's processes and the shared memory they map, so that a sweep of
+        the runtime directory removes it once they are gone, even if SIGKILL ended them."""
+        me = os.getpid()
+        tree = process_tree(me)
+        self._titles = process_titles(tree, self.title_prefix)
+        self._children = [pid for pid in self._titles if parent_of(pid) == me]
+        names = [
+            name
+            for pid in tree
+            for prefix in self.segment_prefixes
+            for name in mapped_segments(pid, prefix)
+        ]
+        record_foreign_segments(self.runtime_dir, self.owner, tree, names + self._orphans)
+
+    def close(self) -> None:
+        try:
+            self.shutdown_engine()
+        finally:
+            # (an engine may kill a process slow to exit without reaping it: no zombie stays)
+            reap(self._children, REAP_S)
+            release_foreign_segments(self.runtime_dir, self.owner)
+            self.remove_scratch()
+
+    def remove_scratch(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None

@@ -27,35 +27,24 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from timeshare.engines import step_dirs
 from timeshare.engines.base import RolloutSample
 from timeshare.engines.fsdp import checkpoint
 from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
 from timeshare.engines.fsdp.spec import FsdpSpec
 from timeshare.engines.grpo import (
     GrpoBatch,
-    GrpoTrainer,
     batch_tensors,
     figures_kept,
     token_logprobs,
 )
 from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
-from timeshare.engines.host_memory import HostStore, resident_bytes
+from timeshare.engines.sharded_trainer import ShardedTrainer, pick_device
 from timeshare.engines.spec import EngineChoice
 from timeshare.errors import ConfigError
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.layout import DTYPES, Weight
-from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError('engine.fsdp.device = "cuda" but this process sees no CUDA device')
-    return torch.device(name)
 
 
 def load_model(model_dir: Path) -> torch.nn.Module:
@@ -105,7 +94,7 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
-class FsdpTrainer(GrpoTrainer):
+class FsdpTrainer(ShardedTrainer):
     def __init__(
         self,
         rank: int,
@@ -115,23 +104,17 @@ class FsdpTrainer(GrpoTrainer):
         store: JobStore | None = None,
         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
     ) -> None:
-        self.rank = rank
-        self.world_size = world_size
         self.spec = spec = engine.settings("fsdp", FsdpSpec)
-        self.task = engine.task
-        self.grpo = engine.grpo
-        self.store = store
-        self.collective_timeout_s = collective_timeout_s
-        self.device = pick_device(spec.device)
+        super().__init__(
+            rank,
+            world_size,
+            engine,
+            device=pick_device(spec.device, "engine.fsdp.device"),
+            store=store,
+            collective_timeout_s=collective_timeout_s,
+        )
         self.model_dir = Path(spec.model_dir)
-        self.step = 0
-        self.checkpoint_root: Path | None = None
-        self.optimizer_store = HostStore()  # optimiser state and gradients while offloaded
-        self.param_store = HostStore()  # parameter shards while offloaded
-        # Built in `bootstrap`: sharding needs the process group.
-        self._model: torch.nn.Module | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._reference: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None  # built in `bootstrap`
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -189,32 +172,7 @@ class FsdpTrainer(GrpoTrainer):
         assert self._optimizer is not None, "bootstrap first"
         return self._optimizer
 
-    # -- memory --------------------------------------------------------------------------------
-
-    def offload(self) -> None:
-        """Optimiser state and gradients to the host; their device storage freed."""
-        moved = self.optimizer_store.move_off(self._optimizer_tensors())
-        log.info("trainer.offload", rank=self.rank, freed_mb=round(moved / MIB, 3))
-
-    def offload_params(self) -> None:
-        moved = self.param_store.move_off(self._parameters())
-        log.info("trainer.offload_params", rank=self.rank, freed_mb=round(moved / MIB, 3))
-
-    def onload(self) -> None:
-        self.param_store.bring_back()
-        self.optimizer_store.bring_back()
-
-    def held_mb(self) -> float:
-        """Device bytes of parameter shards, gradients and optimiser state held now."""
-        held = resident_bytes(self._parameters()) + resident_bytes(self._optimizer_tensors())
-        return held / MIB
-
-    def _parameters(self) -> list[torch.Tensor]:
-        """The trained model's parameter shards, and the reference model's (a KL term)."""
-        parameters: list[torch.Tensor] = list(self.module.parameters())
-        if self._reference is not None:
-            parameters += self._reference.parameters()
-        return parameters
+    # -- memory (sharded_trainer.py moves it) -------------------------------------------------
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         tensors = [p.grad for p in self.module.parameters() if p.grad is not None]
@@ -320,43 +278,35 @@ class FsdpTrainer(GrpoTrainer):
     def save_checkpoint(self, directory: Path) -> None:
         """This step, sharded, into the job's checkpoint directory (`directory` is this rank's
         directory in it; the FSDP checkpoint is one for all ranks, in its parent)."""
-        params_offloaded = bool(self.param_store.moved)
-        self.onload()
         own = {
             "step": self.step,
             "rng": torch.get_rng_state(),
             "data_position": self.step,  # prompts are a function of (seed, rank, step)
             "train": None if self.last_train is None else msgspec.to_builtins(self.last_train),
         }
-        checkpoint.save(
-            directory.parent,
-            self.step,
-            self.module,
-            self.optimizer,
-            own,
-            rank=self.rank,
-            ranks=self.world_size,
-            model_dir=self.model_dir,
-            keep=self.keep_checkpoints,
-        )
-        if params_offloaded:
-            self.offload_params()
+        with self.onloaded():
+            checkpoint.save(
+                directory.parent,
+                self.step,
+                self.module,
+                self.optimizer,
+                own,
+                rank=self.rank,
+                ranks=self.world_size,
+                model_dir=self.model_dir,
+                keep=self.keep_checkpoints,
+            )
 
     def load_checkpoint(self, directory: Path) -> None:
         """The newest step every rank holds durably, or the model directory's weights at 0."""
-        self.checkpoint_root = directory.parent
-        step = step_dirs.agreed(
-            checkpoint.committed_step(self.checkpoint_root),
-            self.world_size,
-            self.device,
-            self.checkpoint_root,
-        )
+        root = directory.parent
+        step = self.agreed_step(directory, checkpoint.committed_step(root))
         if step is None:
-            self.step = 0
             return
-        directory = checkpoint.step_dir(self.checkpoint_root, step)
         written = checkpoint.check_ranks(
-            directory, self.world_size, fewer_allowed=self.resume_on_fewer_ranks
+            checkpoint.step_dir(root, step),
+            self.world_size,
+            fewer_allowed=self.resume_on_fewer_ranks,
         )
         if written != self.world_size and self.rank == 0:
             log.warning(
@@ -364,19 +314,13 @@ class FsdpTrainer(GrpoTrainer):
                 step=step,
                 written_by_ranks=written,
                 ranks=self.world_size,
-                directory=str(directory),
+                directory=str(checkpoint.step_dir(root, step)),
             )
-        own = checkpoint.load(
-            self.checkpoint_root, step, self.module, self.optimizer, rank=self.rank
-        )
+        own = checkpoint.load(root, step, self.module, self.optimizer, rank=self.rank)
         torch.set_rng_state(own["rng"])
         self.step = int(own["step"])
         self.last_train = figures_kept(own.get("train"))
         log.info("trainer.checkpoint.loaded", rank=self.rank, step=self.step)
-
-    def commit(self) -> None:
-        if self.checkpoint_root is not None:
-            self.save_checkpoint(self.checkpoint_root / f"rank{self.rank}")
 
 
 build = FsdpTrainer.from_context  # the registry's builder (registry.py)

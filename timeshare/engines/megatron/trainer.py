@@ -29,18 +29,15 @@ import torch.distributed as dist
 
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
-from timeshare.engines import step_dirs
 from timeshare.engines.base import RolloutSample
 from timeshare.engines.grpo import (
     GrpoBatch,
-    GrpoTrainer,
     batch_tensors,
     figures_kept,
     group_advantages,
     rewards_of,
 )
 from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
-from timeshare.engines.host_memory import HostStore, resident_bytes
 from timeshare.engines.megatron import checkpoint, parallel
 from timeshare.engines.megatron.gather import lent_weights
 from timeshare.engines.megatron.hf_config import HfShape
@@ -49,24 +46,16 @@ from timeshare.engines.megatron.optimizers import DistributedAdam, HostAdamW, Op
 from timeshare.engines.megatron.parallel import Layout
 from timeshare.engines.megatron.spec import MegatronSpec
 from timeshare.engines.megatron.tp_rows import TpRows
+from timeshare.engines.sharded_trainer import ShardedTrainer, pick_device
 from timeshare.engines.spec import EngineChoice
 from timeshare.errors import ConfigError
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.layout import DTYPES, Weight
-from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError('engine.megatron.device = "cuda" but this process sees no CUDA device')
-    return torch.device(name)
-
-
-class MegatronTrainer(GrpoTrainer):
+class MegatronTrainer(ShardedTrainer):
     def __init__(
         self,
         rank: int,
@@ -76,22 +65,19 @@ class MegatronTrainer(GrpoTrainer):
         store: JobStore | None = None,
         collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
     ) -> None:
-        self.rank = rank
-        self.world_size = world_size
         self.spec = spec = engine.settings("megatron", MegatronSpec)
         spec.check_ranks(world_size)
-        self.task = engine.task
-        self.grpo = engine.grpo
-        self.store = store
-        self.collective_timeout_s = collective_timeout_s
-        self.device = pick_device(spec.device)
+        super().__init__(
+            rank,
+            world_size,
+            engine,
+            device=pick_device(spec.device, "engine.megatron.device"),
+            store=store,
+            collective_timeout_s=collective_timeout_s,
+        )
         self.layout = Layout(rank=rank, world=world_size, tp=spec.tensor_parallel_size)
         self.model_dir = Path(spec.model_dir)
         self.shape = HfShape.read(self.model_dir)
-        self.step = 0
-        self.checkpoint_root: Path | None = None
-        self.optimizer_store = HostStore()  # optimiser state and gradients while offloaded
-        self.param_store = HostStore()  # parameters while offloaded
         self._model: GPTModel | None = None
         self._reference: GPTModel | None = None
         self._optimizing: Optimizing | None = None
@@ -161,30 +147,7 @@ class MegatronTrainer(GrpoTrainer):
         assert self._rows is not None, "bootstrap first"
         return self._rows
 
-    # -- memory --------------------------------------------------------------------------------
-
-    def offload(self) -> None:
-        """Optimiser state and gradients to the host; their device storage freed."""
-        moved = self.optimizer_store.move_off(self._optimizer_tensors())
-        log.info("trainer.offload", rank=self.rank, freed_mb=round(moved / MIB, 3))
-
-    def offload_params(self) -> None:
-        moved = self.param_store.move_off(self._parameters())
-        log.info("trainer.offload_params", rank=self.rank, freed_mb=round(moved / MIB, 3))
-
-    def onload(self) -> None:
-        self.param_store.bring_back()
-        self.optimizer_store.bring_back()
-
-    def held_mb(self) -> float:
-        held = resident_bytes(self._parameters()) + resident_bytes(self._optimizer_tensors())
-        return held / MIB
-
-    def _parameters(self) -> list[torch.Tensor]:
-        parameters: list[torch.Tensor] = list(self.model.parameters())
-        if self._reference is not None:
-            parameters += self._reference.parameters()
-        return parameters
+    # -- memory (sharded_trainer.py moves it) -------------------------------------------------
 
     def _optimizer_tensors(self) -> list[torch.Tensor]:
         return self.optimizing.tensors()
@@ -297,46 +260,36 @@ class MegatronTrainer(GrpoTrainer):
     def save_checkpoint(self, directory: Path) -> None:
         """This step, sharded, into the job's checkpoint directory (`directory` is this rank's
         directory in it; the Megatron checkpoint is one for all ranks, in its parent)."""
-        params_offloaded = bool(self.param_store.moved)
-        self.onload()
         own = {
             "step": self.step,
             "rng": torch.get_rng_state(),
             "train": None if self.last_train is None else msgspec.to_builtins(self.last_train),
         }
-        optimizer = self.optimizing.shared_state()  # (every rank: it may gather)
-        shards = None
-        if self.layout.dp_rank == 0:  # the replicas hold the same shards: one writes them
-            shards = {
-                "model": {n: p.detach() for n, p in self.model.named_parameters()},
-                "optimizer": optimizer,
-            }
-        checkpoint.save(
-            directory.parent,
-            self.step,
-            self.layout,
-            own,
-            shards,
-            model_dir=self.model_dir,
-            keep=self.keep_checkpoints,
-        )
-        if params_offloaded:
-            self.offload_params()
+        with self.onloaded():
+            optimizer = self.optimizing.shared_state()  # (every rank: it may gather)
+            shards = None
+            if self.layout.dp_rank == 0:  # the replicas hold the same shards: one writes them
+                shards = {
+                    "model": {n: p.detach() for n, p in self.model.named_parameters()},
+                    "optimizer": optimizer,
+                }
+            checkpoint.save(
+                directory.parent,
+                self.step,
+                self.layout,
+                own,
+                shards,
+                model_dir=self.model_dir,
+                keep=self.keep_checkpoints,
+            )
 
     def load_checkpoint(self, directory: Path) -> None:
         """The newest step every rank holds durably, or the model directory's weights at 0."""
-        self.checkpoint_root = directory.parent
-        step = step_dirs.agreed(
-            checkpoint.committed_step(self.checkpoint_root),
-            self.world_size,
-            self.device,
-            self.checkpoint_root,
-        )
+        step = self.agreed_step(directory, checkpoint.committed_step(directory.parent))
         if step is None:
-            self.step = 0
             return
         shards, own = checkpoint.load(
-            self.checkpoint_root, step, self.layout, same_ranks=self.device.type == "cuda"
+            directory.parent, step, self.layout, same_ranks=self.device.type == "cuda"
         )
         own_params = dict(self.model.named_parameters())
         with torch.no_grad():
@@ -348,10 +301,6 @@ class MegatronTrainer(GrpoTrainer):
         self.step = step
         self.last_train = figures_kept(None if own is None else own.get("train"))
         log.info("trainer.checkpoint.loaded", rank=self.rank, step=self.step)
-
-    def commit(self) -> None:
-        if self.checkpoint_root is not None:
-            self.save_checkpoint(self.checkpoint_root / f"rank{self.rank}")
 
 
 build = MegatronTrainer.from_context  # the registry's builder (registry.py)

@@ -28,8 +28,6 @@ import itertools
 import json
 import os
 import secrets
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +37,6 @@ import structlog
 import torch
 
 from timeshare.engines.base import (
-    RolloutEngine,
     RolloutRequest,
     RolloutSample,
     RolloutTraits,
@@ -47,13 +44,7 @@ from timeshare.engines.base import (
 )
 from timeshare.engines.context import EngineContext
 from timeshare.engines.cpu_binding import binding_environment, core_groups
-from timeshare.engines.foreign import (
-    CallTimedOut,
-    bounded,
-    exited,
-    host_pid_in_environment,
-    process_titles,
-)
+from timeshare.engines.foreign import RELEASED, ForeignRollout, exited, host_pid_in_environment
 from timeshare.engines.gpu_placement import group_devices
 from timeshare.engines.load_report import LoadReport, worker_reports_checked
 from timeshare.engines.model_config import ModelConfig
@@ -77,23 +68,16 @@ from timeshare.protocols.weights.layout import DTYPES
 from timeshare.protocols.weights.segments import SHM_DIR
 from timeshare.runtime import (
     mapped_segments,
-    parent_of,
-    process_tree,
-    reap,
-    record_foreign_segments,
-    release_foreign_segments,
 )
 from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
-REAP_S = 10.0  # for SGLang's processes to exit once shut down
 IDLE_POLL_S = 0.05  # between SGLang's flush_cache tries while it finishes what it runs
 PROGRESS_S = 0.5  # the heartbeat while a generate runs
 SEGMENT_PREFIXES = ("psm_", "sglang", "sgl_shm_mq_")  # shared memory SGLang's processes map
 # (sgl_shm_mq_: the message queues of its tensor-parallel ranks)
 SEMAPHORE_PREFIX = "sem.mp-"  # Python's named semaphores (multiprocessing), in /dev/shm
-RELEASED = ("weights", "kv_cache")  # SGLang's memory tags that OFFLOAD releases
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # its CPU TP ranks' thread binding (cpu_binding.py)
 
@@ -156,8 +140,12 @@ def start_engine(args: dict[str, Any]) -> Any:
     return Engine(**args)
 
 
-class SglangRollout(RolloutEngine):
+class SglangRollout(ForeignRollout):
     """One rank's rollout engine over SGLang's `Engine`."""
+
+    name = "SGLang"
+    title_prefix = "sglang::"  # (not Python's resource tracker, the worker's own child)
+    segment_prefixes = SEGMENT_PREFIXES
 
     def __init__(
         self,
@@ -167,25 +155,19 @@ class SglangRollout(RolloutEngine):
         call_timeout_s: float,
         runtime_dir: Path,
     ) -> None:
-        super().__init__(spec.generate_timeout_s)
-        self.rank = rank
-        self.runtime_dir = runtime_dir
-        self.owner = f"sglang-rank{rank}"
+        self.device = resolve_device(spec)
+        super().__init__(
+            rank,
+            runtime_dir,
+            call_timeout_s,
+            spec.generate_timeout_s,
+            # torch_memory_saver frees memory on CUDA only; elsewhere release/resume free nothing.
+            releases=spec.release_memory and self.device == "cuda",
+        )
         self.spec = spec
         self.model = trainer_model
-        self.call_timeout_s = call_timeout_s
-        self.device = resolve_device(spec)
-        # torch_memory_saver frees memory on CUDA only; elsewhere release/resume free nothing.
-        self.releases = spec.release_memory and self.device == "cuda"
-        self.broken: str | None = None  # why the engine can no longer be used
-        self.digest_of_version = ""
-        self.weights_bytes = 0
-        self.asleep: set[str] = set()
         self._ids = itertools.count()
-        self._scratch = Path(tempfile.mkdtemp(prefix=f"timeshare-sglang-{rank}-"))
-        self._children: list[int] = []
-        self._titles: dict[int, str] = {}  # SGLang's processes: pid -> title
-        model_dir = spec.model_dir or str(write_config_dir(trainer_model, self._scratch / "model"))
+        model_dir = spec.model_dir or str(write_config_dir(trainer_model, self.scratch() / "model"))
         self.model_dir = model_dir
         args = server_args(spec, model_dir, self.device, dummy=not spec.model_dir)
         # SGLang's own handler of a child's SIGQUIT (sent as its scheduler or detokenizer fails)
@@ -204,7 +186,7 @@ class SglangRollout(RolloutEngine):
             with host_pid_in_environment(HOST_PID_ENV, self.binding):
                 self.sgl = start_engine(args)
         except BaseException:
-            self._remove_scratch()
+            self.remove_scratch()
             raise
         # A semaphore that a process of SGLang's start-up made and left (a multimodal model's
         # start leaves one): nobody maps it, so nobody would ever unlink it.
@@ -213,7 +195,7 @@ class SglangRollout(RolloutEngine):
         # SGLang takes a prompt of at most max_req_input_len tokens (its context_length less 6):
         # one more is what a prompt and a completion of at least one token may hold, always.
         self.max_tokens = int(self.sgl.tokenizer_manager.max_req_input_len) + 1
-        self.record_segments()
+        self.record_processes()
         log.info(
             "sglang.started",
             rank=rank,
@@ -227,16 +209,6 @@ class SglangRollout(RolloutEngine):
 
     # -- calls into SGLang ----------------------------------------------------------------------
 
-    def call(self, what: str, fn: Callable[[], T], timeout_s: float | None = None) -> T:
-        """`fn` (a call into SGLang) within the deadline; past it, the engine is broken."""
-        self.check_usable()
-        try:
-            bound = self.call_timeout_s if timeout_s is None else timeout_s
-            return bounded(f"sglang-{what}", fn, bound)
-        except CallTimedOut as exc:
-            self.broken = str(exc)
-            raise EngineBroken(f"SGLang rollout rank {self.rank}: {self.broken}") from exc
-
     def checked(self, what: str, fn: Callable[[], Any]) -> None:
         """A call whose answer is SGLang's (success, message) pair or an output with them."""
         answer = self.call(what, fn)
@@ -244,17 +216,13 @@ class SglangRollout(RolloutEngine):
         if not success:
             raise TimeshareError(f"SGLang rollout rank {self.rank}: {what} refused: {message}")
 
-    def check_usable(self) -> None:
-        if self.broken is not None:
-            raise EngineBroken(f"SGLang rollout rank {self.rank} is unusable: {self.broken}")
-
     def _sglang_failed(self, signum: int, frame: object) -> None:
         """SIGQUIT from one of SGLang's processes: it failed (its log says how). The engine is
         unusable; this raises in the worker's main thread, whatever it was waiting on."""
         gone = exited(self._titles)  # (a TP rank's scheduler killed: named)
         why = f"{', '.join(gone)} exited" if gone else "it sent SIGQUIT; see its log"
         self.broken = f"one of SGLang's processes failed ({why})"
-        raise EngineBroken(f"SGLang rollout rank {self.rank}: {self.broken}")
+        raise EngineBroken(f"{self.who}: {self.broken}")
 
     def wait_idle(self, timeout_s: float | None = None) -> None:
         """Until SGLang runs nothing: its cache flushes only when idle."""
@@ -266,19 +234,13 @@ class SglangRollout(RolloutEngine):
                 return
             if time.monotonic() > deadline:
                 self.broken = f"not idle within {bound:g} s"
-                raise EngineBroken(f"SGLang rollout rank {self.rank}: {self.broken}")
+                raise EngineBroken(f"{self.who}: {self.broken}")
             time.sleep(IDLE_POLL_S)
 
     # -- weights --------------------------------------------------------------------------------
 
     def open_inlet(self, endpoint: str, transfer: TransferConfig) -> SglangInlet:
         return SglangInlet(self, endpoint, transfer)
-
-    def digest(self) -> str:
-        """What arrived at SGLang's loader for the last whole version (see loader.py)."""
-        if self.torn or not self.digest_of_version:
-            raise TimeshareError("digest: no whole weight version has been loaded")
-        return self.digest_of_version
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -287,7 +249,7 @@ class SglangRollout(RolloutEngine):
             self.wait_idle()  # a release while SGLang still runs a request kills its scheduler
             self.checked(
                 "release_memory_occupation",
-                lambda: self.sgl.release_memory_occupation(tags=list(RELEASED)),
+                lambda: self.sgl.release_memory_occupation(tags=sorted(RELEASED)),
             )
             self.asleep = set(RELEASED)
         log.info(
@@ -319,16 +281,6 @@ class SglangRollout(RolloutEngine):
         element = torch.finfo(DTYPES.get(self.spec.dtype, torch.float32)).bits // 8
         per_token = 2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
         return self.spec.max_total_tokens * per_token * element
-
-    def held_mb(self) -> float:
-        """What sleep could release and still holds (0 where it can release nothing)."""
-        if not self.releases or self.asleep >= set(RELEASED):
-            return 0.0
-        return self._mb()
-
-    def resident_mb(self) -> float:
-        """Weights and KV cache that stay in memory because the platform cannot free them."""
-        return 0.0 if self.releases else self._mb()
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -395,34 +347,8 @@ class SglangRollout(RolloutEngine):
         outputs = task.result()
         return list(outputs) if isinstance(outputs, list) else [outputs]
 
-    # -- processes ------------------------------------------------------------------------------
-
-    def record_segments(self) -> None:
-        """Record SGLang's processes and the shared memory they map, so that a sweep of the
-        runtime directory removes it once they are gone, even if SIGKILL ended them."""
-        tree = process_tree(os.getpid())
-        self._children = [
-            pid for pid in tree if parent_of(pid) == os.getpid() and _is_sglang_process(pid)
-        ]
-        self._titles = process_titles(tree, "sglang::")
-        names = [
-            name
-            for pid in tree
-            for prefix in SEGMENT_PREFIXES
-            for name in mapped_segments(pid, prefix)
-        ]
-        record_foreign_segments(self.runtime_dir, self.owner, tree, names + self._orphans)
-
-    def close(self) -> None:
-        try:
-            self.sgl.shutdown()
-        finally:
-            reap(self._children, REAP_S)
-            release_foreign_segments(self.runtime_dir, self.owner)
-            self._remove_scratch()
-
-    def _remove_scratch(self) -> None:
-        shutil.rmtree(self._scratch, ignore_errors=True)
+    def shutdown_engine(self) -> None:
+        self.sgl.shutdown()
 
 
 class SglangInlet:
@@ -433,7 +359,7 @@ class SglangInlet:
         self.engine = engine
         self.endpoint = endpoint
         self.transfer = transfer
-        self.answer_path = str(engine._scratch / "load-answer.msgpack")
+        self.answer_path = str(engine.scratch() / "load-answer.msgpack")
 
     def receive(self, progress: Callable[[], None], *, digest: bool = True) -> TransferReport:
         engine = self.engine
@@ -520,15 +446,6 @@ def _mapped_anywhere(prefix: str) -> set[str]:
         if proc.name.isdigit():
             mapped.update(mapped_segments(int(proc.name), prefix))
     return mapped
-
-
-def _is_sglang_process(pid: int) -> bool:
-    """SGLang names its processes `sglang::scheduler...`, `sglang::detokenizer`, ... (not
-    Python's resource tracker, which is the worker's own child)."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sglang::")
-    except OSError:
-        return False
 
 
 def _success_of(answer: Any) -> tuple[bool, str]:

@@ -21,19 +21,16 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import structlog
 import torch
 
 from timeshare.engines.base import (
-    RolloutEngine,
     RolloutRequest,
     RolloutSample,
     RolloutTraits,
@@ -41,13 +38,7 @@ from timeshare.engines.base import (
 )
 from timeshare.engines.context import EngineContext
 from timeshare.engines.cpu_binding import binding_environment
-from timeshare.engines.foreign import (
-    CallTimedOut,
-    bounded,
-    exited,
-    host_pid_in_environment,
-    process_titles,
-)
+from timeshare.engines.foreign import ForeignRollout, host_pid_in_environment
 from timeshare.engines.gpu_placement import visible_environment
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import write_config_dir
@@ -56,22 +47,12 @@ from timeshare.engines.vllm.plugin import BACKEND, HOST_PID_ENV
 from timeshare.engines.vllm.report import LOADER_REFUSED, worker_reports
 from timeshare.engines.vllm.spec import VllmSpec
 from timeshare.errors import (
-    EngineBroken,
     GenerateTimeout,
     LoaderFailed,
-    TimeshareError,
     TransferError,
 )
 from timeshare.protocols.commands.results import WorkerLoad
 from timeshare.protocols.weights import TransferConfig, TransferReport
-from timeshare.runtime import (
-    mapped_segments,
-    parent_of,
-    process_tree,
-    reap,
-    record_foreign_segments,
-    release_foreign_segments,
-)
 from timeshare.units import MIB
 from vllm import LLM
 from vllm import SamplingParams as VllmSampling
@@ -79,11 +60,9 @@ from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
 
 log = structlog.get_logger(__name__)
-T = TypeVar("T")
 EXTENSION = "timeshare.engines.vllm.backend.TimeshareWorkerExtension"
 EXTENSION_REPORT = "timeshare_report"  # its method that returns the last version's report
 EXTENSION_STEP = "timeshare_step"  # its method that runs one weight-transfer step
-REAP_S = 10.0  # for vLLM's processes to exit once shut down
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # its CPU workers' thread binding (cpu_binding.py)
 VLLM_SEGMENT_PREFIX = "psm_"  # Python's SharedMemory names, as vLLM's message queues use them
 
@@ -116,8 +95,12 @@ def build(context: EngineContext) -> VllmRollout:
     )
 
 
-class VllmRollout(RolloutEngine):
+class VllmRollout(ForeignRollout):
     """One rank's rollout engine over vLLM's `LLM`."""
+
+    name = "vLLM"
+    title_prefix = "VLLM::"
+    segment_prefixes = (VLLM_SEGMENT_PREFIX,)
 
     def __init__(
         self,
@@ -127,41 +110,32 @@ class VllmRollout(RolloutEngine):
         call_timeout_s: float,
         runtime_dir: Path,
     ) -> None:
-        super().__init__(spec.generate_timeout_s)
-        self.rank = rank
-        self.runtime_dir = runtime_dir
-        self.owner = f"vllm-rank{rank}"
+        super().__init__(
+            rank,
+            runtime_dir,
+            call_timeout_s,
+            spec.generate_timeout_s,
+            releases=current_platform.is_sleep_mode_available(),
+        )
         self.spec = spec
-        self.call_timeout_s = call_timeout_s
-        self.broken: str | None = None  # why the engine can no longer be used
-        self.digest_of_version = ""
-        self.weights_bytes = 0
-        self.sleeps = current_platform.is_sleep_mode_available()
-        self.asleep: set[str] = set()
         self._ids = itertools.count()
-        self._scratch: Path | None = None
-        self._children: list[int] = []
-        self._titles: dict[int, str] = {}  # vLLM's processes: pid -> title (VLLM::Worker_TP1)
-        model_dir = spec.model_dir
-        if not model_dir:
-            self._scratch = Path(tempfile.mkdtemp(prefix=f"timeshare-vllm-{rank}-"))
-            model_dir = str(write_config_dir(trainer_model, self._scratch))
+        model_dir = spec.model_dir or str(write_config_dir(trainer_model, self.scratch()))
         self.binding = _placement(rank, spec.tensor_parallel_size)
         started = time.perf_counter()
         try:
             # plugin.py: vLLM's processes die with this one; cpu_binding.py and
             # gpu_placement.py: where its TP workers run.
             with host_pid_in_environment(HOST_PID_ENV, self.binding):
-                self.llm = LLM(**engine_args(spec, model_dir, sleep_mode=self.sleeps))
+                self.llm = LLM(**engine_args(spec, model_dir, sleep_mode=self.releases))
         except BaseException:
-            self._remove_scratch()
+            self.remove_scratch()
             raise
-        self.record_segments()
+        self.record_processes()
         log.info(
             "vllm.started",
             rank=rank,
             seconds=round(time.perf_counter() - started, 1),
-            sleep_mode=self.sleeps,
+            sleep_mode=self.releases,
             tensor_parallel=spec.tensor_parallel_size,
             **self.binding,
         )
@@ -171,47 +145,10 @@ class VllmRollout(RolloutEngine):
     def open_inlet(self, endpoint: str, transfer: TransferConfig) -> VllmInlet:
         return VllmInlet(self, endpoint, transfer)
 
-    def digest(self) -> str:
-        """What arrived at vLLM's loader for the last whole version (see backend.py)."""
-        if self.torn or not self.digest_of_version:
-            raise TimeshareError("digest: no whole weight version has been loaded")
-        return self.digest_of_version
-
-    def call(self, what: str, fn: Callable[[], T], timeout_s: float | None = None) -> T:
-        """`fn` (a call into vLLM) within the deadline; past it, the engine is broken."""
-        self.check_usable()
-        try:
-            return bounded(
-                f"vllm-{what}", fn, self.call_timeout_s if timeout_s is None else timeout_s
-            )
-        except CallTimedOut as exc:
-            self.broken = str(exc)
-            raise EngineBroken(f"vLLM rollout rank {self.rank}: {self.broken}") from exc
-        except Exception as exc:
-            self.raise_if_process_gone(what, exc)
-            raise
-
-    def raise_if_process_gone(self, what: str, exc: Exception) -> None:
-        """A call that failed because one of vLLM's processes died (a TP worker killed, its
-        EngineCore gone) is `EngineBroken` naming that process; vLLM's own error says only
-        that its engine is dead."""
-        # (vLLM shuts its other processes down once one died: all of them may be named.)
-        gone = exited(self._titles)
-        if gone:
-            self.broken = f"{', '.join(gone)} exited"
-            raise EngineBroken(
-                f"vLLM rollout rank {self.rank}: {what} failed, {self.broken}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-
-    def check_usable(self) -> None:
-        if self.broken is not None:
-            raise EngineBroken(f"vLLM rollout rank {self.rank} is unusable: {self.broken}")
-
     # -- memory ---------------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        if self.sleeps:
+        if self.releases:
             self.call("sleep", lambda: self.llm.sleep(level=self.spec.sleep_level))
             self.asleep = {"weights", "kv_cache"}
             if self.spec.sleep_level == 2:
@@ -222,7 +159,7 @@ class VllmRollout(RolloutEngine):
             engine="vllm",
             released=sorted(self.asleep),
             resident_mb=round(self.resident_mb(), 3),
-            why=None if self.sleeps else "vLLM has no sleep mode on this platform: paused only",
+            why=None if self.releases else "vLLM has no sleep mode on this platform: paused only",
         )
 
     def wake(self, tags: set[str]) -> None:
@@ -236,22 +173,12 @@ class VllmRollout(RolloutEngine):
         kv = (self.spec.kv_cache_mb or 0.0) * self.spec.tensor_parallel_size
         return self.weights_bytes / MIB + kv
 
-    def held_mb(self) -> float:
-        """What sleep could release and still holds (0 where it can release nothing)."""
-        if not self.sleeps or self.asleep >= {"weights", "kv_cache"}:
-            return 0.0
-        return self._mb()
-
-    def resident_mb(self) -> float:
-        """Weights and KV cache that stay in memory because the platform has no sleep mode."""
-        return 0.0 if self.sleeps else self._mb()
-
     # -- generation -----------------------------------------------------------------------------
 
     def traits(self) -> RolloutTraits:
         """A text model; sleep frees memory only where vLLM has sleep mode (CUDA); a sequence
         fits `max_model_len`."""
-        return RolloutTraits(releases_memory=self.sleeps, max_tokens=self.spec.max_model_len)
+        return RolloutTraits(releases_memory=self.releases, max_tokens=self.spec.max_model_len)
 
     def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
         version = self.check_whole()
@@ -300,30 +227,8 @@ class VllmRollout(RolloutEngine):
                     del pending[output.request_id]
             self.progress()
 
-    def record_segments(self) -> None:
-        """Record the shared memory vLLM's processes map (its message queues), so that a sweep
-        of the runtime directory removes it once they are gone, even if SIGKILL ended them."""
-        tree = process_tree(os.getpid())
-        self._children = [
-            pid for pid in tree if parent_of(pid) == os.getpid() and _is_vllm_process(pid)
-        ]
-        self._titles = process_titles(tree, "VLLM::")
-        names = [name for pid in tree for name in mapped_segments(pid, VLLM_SEGMENT_PREFIX)]
-        record_foreign_segments(self.runtime_dir, self.owner, tree, names)
-
-    def close(self) -> None:
-        try:
-            self.llm.llm_engine.engine_core.shutdown()
-        finally:
-            # vLLM kills an EngineCore that is slow to exit without reaping it: no zombie stays.
-            reap(self._children, REAP_S)
-            release_foreign_segments(self.runtime_dir, self.owner)
-            self._remove_scratch()
-
-    def _remove_scratch(self) -> None:
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-            self._scratch = None
+    def shutdown_engine(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
 
 
 def _placement(leader: int, workers: int) -> dict[str, str]:
@@ -335,14 +240,6 @@ def _placement(leader: int, workers: int) -> dict[str, str]:
     if current_platform.is_cuda():
         return visible_environment(leader, workers, torch.cuda.device_count(), os.environ)
     return {}
-
-
-def _is_vllm_process(pid: int) -> bool:
-    """vLLM names its processes `VLLM::EngineCore`, `VLLM::Worker`, ..."""
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::")
-    except OSError:
-        return False
 
 
 class VllmInlet:

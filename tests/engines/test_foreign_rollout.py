@@ -1,0 +1,163 @@
+"""What vLLM's and SGLang's rollout engines share (engines/foreign.py `ForeignRollout`), against
+an engine of real processes that are no inference engine: two `sleep`s titled as an engine titles
+its TP workers, one of them mapping a shared memory segment. The real engines' own tests run the
+same paths on vLLM and SGLang (tests/engines/vllm, tests/engines/sglang)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from timeshare.engines.base import RolloutRequest, RolloutSample, RolloutTraits
+from timeshare.engines.foreign import ForeignRollout
+from timeshare.engines.inlet import WeightInlet
+from timeshare.errors import EngineBroken, TimeshareError
+from timeshare.protocols.weights import TransferConfig
+from timeshare.runtime import FOREIGN_SEGMENTS_SUFFIX, running_since
+
+SEGMENT = f"tsfake_{os.getpid()}"
+MAPS_THE_SEGMENT = f"""
+import mmap, time
+with open("/dev/shm/{SEGMENT}", "r+b") as f:
+    m = mmap.mmap(f.fileno(), 4096)
+time.sleep(60)
+"""
+
+
+class FakeEngine(ForeignRollout):
+    """Two processes titled `FAKE::Worker_TP0` and `FAKE::Worker_TP1`; shutting down ends them."""
+
+    name = "Fake"
+    title_prefix = "FAKE::"
+    segment_prefixes = ("tsfake_",)
+
+    def __init__(self, runtime_dir: Path, *, releases: bool = True) -> None:
+        super().__init__(0, runtime_dir, 5.0, 30.0, releases=releases)
+        (self.scratch() / "config.json").write_text("{}")
+        # argv[0] is the title a process shows in /proc/<pid>/cmdline
+        self.processes = [
+            subprocess.Popen(
+                [f"FAKE::Worker_TP{tp}", "-c", MAPS_THE_SEGMENT], executable=sys.executable
+            )
+            for tp in range(2)
+        ]
+        self.record_processes()
+
+    def shutdown_engine(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+
+    def _mb(self) -> float:
+        return 10.0
+
+    # (what an engine does with a model: not this class's concern)
+    def sleep(self) -> None:
+        raise NotImplementedError
+
+    def wake(self, tags: set[str]) -> None:
+        raise NotImplementedError
+
+    def traits(self) -> RolloutTraits:
+        raise NotImplementedError
+
+    def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
+        raise NotImplementedError
+
+    def open_inlet(self, endpoint: str, transfer: TransferConfig) -> WeightInlet:
+        raise NotImplementedError
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[FakeEngine]:
+    Path(f"/dev/shm/{SEGMENT}").write_bytes(bytes(4096))
+    engine = FakeEngine(tmp_path / "runtime")
+    deadline = time.monotonic() + 30
+    while len(engine._titles) < 2 or not record_of(engine).exists():  # exec'd and mapped
+        assert time.monotonic() < deadline, "the fake engine's processes did not start"
+        time.sleep(0.05)
+        engine.record_processes()
+    yield engine
+    engine.close()
+    Path(f"/dev/shm/{SEGMENT}").unlink(missing_ok=True)
+
+
+def record_of(engine: FakeEngine) -> Path:
+    return engine.runtime_dir / f"{engine.owner}{FOREIGN_SEGMENTS_SUFFIX}"
+
+
+def test_its_processes_and_their_segments_are_recorded_and_close_releases_everything(
+    engine: FakeEngine,
+) -> None:
+    deadline = time.monotonic() + 30
+    while SEGMENT not in record_of(engine).read_text():  # python3 mapped it
+        assert time.monotonic() < deadline, "the segment was never recorded"
+        time.sleep(0.05)
+        engine.record_processes()
+    assert sorted(engine._titles.values()) == ["FAKE::Worker_TP0", "FAKE::Worker_TP1"]
+    assert sorted(engine._children) == sorted(p.pid for p in engine.processes)
+    scratch = engine.scratch()
+    engine.close()
+    assert all(running_since(p.pid) is None for p in engine.processes)  # reaped: no zombie
+    assert not record_of(engine).exists()
+    assert not Path(f"/dev/shm/{SEGMENT}").exists()
+    assert not scratch.exists()
+
+
+def test_a_call_that_fails_because_a_worker_died_names_that_worker(engine: FakeEngine) -> None:
+    victim = engine.processes[1]
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=30)
+
+    def dead_engine() -> None:
+        raise RuntimeError("engine core is dead")
+
+    with pytest.raises(EngineBroken) as failed:
+        engine.call("update_weights", dead_engine)
+    said = str(failed.value)
+    worker = f"TP worker 1 (FAKE::Worker_TP1, pid {victim.pid})"
+    assert f"Fake rollout rank 0: update_weights failed, {worker} exited" in said
+    assert "RuntimeError: engine core is dead" in said
+    with pytest.raises(EngineBroken, match="Fake rollout rank 0 is unusable: TP worker 1"):
+        engine.call("generate", lambda: None)
+
+
+def test_a_call_that_fails_with_every_process_alive_is_its_own_error(engine: FakeEngine) -> None:
+    def refuses() -> None:
+        raise ValueError("bad argument")
+
+    with pytest.raises(ValueError, match="bad argument"):
+        engine.call("update_weights", refuses)
+    assert engine.call("ping", lambda: "pong") == "pong"  # still usable
+
+
+def test_a_call_past_its_deadline_breaks_the_engine_for_good(engine: FakeEngine) -> None:
+    with pytest.raises(EngineBroken, match=r"fake-wake_up did not return within 0\.2 s"):
+        engine.call("wake_up", lambda: time.sleep(5), timeout_s=0.2)
+    with pytest.raises(EngineBroken, match="is unusable"):
+        engine.call("ping", lambda: "pong")
+
+
+def test_memory_held_is_what_sleep_can_release_and_resident_what_it_cannot(
+    tmp_path: Path,
+) -> None:
+    releasing = FakeEngine.__new__(FakeEngine)
+    ForeignRollout.__init__(releasing, 0, tmp_path, 5.0, 30.0, releases=True)
+    assert (releasing.held_mb(), releasing.resident_mb()) == (10.0, 0.0)
+    releasing.asleep = {"weights"}
+    assert releasing.held_mb() == 10.0  # the KV cache is still held
+    releasing.asleep = {"weights", "kv_cache"}
+    assert releasing.held_mb() == 0.0
+
+    pausing = FakeEngine.__new__(FakeEngine)
+    ForeignRollout.__init__(pausing, 0, tmp_path, 5.0, 30.0, releases=False)
+    assert (pausing.held_mb(), pausing.resident_mb()) == (0.0, 10.0)
+    with pytest.raises(TimeshareError, match="no whole weight version"):
+        pausing.digest()
