@@ -23,6 +23,7 @@ from timeshare.config import Config
 from timeshare.cycle.workers import Workers, WorkerSpawner
 from timeshare.errors import CommandTimeout, WorkerDied, WorkerError, WorkerStalled
 from timeshare.protocols.commands import WorkerId
+from timeshare.protocols.commands.params import LogLevelParams, PhaseParams
 from timeshare.protocols.commands.results import (
     BootstrapResult,
     CommandResult,
@@ -47,7 +48,7 @@ def samples_of(rank: int, step: int) -> msgspec.Raw:
 class Call:
     worker: WorkerId
     command: str
-    params: dict[str, Any]
+    params: object
 
 
 @dataclass
@@ -68,15 +69,15 @@ class FakeWorkers(Workers):
         self,
         worker: WorkerId,
         command: str,
-        params: dict[str, Any] | None = None,
+        params: PhaseParams | None = None,
         *,
         deadline_s: float,
         returns: type[R],
     ) -> R:
-        params = params or {}
+        params = params or PhaseParams()
         self.calls.append(Call(worker, command, params))
-        await self._fire_faults(worker, command, params.get("step"), deadline_s)
-        if int(params.get("step", 0)) >= self.from_step:
+        await self._fire_faults(worker, command, params.step, deadline_s)
+        if (params.step or 0) >= self.from_step:
             await anyio.sleep(self.delay_s.get((command, worker.rank), 0.0))
         result = self._result(worker, command, params)
         assert isinstance(result, returns), (worker, command, result, returns)
@@ -86,11 +87,11 @@ class FakeWorkers(Workers):
         self,
         worker: WorkerId,
         command: str,
-        params: dict[str, Any] | None = None,
+        params: LogLevelParams | None = None,
         *,
         timeout_s: float,
     ) -> Any:
-        self.controls.append(Call(worker, command, params or {}))
+        self.controls.append(Call(worker, command, params))
         return command
 
     async def shut_down(self, *, deadline_s: float) -> None:
@@ -129,8 +130,8 @@ class FakeWorkers(Workers):
             message = f"{worker} made no progress in {command}"
             raise WorkerStalled(message, rank=rank, role=role, command=command)
 
-    def _result(self, worker: WorkerId, command: str, params: dict[str, Any]) -> object:
-        step = int(params.get("step", 0))
+    def _result(self, worker: WorkerId, command: str, params: PhaseParams) -> object:
+        step = params.step or 0
         held = self.held_mb.get((worker.role, worker.rank), 0.0)
         trainer = worker.role == "trainer"
         if command == "held" or (command == "barrier" and trainer):

@@ -19,6 +19,7 @@ from tests.cycle.fake_workers import FakeWorkers, spawner
 from tests.cycle.jobs import run
 from timeshare.cycle import CycleHooks, RunSummary, runner
 from timeshare.protocols.commands import WorkerId
+from timeshare.protocols.commands.params import LogLevelParams
 from timeshare.protocols.store import JobStore, state_key
 from timeshare.state import JobState, Lifecycle
 
@@ -46,7 +47,7 @@ class Job:
         """Until the job store says `lifecycle` (the runner writes it right after telling)."""
         with anyio.fail_after(WAIT_S):
             for _ in range(int(WAIT_S / POLL_S)):
-                if self.store.get(state_key(0), timeout_s=WAIT_S)["lifecycle"] == lifecycle:
+                if self.store.published(0, timeout_s=WAIT_S).lifecycle == lifecycle:
                     return
                 await anyio.sleep(POLL_S)
         raise AssertionError(f"the store never said {lifecycle}")
@@ -140,4 +141,4 @@ async def test_a_log_level_reaches_every_worker_on_its_control_lane(tmp_path: Pa
         job.operator.record_command("stop")
     levels = [(c.worker, c.params) for c in job.workers.controls if c.command == "log_level"]
     workers = [WorkerId(role, rank) for rank in (0, 1) for role in ("trainer", "rollout")]
-    assert levels == [(worker, {"level": "debug"}) for worker in workers]
+    assert levels == [(worker, LogLevelParams("debug")) for worker in workers]

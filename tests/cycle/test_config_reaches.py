@@ -35,7 +35,7 @@ from timeshare.errors import (
 )
 from timeshare.protocols.commands import WorkerId, WorkerLanes
 from timeshare.protocols.commands.results import SyncResult
-from timeshare.protocols.store import JobStore, state_key
+from timeshare.protocols.store import JobStore
 from timeshare.state import Phase
 
 NON_DEFAULT_SECTIONS: dict[str, Any] = {
@@ -112,7 +112,7 @@ async def test_job_keys_act_in_a_real_run(runtime_dir: Path) -> None:
     store = JobStore.host()
     summary = await run(cfg, store)
     assert (summary.first_step, summary.step) == (5, 7)
-    assert len(store.get(state_key(0), timeout_s=5.0)["phases"]) == 3
+    assert len(store.published(0, timeout_s=5.0).phases) == 3
     assert stat.S_IMODE(os.stat(cfg.job.runtime_dir).st_mode) == 0o700
     assert_nothing_left(runtime_dir)
 

@@ -19,6 +19,7 @@ from timeshare.cycle.telling import Telling
 from timeshare.cycle.workers import Workers
 from timeshare.errors import CycleFailed, NodeLost, StoreError
 from timeshare.protocols.commands import WorkerId
+from timeshare.protocols.commands.params import LogLevelParams, PhaseParams
 from timeshare.protocols.store import AsyncJobStore
 from timeshare.state import Commanded, Crossed, Phase, Request, Requested, initial_state
 
@@ -39,7 +40,7 @@ class NoWorkers(Workers):
         self,
         worker: WorkerId,
         command: str,
-        params: dict[str, Any] | None = None,
+        params: PhaseParams | None = None,
         *,
         deadline_s: float,
         returns: type[R],
@@ -50,7 +51,7 @@ class NoWorkers(Workers):
         self,
         worker: WorkerId,
         command: str,
-        params: dict[str, Any] | None = None,
+        params: LogLevelParams | None = None,
         *,
         timeout_s: float,
     ) -> Any:

@@ -25,6 +25,7 @@ from timeshare.errors import (
     WorkerStalled,
 )
 from timeshare.protocols.commands import WorkerId
+from timeshare.protocols.commands.params import PhaseParams
 from timeshare.protocols.store import JobStore, state_key
 from timeshare.state import MEMORY_FENCES, Blame, JobState, Lifecycle, Phase
 
@@ -72,8 +73,9 @@ async def test_a_clean_run_goes_round_the_cycle_and_shuts_the_workers_down(tmp_p
     trains = [c for c in workers.commands("train") if c.worker.role == "trainer"]
     assert len(trains) == 4
     for train in trains:
-        rank, step = train.worker.rank, train.params["step"]
-        assert bytes(train.params["batch"]) == bytes(samples_of(rank, step - 1))
+        assert isinstance(train.params, PhaseParams)
+        rank, step = train.worker.rank, train.params.step or 0
+        assert bytes(train.params.batch) == bytes(samples_of(rank, step - 1))
 
 
 @pytest.mark.asyncio

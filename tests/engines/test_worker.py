@@ -20,7 +20,13 @@ from timeshare.engines.faults import Fault
 from timeshare.engines.worker import Role, WorkerSpec
 from timeshare.errors import WorkerError
 from timeshare.protocols.commands import WorkerId, WorkerLanes, watch_process
-from timeshare.protocols.commands.results import BootstrapResult, RolloutResult, SyncResult
+from timeshare.protocols.commands.params import PhaseParams
+from timeshare.protocols.commands.results import (
+    BootstrapResult,
+    HeldResult,
+    RolloutResult,
+    SyncResult,
+)
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import TransferConfig
 
@@ -136,4 +142,44 @@ async def test_abort_ends_a_trainers_sync_and_its_sender_frees_staging(runtime_d
             status = await lanes.control(TRAINER, "status", timeout_s=5.0)
             assert status["busy"] is None
             await lanes.call(TRAINER, "shutdown", deadline_s=10.0, returns=type(None))
+    assert socket_files(runtime_dir) == []
+
+
+@pytest.mark.asyncio
+async def test_params_of_the_wrong_shape_fail_the_call_by_name_and_the_worker_serves_on(
+    runtime_dir: Path,
+) -> None:
+    """A phase's params are a typed Struct (protocols/commands/params.py): a field of the wrong
+    type or one the worker does not know fails that call naming what was wrong; so does an
+    unknown log level. The next good call is answered."""
+    store = JobStore.host()
+    async with WorkerLanes.open(runtime_dir, stall_timeout_s=60.0) as lanes:
+        spec = spec_of(lanes, runtime_dir, store, "rollout", transfer=TransferConfig())
+        async with running(lanes, spec):
+            bad = {
+                "held": (
+                    {"step": "three"},
+                    "bad params for held: Expected `int | null`, got `str` - at `$.step`",
+                ),
+                "barrier": (
+                    {"stpe": 3},
+                    "bad params for barrier: Object contains unknown field `stpe`",
+                ),
+            }
+            for command, (params, said) in bad.items():
+                with pytest.raises(WorkerError) as failed:
+                    await lanes.call(ROLLOUT, command, params, deadline_s=30.0, returns=object)
+                assert failed.value.remote_type == "ProtocolError"
+                assert said in str(failed.value)
+            with pytest.raises(WorkerError, match="no log level 'loud'"):
+                await lanes.control(ROLLOUT, "log_level", {"level": "loud"}, timeout_s=5.0)
+            assert (
+                await lanes.control(ROLLOUT, "log_level", {"level": "debug"}, timeout_s=5.0)
+                == "debug"
+            )
+            held = await lanes.call(
+                ROLLOUT, "held", PhaseParams(), deadline_s=30.0, returns=HeldResult
+            )
+            assert held.held_mb == 0.0
+            await lanes.call(ROLLOUT, "shutdown", deadline_s=10.0, returns=type(None))
     assert socket_files(runtime_dir) == []

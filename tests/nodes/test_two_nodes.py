@@ -26,7 +26,7 @@ from tests.nodes.cluster import (
 from tests.ports import free_port
 from tests.report.trace_format import check_events, check_timeline, load_trace, ns
 from timeshare.protocols.commands.results import ROLES
-from timeshare.protocols.store import JobStore, state_key
+from timeshare.protocols.store import JobStore
 from timeshare.report.trace import track_of
 
 STEPS = 5
@@ -146,8 +146,8 @@ def test_a_pause_given_on_the_follower_pauses_both_nodes_at_the_same_step(
         assert re.search(rf"node 1 +ranks 2-3  paused step {step} .* alive", table.stdout), table
         # The job store holds where each node stands under its own key (not the last writer's).
         store = JobStore.connect("127.0.0.1", port, timeout_s=30.0)
-        published = [store.get(state_key(node), timeout_s=30.0) for node in (0, 1)]
-        assert [(p["node"], p["lifecycle"], p["step"]) for p in published] == [
+        published = [store.published(node, timeout_s=30.0) for node in (0, 1)]
+        assert [(p.node, p.lifecycle, p.step) for p in published] == [
             (0, "paused", step),
             (1, "paused", step),
         ]

@@ -14,14 +14,22 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import structlog
 
 from timeshare.errors import Aborted
 from timeshare.protocols.commands import WorkerServer
 
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+
+def as_mapping(handler: Callable[[dict[str, Any]], Any]) -> Callable[[msgspec.Raw], Any]:
+    """A handler of these tests takes its params as a plain mapping (the engines' handlers
+    decode theirs as a typed Struct: protocols/commands/params.py)."""
+    return lambda raw: handler(msgspec.msgpack.decode(raw))
 
 
 def main() -> None:
@@ -77,15 +85,18 @@ def main() -> None:
         rank=args["rank"],
         heartbeat_s=args.get("heartbeat_s", 0.1),
         handlers={
-            "echo": echo,
-            "work": work,
-            "hang": hang,
-            "compute": compute,
-            "spin": spin,
-            "wait_on_peer": wait_on_peer,
-            "hang_hard": hang_hard,
-            "raise": fail,
-            "die": die,
+            name: as_mapping(handler)
+            for name, handler in {
+                "echo": echo,
+                "work": work,
+                "hang": hang,
+                "compute": compute,
+                "spin": spin,
+                "wait_on_peer": wait_on_peer,
+                "hang_hard": hang_hard,
+                "raise": fail,
+                "die": die,
+            }.items()
         },
     )
     server.serve()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+
 from timeshare.protocols.commands import WorkerServer, frames
 
 
@@ -17,7 +19,7 @@ def busy_server() -> WorkerServer:
         rank=0,
         handlers={},
     )
-    server._busy = frames.Call(7, "train", {})
+    server._busy = frames.Call(7, "train", msgspec.Raw(b"\x80"))
     return server
 
 

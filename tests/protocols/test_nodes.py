@@ -17,7 +17,7 @@ from timeshare.protocols.nodes import (
     NodeSeen,
     record_key,
 )
-from timeshare.protocols.store import JobStore
+from timeshare.protocols.store import JobStore, Json
 
 LOST_S = 0.3
 
@@ -187,7 +187,7 @@ class CountingReads:
         self.store = store
         self.reads: list[int] = []
 
-    def read_present(self, keys: list[str]) -> list[object]:
+    def read_present(self, keys: list[str]) -> list[Json]:
         self.reads.append(len(keys))
         return self.store.read_present(keys)
 

@@ -18,6 +18,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from timeshare.cycle.workers import Workers
 from timeshare.errors import TimeshareError
 from timeshare.protocols.commands import WorkerId
+from timeshare.protocols.commands.params import LogLevelParams
 from timeshare.protocols.store import AsyncJobStore, JobCommand
 from timeshare.state import Commanded, Request, Requested, StepsChanged
 
@@ -117,8 +118,7 @@ async def _set_log_level(workers: Workers, worker_ids: list[WorkerId], command: 
     """Over the control lanes, answered while work runs; a worker that misses it is logged."""
     for worker in worker_ids:
         try:
-            await workers.control(
-                worker, "log_level", command.params, timeout_s=LOG_LEVEL_TIMEOUT_S
-            )
+            level = LogLevelParams(str(command.params.get("level", "")))
+            await workers.control(worker, "log_level", level, timeout_s=LOG_LEVEL_TIMEOUT_S)
         except TimeshareError as exc:
             log.warning("cycle.log_level.missed", worker=str(worker), error=str(exc))

@@ -12,9 +12,9 @@ inbox. On one node there is no beat and no crossing: only a lost store is still 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
@@ -142,17 +142,19 @@ class NodeCoordinator:
         )
         agreed = await cross_nodes(
             self.crossing,
-            {"step": step, "commands": commands},
+            StartBrought(step=step, commands=commands),
             agreed_start,
+            brought_as=StartBrought,
+            agreed_as=StartAgreed,
             following=Phase.SYNC,
             ranks_per_node=self.ranks,
             timeout_s=self.deadlines().ready_s + load_s,
         )
-        if agreed["steps_by_node"] is not None:  # a checkpoint directory not shared, maybe
-            log.warning("cycle.nodes.steps_differ", steps_by_node=agreed["steps_by_node"])
+        if agreed.steps_by_node is not None:  # a checkpoint directory not shared, maybe
+            log.warning("cycle.nodes.steps_differ", steps_by_node=agreed.steps_by_node)
         assert self.beat is not None
         self.beat.judging = True  # every node came: from now on, a node gone quiet is lost
-        return int(agreed["step"]), int(agreed["commands"])
+        return agreed.step, agreed.commands
 
     def start_crossing(self, group: TaskGroup, following: Phase, commands: CommandFeed) -> None:
         """Meet the other nodes at the fence before `following`, as a task of `group`."""
@@ -178,11 +180,13 @@ class NodeCoordinator:
                     self.crossing,
                     last_command_seen,
                     newest_command,
+                    brought_as=CommandsSeen,
+                    agreed_as=CommandsSeen,
                     following=following,
                     ranks_per_node=self.ranks,
                     timeout_s=timeout_s,
                 )
-                through = int(agreed["commands"])
+                through = agreed.commands
                 await commands.read_through(through)  # into the inbox, before the crossing
             except CycleFailed as failed:
                 await self.reports.send(failed)
@@ -210,22 +214,46 @@ class NodeCoordinator:
         return "start" if state.lifecycle is Lifecycle.STARTING else state.phases[0].value
 
 
-def last_command_seen(store: JobStore) -> dict[str, Any]:
+class CommandsSeen(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a node brings to a crossing, and what they agree: the generation of the newest
+    command written that the node had seen."""
+
+    commands: int
+
+
+class StartBrought(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a node brings to the start's crossing: the step its checkpoint holds, and the
+    newest command it had seen."""
+
+    step: int
+    commands: int
+
+
+class StartAgreed(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where the job starts: the smallest step and command generation any node brought, and
+    every node's step where they differ (None where all are the same)."""
+
+    step: int
+    commands: int
+    steps_by_node: list[int] | None = None
+
+
+def last_command_seen(store: JobStore) -> CommandsSeen:
     """What this node brings to a crossing: the generation of the newest command written."""
-    return {"commands": store.latest_command()}
+    return CommandsSeen(store.latest_command())
 
 
-def newest_command(brought: list[Any]) -> dict[str, Any]:
+def newest_command(brought: list[CommandsSeen]) -> CommandsSeen:
     """A crossing's agreement: commands apply up to the newest any node had seen."""
-    return {"commands": max(int(node["commands"]) for node in brought)}
+    return CommandsSeen(max(node.commands for node in brought))
 
 
-def agreed_start(brought: list[Any]) -> dict[str, Any]:
+def agreed_start(brought: list[StartBrought]) -> StartAgreed:
     """The start's agreement: the smallest step and command generation any node brought, and
     every node's step where they differ."""
-    steps = [int(node["step"]) for node in brought]
-    return {
-        "step": min(steps),
-        "commands": min(int(node["commands"]) for node in brought),
-        "steps_by_node": steps if len(set(steps)) > 1 else None,
-    }
+    steps = [node.step for node in brought]
+    return StartAgreed(
+        step=min(steps),
+        commands=min(node.commands for node in brought),
+        steps_by_node=steps if len(set(steps)) > 1 else None,
+    )

@@ -25,6 +25,7 @@ from timeshare.errors import (
     WorkerFailure,
 )
 from timeshare.protocols.commands import LaneCall, WorkerId
+from timeshare.protocols.commands.params import PhaseParams
 from timeshare.protocols.commands.results import (
     ROLES,
     BootstrapResult,
@@ -32,7 +33,7 @@ from timeshare.protocols.commands.results import (
     HeldResult,
     result_type,
 )
-from timeshare.protocols.nodes import NodeCrossing
+from timeshare.protocols.nodes import A, B, NodeCrossing
 from timeshare.protocols.store import JobStore
 from timeshare.state import Blame, Held, JobState, Phase
 
@@ -89,7 +90,7 @@ async def bootstrap(
 
     async def load(worker: WorkerId) -> None:
         returns = result_type("bootstrap", worker.role)
-        result = await workers.call(worker, "bootstrap", {}, deadline_s=deadline_s, returns=returns)
+        result = await workers.call(worker, "bootstrap", deadline_s=deadline_s, returns=returns)
         if isinstance(result, BootstrapResult):
             results[worker.rank] = result
 
@@ -101,7 +102,7 @@ async def run_phase(
     workers: Workers,
     rank: int,
     phase: Phase,
-    params: dict[str, dict[str, Any]],
+    params: dict[str, PhaseParams],
     deadline_s: float,
 ) -> dict[str, CommandResult]:
     """Both workers of `rank` run `phase` with their `params` (by role); their results."""
@@ -130,18 +131,22 @@ async def meet_at_barrier(meeting: NodeMeeting, rank: int, timeout_s: float) -> 
 
 async def cross_nodes(
     crossing: NodeCrossing,
-    value: dict[str, Any] | Callable[[JobStore], dict[str, Any]],
-    fold: Callable[[list[Any]], dict[str, Any]],
+    value: B | Callable[[JobStore], B],
+    fold: Callable[[list[B]], A],
     *,
+    brought_as: type[B],
+    agreed_as: type[A],
     following: Phase,
     ranks_per_node: int,
     timeout_s: float,
-) -> dict[str, Any]:
+) -> A:
     """This node waits for every other node at the fence before `following`; `fold` of what
     each brought. A node that does not come is the run's failure, named with its ranks (the
     first of them, if several: the message lists all)."""
     try:
-        return await crossing.cross(value, fold, timeout_s=timeout_s)
+        return await crossing.cross(
+            value, fold, brought_as=brought_as, agreed_as=agreed_as, timeout_s=timeout_s
+        )
     except CollectiveTimeout as exc:  # (a store gone is StoreError: the caller's to name)
         node = exc.missing[0]
         ranks = ranks_of_node(node, ranks_per_node)
@@ -155,7 +160,7 @@ async def held_memory(
     held: dict[WorkerId, HeldResult] = {}
 
     async def ask(worker: WorkerId) -> None:
-        result = await workers.call(worker, "held", {}, deadline_s=deadline_s, returns=HeldResult)
+        result = await workers.call(worker, "held", deadline_s=deadline_s, returns=HeldResult)
         held[worker] = result
 
     await _on_every_worker(ranks, ask, "pause")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import anyio
 import msgspec
@@ -43,6 +42,7 @@ from timeshare.cycle.phases import (
 from timeshare.cycle.telling import Telling
 from timeshare.cycle.workers import Workers, WorkerSpawner, spawn_workers, worker_ids
 from timeshare.errors import CycleFailed, StoreError, WorkerFailure
+from timeshare.protocols.commands.params import NO_SAMPLES, PhaseParams
 from timeshare.protocols.commands.results import CommandResult, HeldResult, RolloutResult
 from timeshare.protocols.nodes import BEAT_S
 from timeshare.protocols.store import AsyncJobStore, JobStore
@@ -405,9 +405,11 @@ class _Cycle:
 
     async def _run_phase(self, rank: int, phase: Phase, step: int) -> None:
         started = time.monotonic()
-        params: dict[str, dict[str, Any]] = {"trainer": {"step": step}, "rollout": {"step": step}}
-        if phase is Phase.TRAIN:
-            params["trainer"]["batch"] = self.batches.pop(rank, [])
+        batch = self.batches.pop(rank, NO_SAMPLES) if phase is Phase.TRAIN else NO_SAMPLES
+        params = {
+            "trainer": PhaseParams(step=step, batch=batch),
+            "rollout": PhaseParams(step=step),
+        }
         try:
             deadline_s = self.deadlines.for_command(phase.value)
             global_rank = self.node_ranks[rank]

@@ -32,6 +32,7 @@ from timeshare.durable import write_atomically
 from timeshare.engines.worker import WorkerSpec
 from timeshare.errors import WorkerDied, WorkerFailure, WorkersNotReady
 from timeshare.protocols.commands import LaneCall, WorkerId, WorkerLanes
+from timeshare.protocols.commands.params import LogLevelParams, PhaseParams
 from timeshare.protocols.commands.processes import describe_exit
 from timeshare.protocols.commands.results import ROLES
 from timeshare.protocols.store import JobStore
@@ -65,7 +66,7 @@ class Workers(Protocol):
         self,
         worker: WorkerId,
         command: str,
-        params: dict[str, Any] | None = None,
+        params: PhaseParams | None = None,
         *,
         deadline_s: float,
         returns: type[R],
@@ -79,6 +80,7 @@ class Workers(Protocol):
         results: dict[int, Any] = {}
 
         async def run(index: int, call: LaneCall) -> None:
+            assert call.params is None or isinstance(call.params, PhaseParams), call.params
             results[index] = await self.call(
                 call.worker, call.command, call.params, deadline_s=deadline_s, returns=call.returns
             )
@@ -95,7 +97,7 @@ class Workers(Protocol):
         self,
         worker: WorkerId,
         command: str,
-        params: dict[str, Any] | None = None,
+        params: LogLevelParams | None = None,
         *,
         timeout_s: float,
     ) -> Any:
@@ -136,7 +138,7 @@ class WorkerProcesses(Workers):
         self,
         worker: WorkerId,
         command: str,
-        params: dict[str, Any] | None = None,
+        params: PhaseParams | None = None,
         *,
         deadline_s: float,
         returns: type[R],
@@ -152,7 +154,7 @@ class WorkerProcesses(Workers):
         self,
         worker: WorkerId,
         command: str,
-        params: dict[str, Any] | None = None,
+        params: LogLevelParams | None = None,
         *,
         timeout_s: float,
     ) -> Any:

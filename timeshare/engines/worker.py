@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 import structlog
@@ -43,8 +43,10 @@ from timeshare.engines.outlet import digested, drain
 from timeshare.engines.pairs import build_rollout, build_trainer, workload_of
 from timeshare.engines.spec import EngineSpec
 from timeshare.engines.task import Workload
-from timeshare.errors import SimulatedFault
+from timeshare.errors import ProtocolError, SimulatedFault
 from timeshare.protocols.commands import WorkerServer
+from timeshare.protocols.commands.params import PhaseParams
+from timeshare.protocols.commands.params import decode as decode_params
 from timeshare.protocols.commands.results import (
     BootstrapResult,
     CommandResult,
@@ -105,7 +107,7 @@ def fire_faults(spec: WorkerSpec, phase: str, step: int | None) -> None:
         threading.Event().wait()  # hang: no progress until aborted or killed
 
 
-Handler = Callable[[dict[str, Any]], CommandResult]
+Handler = Callable[[PhaseParams], CommandResult]
 NOTHING_TO_DO: Handler = lambda params: CommandResult()  # noqa: E731 - a phase of the other side
 
 
@@ -165,19 +167,19 @@ class TrainerWorker:
             "held": self.held,
         }
 
-    def bootstrap(self, params: dict[str, Any]) -> BootstrapResult:
+    def bootstrap(self, params: PhaseParams) -> BootstrapResult:
         step = self.engine.bootstrap(Path(self.spec.checkpoint_dir))
         return BootstrapResult(step=step, train=self.engine.last_train)
 
-    def train(self, params: dict[str, Any]) -> TrainResult:
-        batch = msgspec.convert(params.get("batch", []), list[RolloutSample])
+    def train(self, params: PhaseParams) -> TrainResult:
+        batch = _decoded_samples(params.batch)
         return TrainResult(figures=self.engine.train_step(batch))
 
-    def offload(self, params: dict[str, Any]) -> CommandResult:
+    def offload(self, params: PhaseParams) -> CommandResult:
         self.engine.offload()
         return CommandResult()
 
-    def sync(self, params: dict[str, Any]) -> SyncResult:
+    def sync(self, params: PhaseParams) -> SyncResult:
         with self.spans.span("prepare"):
             self.engine.prepare_sync()
         digest = WeightsDigest()
@@ -214,7 +216,7 @@ class TrainerWorker:
             self.engine.finish_sync()
             self.engine.offload_params()
 
-    def held(self, params: dict[str, Any]) -> HeldResult:
+    def held(self, params: PhaseParams) -> HeldResult:
         return HeldResult(held_mb=self.engine.held_mb())
 
     def close(self) -> None:
@@ -263,7 +265,7 @@ class RolloutWorker:
             "held": self.held,
         }
 
-    def sync(self, params: dict[str, Any]) -> SyncResult:
+    def sync(self, params: PhaseParams) -> SyncResult:
         self.engine.begin_weight_update()
         with self.spans.span("wake weights"):
             self.engine.wake({"weights"})
@@ -272,16 +274,16 @@ class RolloutWorker:
         self.spans.extend(report.spans)
         return sync_result(report, self.engine.digest(), workers=self.engine.worker_loads)
 
-    def resume(self, params: dict[str, Any]) -> CommandResult:
+    def resume(self, params: PhaseParams) -> CommandResult:
         with self.spans.span("wake kv_cache"):
             self.engine.wake({"kv_cache"})
         return CommandResult()
 
-    def held(self, params: dict[str, Any]) -> HeldResult:
+    def held(self, params: PhaseParams) -> HeldResult:
         return HeldResult(held_mb=self.engine.held_mb(), resident_mb=self.engine.resident_mb())
 
-    def rollout(self, params: dict[str, Any]) -> RolloutResult:
-        step = int(params.get("step", 0))
+    def rollout(self, params: PhaseParams) -> RolloutResult:
+        step = params.step or 0
         # Each rank's batch in a generate of its own: an engine seeds each request by its place
         # in the batch, so a rank samples what it would with an engine of its own.
         by_rank = {rank: self.generate(rank, step) for rank in self.ranks}
@@ -316,6 +318,14 @@ def _encoded(samples: list[RolloutSample]) -> msgspec.Raw:
     return msgspec.Raw(msgspec.msgpack.encode(samples))
 
 
+def _decoded_samples(batch: msgspec.Raw) -> list[RolloutSample]:
+    """TRAIN's batch as the rollout encoded it (`_encoded`), passed on by the driver."""
+    try:
+        return msgspec.msgpack.decode(batch, type=list[RolloutSample])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"bad params for train: batch: {exc}") from exc
+
+
 class ServedRollout:
     """The rollout worker of a rank whose rollout another rank's engine serves (the leader of
     its tensor-parallel group): no engine of its own; it answers every phase saying so."""
@@ -337,11 +347,11 @@ class ServedRollout:
             "held": lambda params: HeldResult(held_mb=0.0),
         }
 
-    def sync(self, params: dict[str, Any]) -> SyncResult:
-        nothing = TransferReport(int(params.get("step", 0)), 0, 0, 0, 0.0)
+    def sync(self, params: PhaseParams) -> SyncResult:
+        nothing = TransferReport(params.step or 0, 0, 0, 0, 0.0)
         return SyncResult(transfer=nothing, served_by=self.leader)
 
-    def rollout(self, params: dict[str, Any]) -> RolloutResult:
+    def rollout(self, params: PhaseParams) -> RolloutResult:
         return RolloutResult(samples=_encoded([]), served_by=self.leader)
 
     def close(self) -> None:
@@ -356,7 +366,7 @@ def run(spec: WorkerSpec) -> None:
         engine=spec.engine.trainer if spec.role == "trainer" else spec.engine.rollout,
     )
     store = JobStore.connect(spec.store_host, spec.store_port, timeout_s=30.0)
-    handlers: dict[str, Callable[[dict[str, Any]], object]] = {}
+    handlers: dict[str, Callable[[msgspec.Raw], object]] = {}
     server = WorkerServer(
         work_endpoint=spec.work_endpoint,
         control_endpoint=spec.control_endpoint,
@@ -399,13 +409,17 @@ def run(spec: WorkerSpec) -> None:
         server.serve()
 
 
-def _phase_handler(spec: WorkerSpec, phase: str, handler: Handler, spans: Spans) -> Handler:
-    """Fire the faults injected for this phase, run it, and say how long the engine worked and
-    where that time went: a span of the whole command (named after it), then those within."""
+def _phase_handler(
+    spec: WorkerSpec, phase: str, handler: Handler, spans: Spans
+) -> Callable[[msgspec.Raw], CommandResult]:
+    """Decode the phase's params, fire the faults injected for it, run it, and say how long the
+    engine worked and where that time went: a span of the whole command (named after it), then
+    those within."""
 
-    def run_phase(params: dict[str, Any]) -> CommandResult:
-        structlog.contextvars.bind_contextvars(phase=phase, step=params.get("step"))
-        fire_faults(spec, phase, params.get("step"))
+    def run_phase(raw: msgspec.Raw) -> CommandResult:
+        params = decode_params(raw, PhaseParams, phase)
+        structlog.contextvars.bind_contextvars(phase=phase, step=params.step)
+        fire_faults(spec, phase, params.step)
         spans.take()  # (what a failed command left)
         started = time.monotonic()
         result = handler(params)

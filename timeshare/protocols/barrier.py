@@ -20,13 +20,14 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Any
 
 import anyio
 
 from timeshare.errors import CollectiveTimeout, StoreError
-from timeshare.protocols.store import JobStore
+from timeshare.protocols.store import JobStore, Json
 
+# What the last rank to arrive makes of every rank's value (in rank order), for all of them.
+Fold = Callable[[list[Json]], Json]
 WAKE_S = 5.0  # for writing a rank's own wake key (its deadline, its cancellation)
 BACKSTOP_S = 30.0  # the store's own wait outlasts the deadline: the waker ends it first
 
@@ -59,7 +60,7 @@ class Barrier:
             raise self._timeout(name, generation, timeout_s) from exc
         return generation
 
-    async def wait(self, name: str, *, timeout_s: float, value: Any = True) -> int:
+    async def wait(self, name: str, *, timeout_s: float, value: object = True) -> int:
         """Like `wait_blocking`, for the event loop: cancellable at once, no thread left behind.
         `value` (JSON) is what this rank brings; `values` reads what every rank brought."""
         generation = self._next(name)
@@ -71,9 +72,9 @@ class Barrier:
         name: str,
         *,
         timeout_s: float,
-        value: Any | Callable[[JobStore], Any],
-        fold: Callable[[list[Any]], Any],
-    ) -> Any:
+        value: object | Callable[[JobStore], object],
+        fold: Fold,
+    ) -> Json:
         """Arrive with `value` (JSON), wait for every rank, and return `fold` of what every rank
         brought (in rank order): one worker thread for all of it.
 
@@ -85,7 +86,7 @@ class Barrier:
         generation = self._next(name)
         return await self._meet(name, generation, value, timeout_s, fold)
 
-    def values(self, name: str, generation: int) -> list[Any]:
+    def values(self, name: str, generation: int) -> list[Json]:
         """What every rank brought to a generation all of them reached, in rank order."""
         return self.store.read_many([_key(name, generation, r) for r in range(self.world_size)])
 
@@ -95,10 +96,10 @@ class Barrier:
         self,
         name: str,
         generation: int,
-        value: Any,
+        value: object | Callable[[JobStore], object],
         timeout_s: float,
-        fold: Callable[[list[Any]], Any] | None,
-    ) -> Any:
+        fold: Fold | None,
+    ) -> Json:
         """Arrive and wait in one worker thread, while a task of the loop stands ready to wake
         it: at the deadline, or when this wait is cancelled."""
         if self.waker is None:
@@ -176,9 +177,9 @@ class Barrier:
         self,
         name: str,
         generation: int,
-        value: Any,
+        value: object,
         wait_s: float,
-        fold: Callable[[list[Any]], Any] | None,
+        fold: Fold | None,
     ) -> _Agreed | None:
         """Arrive at `generation`; the last rank to arrive folds every value and wakes every
         other with the result. The result once every rank arrived; None when this rank's wait
@@ -196,7 +197,7 @@ class Barrier:
         else:
             self.store.wait([wake], timeout_s=wait_s)
             woke_to = self.store.read(wake)
-            if "agreed" in woke_to:
+            if isinstance(woke_to, dict) and "agreed" in woke_to:
                 agreed = _Agreed(woke_to["agreed"])
             elif self.store.add(_count(name, generation), 0) >= self.world_size:
                 agreed = self._fold(name, generation, fold)  # all came as it woke itself
@@ -204,7 +205,7 @@ class Barrier:
                 return None
         return agreed
 
-    def _fold(self, name: str, generation: int, fold: Callable[[list[Any]], Any] | None) -> _Agreed:
+    def _fold(self, name: str, generation: int, fold: Fold | None) -> _Agreed:
         return _Agreed(None if fold is None else fold(self.values(name, generation)))
 
     def _forget(self, name: str, generation: int) -> None:
@@ -235,7 +236,7 @@ class Barrier:
 class _Agreed:
     """What a generation every rank reached came to (`fold`'s result; None without one)."""
 
-    value: Any
+    value: Json
 
 
 def _key(name: str, generation: int, rank: int) -> str:

@@ -26,16 +26,19 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from timeshare.cluster import ranks_of_node
 from timeshare.errors import CollectiveTimeout, NodeLost, StoreError
 from timeshare.protocols.barrier import Barrier
-from timeshare.protocols.store import JobStore
+from timeshare.protocols.store import JobStore, Json
 from timeshare.state import JobState
 
+T = TypeVar("T")
+B = TypeVar("B", bound=msgspec.Struct)  # what each node brings to a crossing
+A = TypeVar("A", bound=msgspec.Struct)  # what the nodes agree at it
 BEAT_S = 0.5
 # Up to this many nodes a follower reads every record at every beat (as the leader always does);
 # beyond, one beat in ceil(nodes / FULL_READ_NODES): the store sends at most this many records
@@ -279,17 +282,29 @@ class NodeCrossing:
 
     async def cross(
         self,
-        value: dict[str, Any] | Callable[[JobStore], dict[str, Any]],
-        fold: Callable[[list[Any]], dict[str, Any]],
+        value: B | Callable[[JobStore], B],
+        fold: Callable[[list[B]], A],
         *,
+        brought_as: type[B],
+        agreed_as: type[A],
         timeout_s: float,
-    ) -> dict[str, Any]:
+    ) -> A:
         """Arrive with `value` (or what it reads from the store as this node arrives), wait for
         every node; `fold` of what every node brought (in node order), folded once for the job
-        by the node that arrived last (`Barrier.agree`)."""
+        by the node that arrived last (`Barrier.agree`). What a node brings and what they agree
+        are Structs: a value of the wrong shape is a `StoreError` naming the crossing."""
+
+        def bring(store: JobStore) -> object:
+            return msgspec.to_builtins(value(store) if callable(value) else value)
+
+        def fold_values(values: list[Json]) -> Json:
+            brought = [self._converted(v, brought_as) for v in values]
+            folded: Json = msgspec.to_builtins(fold(brought))
+            return folded
+
         try:
             agreed = await self.barrier.agree(
-                self.name, timeout_s=timeout_s, value=value, fold=fold
+                self.name, timeout_s=timeout_s, value=bring, fold=fold_values
             )
         except CollectiveTimeout as exc:
             missing = ", ".join(f"node {n}" for n in exc.missing)
@@ -300,4 +315,10 @@ class NodeCrossing:
                 generation=exc.generation,
                 missing=exc.missing,
             ) from exc
-        return dict(agreed)
+        return self._converted(agreed, agreed_as)
+
+    def _converted(self, value: Json, kind: type[T]) -> T:
+        try:
+            return msgspec.convert(value, kind)
+        except msgspec.ValidationError as exc:
+            raise StoreError(f"{self.name}: a value of the wrong shape: {exc}") from exc

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import anyio
 import msgspec
@@ -39,6 +39,21 @@ def heard_key(generation: int, node: int) -> str:
     """Where node `node` says it read the command of `generation` while idle (a stop: the
     leader's daemon, which hosts the store, waits for it before it exits)."""
     return f"{COMMAND}/{generation}/heard/{node}"
+
+
+# What the store holds under a key: a JSON value, read back as one (a reader converts it to
+# its own type: msgspec.convert).
+Json: TypeAlias = dict[str, "Json"] | list["Json"] | str | int | float | bool | None
+
+
+class Published(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one node's part of the job stands, as its driver publishes it (`state_key`)."""
+
+    node: int
+    lifecycle: str
+    step: int
+    phases: list[str]
+    reason: str | None = None
 
 
 class JobCommand(msgspec.Struct, frozen=True):
@@ -100,11 +115,11 @@ class JobStore:
         with self._mapped(key):
             return int(self._store.add(PREFIX + key, amount))
 
-    def put(self, key: str, value: Any) -> None:
+    def put(self, key: str, value: object) -> None:
         with self._mapped(key):
             self._store.set(PREFIX + key, json.dumps(value))
 
-    def put_many(self, items: dict[str, Any]) -> None:
+    def put_many(self, items: dict[str, object]) -> None:
         """Write every key of `items` in one request."""
         if not items:
             return
@@ -113,18 +128,19 @@ class JobStore:
             # (torch's Store has multi_set; its type stub lacks it)
             self._store.multi_set(keys, [json.dumps(v) for v in items.values()])  # type: ignore[attr-defined]
 
-    def get(self, key: str, *, timeout_s: float) -> Any:
+    def get(self, key: str, *, timeout_s: float) -> Json:
         """The JSON value under `key`, waiting at most `timeout_s` for it to be written."""
         self.wait([key], timeout_s=timeout_s)
         return self.read(key)
 
-    def read(self, key: str) -> Any:
+    def read(self, key: str) -> Json:
         """The JSON value under `key`, which the caller knows is written (else the store's own
         timeout, then `StoreError`)."""
         with self._mapped(key):
-            return json.loads(self._store.get(PREFIX + key))
+            value: Json = json.loads(self._store.get(PREFIX + key))
+            return value
 
-    def read_many(self, keys: list[str]) -> list[Any]:
+    def read_many(self, keys: list[str]) -> list[Json]:
         """The JSON values under `keys`, all known to be written: one request for all of them
         (a crossing's values of every node, every node's record at a beat), not one each."""
         if not keys:
@@ -132,7 +148,7 @@ class JobStore:
         with self._mapped(str(keys)):
             return [json.loads(raw) for raw in self._store.multi_get([PREFIX + k for k in keys])]
 
-    def read_present(self, keys: list[str]) -> list[Any | None]:
+    def read_present(self, keys: list[str]) -> list[Json]:
         """The JSON value under each key, None where none is written yet: two requests once
         every key is written (the common case), one more per key before."""
         if self.has_all(keys):
@@ -174,6 +190,10 @@ class JobStore:
     def _lost(self, key: str, exc: BaseException) -> StoreError:
         host, port = self.address
         return StoreError(f"job store at {host}:{port} failed on {key}: {exc}")
+
+    def published(self, node: int, *, timeout_s: float) -> Published:
+        """Where node `node`'s part of the job stands, once its driver has said."""
+        return msgspec.convert(self.get(state_key(node), timeout_s=timeout_s), Published)
 
     def record_command(self, command: str, **params: Any) -> int:
         """Write a cycle-changing command under a new generation; return the generation."""
@@ -241,22 +261,22 @@ class AsyncJobStore:
     async def next_generation(self, name: str) -> int:
         return await self._call(partial(self.blocking.next_generation, name))
 
-    async def put(self, key: str, value: Any) -> None:
+    async def put(self, key: str, value: object) -> None:
         await self._call(partial(self.blocking.put, key, value))
 
     async def publish(self, state: JobState, *, node: int) -> None:
         """Where node `node`'s part of the job stands, under `state_key(node)`: for every node
         and for operators (one key per node: with one for the job, the last writer won)."""
-        record = {
-            "node": node,
-            "lifecycle": state.lifecycle.value,
-            "step": state.step,
-            "phases": [p.value for p in state.phases],
-            "reason": state.reason,
-        }
-        await self.put(state_key(node), record)
+        record = Published(
+            node=node,
+            lifecycle=state.lifecycle.value,
+            step=state.step,
+            phases=[p.value for p in state.phases],
+            reason=state.reason,
+        )
+        await self.put(state_key(node), msgspec.to_builtins(record))
 
-    async def read_present(self, keys: list[str]) -> list[Any | None]:
+    async def read_present(self, keys: list[str]) -> list[Json]:
         return await self._call(partial(self.blocking.read_present, keys))
 
     async def record_command(self, command: str, **params: Any) -> int:

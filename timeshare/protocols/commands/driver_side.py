@@ -44,6 +44,7 @@ from timeshare.errors import (
 from timeshare.protocols.commands import frames
 from timeshare.protocols.commands.cpu_wait import process_cpu_wait_ns
 from timeshare.protocols.commands.lane_server import LANES, LaneServer, PendingCall
+from timeshare.protocols.commands.params import encode as encode_params
 from timeshare.protocols.commands.processes import WorkerId, describe_exit
 from timeshare.state.stall import CallHealth, CallSeen, judge_call
 
@@ -59,11 +60,12 @@ R = TypeVar("R")
 
 
 class LaneCall(NamedTuple):
-    """One command of `WorkerLanes.call_all`: `command` on `worker`, answered as a `returns`."""
+    """One command of `WorkerLanes.call_all`: `command` on `worker` with `params` (a Struct of
+    params.py; anything msgpack encodes), answered as a `returns`."""
 
     worker: WorkerId
     command: str
-    params: dict[str, Any]
+    params: object
     returns: type[Any]
 
 
@@ -132,7 +134,7 @@ class WorkerLanes:
         self,
         worker: WorkerId,
         command: str,
-        params: dict[str, Any] | None = None,
+        params: object = None,
         *,
         deadline_s: float,
         returns: type[R],
@@ -140,9 +142,7 @@ class WorkerLanes:
         """Run `command` on the worker's work lane; its result as `returns`, or a typed
         WorkerFailure (`BadResult` for an answer that is not a `returns`)."""
         result: R = (
-            await self.call_all(
-                [LaneCall(worker, command, params or {}, returns)], deadline_s=deadline_s
-            )
+            await self.call_all([LaneCall(worker, command, params, returns)], deadline_s=deadline_s)
         )[0]
         return result
 
@@ -158,23 +158,23 @@ class WorkerLanes:
         self,
         worker: WorkerId,
         command: str,
-        params: dict[str, Any] | None = None,
+        params: object = None,
         *,
         timeout_s: float,
     ) -> Any:
         """`status`, `abort` or `log_level` on the control lane, answered while work runs."""
-        reply = await self._call("control", worker, command, params or {}, timeout_s)
+        reply = await self._call("control", worker, command, params, timeout_s)
         return msgspec.msgpack.decode(reply)
 
     async def _call(
-        self, lane: str, worker: WorkerId, command: str, params: dict[str, Any], deadline_s: float
+        self, lane: str, worker: WorkerId, command: str, params: object, deadline_s: float
     ) -> msgspec.Raw:
         return (await self._call_all(lane, [(worker, command, params)], deadline_s))[0]
 
     async def _call_all(
         self,
         lane: str,
-        calls: Sequence[tuple[WorkerId, str, dict[str, Any]]],
+        calls: Sequence[tuple[WorkerId, str, object]],
         deadline_s: float,
     ) -> list[msgspec.Raw]:
         for worker, command, _ in calls:
@@ -185,7 +185,8 @@ class WorkerLanes:
             for worker, command, params in calls:
                 call_id = next(self._ids)
                 pending[call_id] = self._pending[call_id] = PendingCall(call_id, worker, command)
-                await self._send(lane, worker, frames.Call(call_id, command, params), deadline_s)
+                call = frames.Call(call_id, command, encode_params(params))
+                await self._send(lane, worker, call, deadline_s)
             await self._wait_for_replies(lane, list(pending.values()), time.monotonic(), deadline_s)
         finally:
             for call_id in pending:

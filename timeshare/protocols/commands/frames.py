@@ -3,7 +3,8 @@
 Driver and worker exchange, on either lane (each frame length-prefixed: lane_socket.py):
 
     worker -> driver   Hello       once per lane, on connecting: who this is
-    driver -> worker   Call        run `command` with `params` (id chosen by the driver)
+    driver -> worker   Call        run `command` with `params`, encoded on their own: the worker
+                                   decodes them with the type its handler takes (params.py)
     worker -> driver   Result      the call's return value, encoded on its own (`result`): the
                                    driver decodes it with the type it expects (results.py)
     worker -> driver   Failure     the call raised: exception type and message
@@ -11,8 +12,6 @@ Driver and worker exchange, on either lane (each frame length-prefixed: lane_soc
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import msgspec
 
@@ -33,7 +32,7 @@ class Hello(_Frame, frozen=True, tag="hello"):
 class Call(_Frame, frozen=True, tag="call"):
     id: int
     command: str
-    params: dict[str, Any]
+    params: msgspec.Raw  # msgpack of the command's params (params.py)
 
 
 class Result(_Frame, frozen=True, tag="result"):

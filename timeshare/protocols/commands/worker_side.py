@@ -23,13 +23,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
+import msgspec
 import structlog
 
 from timeshare import logs
 from timeshare.errors import Aborted, ProtocolError, UnknownCommand
-from timeshare.protocols.commands import frames
+from timeshare.protocols.commands import frames, params
 from timeshare.protocols.commands.cpu_wait import CpuWait
 from timeshare.protocols.commands.lane_socket import WorkerSocket
 from timeshare.protocols.commands.results import WorkerStatus
@@ -38,7 +39,9 @@ from timeshare.state.stall import call_idle_s, held_up_s, machine_time_s
 
 log = structlog.get_logger(__name__)
 
-Handler: TypeAlias = Callable[[dict[str, Any]], Any]
+# A command's handler: its params as the call carried them (it decodes them with its own type:
+# params.py), and what it returns, encoded as the call's result.
+Handler: TypeAlias = Callable[[msgspec.Raw], object]
 ABORT_SIGNAL = signal.SIGUSR1
 POLL_SLICE_S = 0.05
 CONNECT_S = 10.0  # the driver listens before it starts a worker: this is for a slow start
@@ -237,13 +240,23 @@ class WorkerServer:
             reply: frames.Result | frames.Failure = frames.result(call.id, self._abort())
         elif call.command == "status":
             reply = frames.result(call.id, self._status())
-        elif call.command == "log_level" and call.params.get("level") in logs.LEVELS:
-            logs.set_level(call.params["level"])  # the operator's, while work runs
-            log.info("worker.log_level.set", level=call.params["level"])
-            reply = frames.result(call.id, call.params["level"])
+        elif call.command == "log_level":
+            reply = self._set_log_level(call)
         else:
             reply = frames.failure(call.id, UnknownCommand(f"no control command {call.command!r}"))
         control.send(frames.encode(reply))
+
+    def _set_log_level(self, call: frames.Call) -> frames.Result | frames.Failure:
+        """The operator's level, while work runs; an unknown one refused naming the levels."""
+        try:
+            level = params.decode(call.params, params.LogLevelParams, call.command).level
+            if level not in logs.LEVELS:
+                raise ValueError(f"no log level {level!r} (one of {', '.join(logs.LEVELS)})")
+        except (ProtocolError, ValueError) as exc:
+            return frames.failure(call.id, exc)
+        logs.set_level(level)
+        log.info("worker.log_level.set", level=level)
+        return frames.result(call.id, level)
 
     def _abort(self) -> str | None:
         busy = self._busy
