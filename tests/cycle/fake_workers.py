@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 import msgspec
@@ -90,8 +90,10 @@ class FakeWorkers(Workers):
         params: LogLevelParams | None = None,
         *,
         timeout_s: float,
-    ) -> Any:
+        returns: type[R],
+    ) -> R:
         self.controls.append(Call(worker, command, params))
+        assert isinstance(command, returns)
         return command
 
     async def shut_down(self, *, deadline_s: float) -> None:

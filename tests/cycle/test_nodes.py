@@ -5,7 +5,7 @@ and a node gone quiet is the other's run's failure, naming it. On one node: no b
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import anyio
 import pytest
@@ -54,7 +54,8 @@ class NoWorkers(Workers):
         params: LogLevelParams | None = None,
         *,
         timeout_s: float,
-    ) -> Any:
+        returns: type[R],
+    ) -> R:
         raise AssertionError("not asked")
 
     async def shut_down(self, *, deadline_s: float) -> None:

@@ -26,6 +26,7 @@ from timeshare.protocols.commands.results import (
     HeldResult,
     RolloutResult,
     SyncResult,
+    WorkerStatus,
 )
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import TransferConfig
@@ -40,8 +41,8 @@ async def wait_busy(
     """Until the worker says, on its control lane, that it runs `command`."""
     with anyio.fail_after(timeout_s):
         for _ in range(int(timeout_s / 0.05)):
-            status = await lanes.control(worker, "status", timeout_s=5.0)
-            if status["busy"] == command:
+            status = await lanes.control(worker, "status", timeout_s=5.0, returns=WorkerStatus)
+            if status.busy == command:
                 return
             await anyio.sleep(0.05)
 
@@ -104,7 +105,10 @@ async def test_abort_interrupts_a_hanging_generate_within_a_second(runtime_dir: 
                 calls.start_soon(generate)
                 await wait_busy(lanes, "rollout")
                 asked = time.monotonic()
-                assert await lanes.control(ROLLOUT, "abort", timeout_s=5.0) == "rollout"
+                assert (
+                    await lanes.control(ROLLOUT, "abort", timeout_s=5.0, returns=object)
+                    == "rollout"
+                )
             assert outcome["error"].remote_type == "Aborted"
             assert outcome["at"] - asked < 1.0
             await lanes.call(ROLLOUT, "shutdown", deadline_s=10.0, returns=type(None))
@@ -135,12 +139,14 @@ async def test_abort_ends_a_trainers_sync_and_its_sender_frees_staging(runtime_d
                 await wait_busy(lanes, "sync", worker=TRAINER)
                 await anyio.sleep(0.3)  # into the handshake's wait
                 asked = time.monotonic()
-                assert await lanes.control(TRAINER, "abort", timeout_s=5.0) == "sync"
+                assert (
+                    await lanes.control(TRAINER, "abort", timeout_s=5.0, returns=object) == "sync"
+                )
             assert outcome["error"].remote_type == "Aborted"
             assert "sync aborted" in str(outcome["error"])
             assert outcome["at"] - asked < 2.0
-            status = await lanes.control(TRAINER, "status", timeout_s=5.0)
-            assert status["busy"] is None
+            status = await lanes.control(TRAINER, "status", timeout_s=5.0, returns=WorkerStatus)
+            assert status.busy is None
             await lanes.call(TRAINER, "shutdown", deadline_s=10.0, returns=type(None))
     assert socket_files(runtime_dir) == []
 
@@ -172,9 +178,13 @@ async def test_params_of_the_wrong_shape_fail_the_call_by_name_and_the_worker_se
                 assert failed.value.remote_type == "ProtocolError"
                 assert said in str(failed.value)
             with pytest.raises(WorkerError, match="no log level 'loud'"):
-                await lanes.control(ROLLOUT, "log_level", {"level": "loud"}, timeout_s=5.0)
+                await lanes.control(
+                    ROLLOUT, "log_level", {"level": "loud"}, timeout_s=5.0, returns=str
+                )
             assert (
-                await lanes.control(ROLLOUT, "log_level", {"level": "debug"}, timeout_s=5.0)
+                await lanes.control(
+                    ROLLOUT, "log_level", {"level": "debug"}, timeout_s=5.0, returns=str
+                )
                 == "debug"
             )
             held = await lanes.call(

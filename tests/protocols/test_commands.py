@@ -30,6 +30,7 @@ from timeshare.errors import (
 from timeshare.protocols.commands import WorkerId, WorkerLanes, frames, watch_process
 from timeshare.protocols.commands.driver_side import ABORT_S
 from timeshare.protocols.commands.lane_socket import HEADER, MAX_FRAME, FrameReader, pack
+from timeshare.protocols.commands.results import WorkerStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = WorkerId("trainer", 1)
@@ -66,8 +67,8 @@ async def status_once_busy(lanes: WorkerLanes, command: str, timeout_s: float = 
     """The trainer's status once it reports `command` busy, or its last status at the deadline."""
     deadline = time.monotonic() + timeout_s
     while True:
-        status = await lanes.control(TRAINER, "status", timeout_s=5.0)
-        if status["busy"] == command or time.monotonic() > deadline:
+        status = await lanes.control(TRAINER, "status", timeout_s=5.0, returns=WorkerStatus)
+        if status.busy == command or time.monotonic() > deadline:
             return status
         await anyio.sleep(0.02)
 
@@ -119,8 +120,8 @@ async def test_no_progress_is_a_stall_but_slow_progress_is_alive(runtime_dir: Pa
         assert time.monotonic() - started < 1.0 + 1.0
         # The stalled call was aborted before the error: the worker is free again (a hang that
         # went on would leave it busy, and this echo unanswered behind it).
-        status = await lanes.control(TRAINER, "status", timeout_s=5.0)
-        assert status["busy"] is None
+        status = await lanes.control(TRAINER, "status", timeout_s=5.0, returns=WorkerStatus)
+        assert status.busy is None
         echo = await lanes.call(TRAINER, "echo", {"n": 1}, deadline_s=5.0, returns=object)
         assert echo == {"n": 1}
 
@@ -214,16 +215,18 @@ async def test_control_lane_answers_while_work_runs_and_abort_interrupts(runtime
         async with anyio.create_task_group() as group:
             group.start_soon(run_hang)
             status = await status_once_busy(lanes, "hang")
-            assert status["busy"] == "hang" and status["role"] == "trainer"
+            assert status.busy == "hang" and status.role == "trainer"
             asked = time.monotonic()
-            assert await lanes.control(TRAINER, "abort", timeout_s=5.0) == "hang"
+            assert await lanes.control(TRAINER, "abort", timeout_s=5.0, returns=object) == "hang"
         # The abort's answer, not the stall (30 s) or the deadline (60 s): a moment here, a few
         # seconds on a machine loaded past its cores.
         assert outcome["at"] - asked < 10.0
         assert outcome["error"].remote_type == "Aborted"
-        idle = await lanes.control(TRAINER, "status", timeout_s=5.0)
-        assert idle["busy"] is None
-        assert await lanes.control(TRAINER, "abort", timeout_s=5.0) is None  # nothing to abort
+        idle = await lanes.control(TRAINER, "status", timeout_s=5.0, returns=WorkerStatus)
+        assert idle.busy is None
+        assert (
+            await lanes.control(TRAINER, "abort", timeout_s=5.0, returns=object) is None
+        )  # nothing to abort
         assert await lanes.call(TRAINER, "echo", {"ok": 1}, deadline_s=10.0, returns=object) == {
             "ok": 1
         }
@@ -261,8 +264,8 @@ async def test_garbage_on_a_lane_is_ignored_and_calls_go_on(runtime_dir: Path) -
         assert await lanes.call(
             TRAINER, "echo", {"still": "fine"}, deadline_s=10.0, returns=object
         ) == {"still": "fine"}
-        status = await lanes.control(TRAINER, "status", timeout_s=5.0)
-        assert status["busy"] is None and status["role"] == "trainer"
+        status = await lanes.control(TRAINER, "status", timeout_s=5.0, returns=WorkerStatus)
+        assert status.busy is None and status.role == "trainer"
     assert socket_files(runtime_dir) == []
 
 

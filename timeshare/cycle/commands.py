@@ -119,6 +119,8 @@ async def _set_log_level(workers: Workers, worker_ids: list[WorkerId], command: 
     for worker in worker_ids:
         try:
             level = LogLevelParams(str(command.params.get("level", "")))
-            await workers.control(worker, "log_level", level, timeout_s=LOG_LEVEL_TIMEOUT_S)
+            await workers.control(
+                worker, "log_level", level, timeout_s=LOG_LEVEL_TIMEOUT_S, returns=str
+            )
         except TimeshareError as exc:
             log.warning("cycle.log_level.missed", worker=str(worker), error=str(exc))

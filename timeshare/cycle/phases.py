@@ -115,7 +115,11 @@ async def run_phase(
         results = await workers.call_all(calls, deadline_s=deadline_s)
     except WorkerFailure as failure:
         raise cycle_failed(rank, failure.role, phase.value, failure, started=started) from failure
-    return dict(zip(ROLES, results, strict=True))
+    by_role: dict[str, CommandResult] = {}
+    for role, result in zip(ROLES, results, strict=True):
+        assert isinstance(result, CommandResult), result  # each decoded as its call's `returns`
+        by_role[role] = result
+    return by_role
 
 
 async def meet_at_barrier(meeting: NodeMeeting, rank: int, timeout_s: float) -> None:

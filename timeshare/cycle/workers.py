@@ -20,7 +20,7 @@ import signal
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import anyio
 import structlog
@@ -73,11 +73,11 @@ class Workers(Protocol):
     ) -> R:
         """Run `command` on the worker; its typed result, or a `WorkerFailure` naming it."""
 
-    async def call_all(self, calls: Sequence[LaneCall], *, deadline_s: float) -> list[Any]:
+    async def call_all(self, calls: Sequence[LaneCall], *, deadline_s: float) -> list[object]:
         """Every call at once; their typed results in order, or the first `WorkerFailure` of
         any (the wait for the others ends). Here, one task per call: `WorkerProcesses` waits
         for them together, without a task each."""
-        results: dict[int, Any] = {}
+        results: dict[int, object] = {}
 
         async def run(index: int, call: LaneCall) -> None:
             assert call.params is None or isinstance(call.params, PhaseParams), call.params
@@ -100,7 +100,8 @@ class Workers(Protocol):
         params: LogLevelParams | None = None,
         *,
         timeout_s: float,
-    ) -> Any:
+        returns: type[R],
+    ) -> R:
         """A control command (`abort`, `log_level`, `status`), answered while work runs."""
 
     async def shut_down(self, *, deadline_s: float) -> None:
@@ -147,7 +148,7 @@ class WorkerProcesses(Workers):
             worker, command, params, deadline_s=deadline_s, returns=returns
         )
 
-    async def call_all(self, calls: Sequence[LaneCall], *, deadline_s: float) -> list[Any]:
+    async def call_all(self, calls: Sequence[LaneCall], *, deadline_s: float) -> list[object]:
         return await self.lanes.call_all(calls, deadline_s=deadline_s)
 
     async def control(
@@ -157,8 +158,11 @@ class WorkerProcesses(Workers):
         params: LogLevelParams | None = None,
         *,
         timeout_s: float,
-    ) -> Any:
-        return await self.lanes.control(worker, command, params, timeout_s=timeout_s)
+        returns: type[R],
+    ) -> R:
+        return await self.lanes.control(
+            worker, command, params, timeout_s=timeout_s, returns=returns
+        )
 
     async def shut_down(self, *, deadline_s: float) -> None:
         for worker in self.workers:

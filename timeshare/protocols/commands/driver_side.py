@@ -141,12 +141,12 @@ class WorkerLanes:
     ) -> R:
         """Run `command` on the worker's work lane; its result as `returns`, or a typed
         WorkerFailure (`BadResult` for an answer that is not a `returns`)."""
-        result: R = (
-            await self.call_all([LaneCall(worker, command, params, returns)], deadline_s=deadline_s)
-        )[0]
+        call = LaneCall(worker, command, params, returns)
+        reply = (await self._call_all("work", [(worker, command, params)], deadline_s))[0]
+        result: R = _decoded(call, reply)
         return result
 
-    async def call_all(self, calls: Sequence[LaneCall], *, deadline_s: float) -> list[Any]:
+    async def call_all(self, calls: Sequence[LaneCall], *, deadline_s: float) -> list[object]:
         """Run every call at once, each on its worker's work lane; their results in order. The
         first failure of any is raised as `call` raises it, and the wait for the others ends
         (their late answers are dropped): a phase's pair of calls, waited for as one."""
@@ -161,10 +161,13 @@ class WorkerLanes:
         params: object = None,
         *,
         timeout_s: float,
-    ) -> Any:
-        """`status`, `abort` or `log_level` on the control lane, answered while work runs."""
+        returns: type[R],
+    ) -> R:
+        """`status` (a `WorkerStatus`), `abort` (the command aborted, or None) or `log_level`
+        (the level set) on the control lane, answered while work runs."""
         reply = await self._call("control", worker, command, params, timeout_s)
-        return msgspec.msgpack.decode(reply)
+        result: R = _decoded(LaneCall(worker, command, params, returns), reply)
+        return result
 
     async def _call(
         self, lane: str, worker: WorkerId, command: str, params: object, deadline_s: float
@@ -300,7 +303,8 @@ class WorkerLanes:
         worker = pending.worker
         with anyio.CancelScope(shield=True):
             try:
-                aborted = await self.control(worker, "abort", timeout_s=ABORT_S)
+                # (the command it aborted, or None: only logged)
+                aborted = await self.control(worker, "abort", timeout_s=ABORT_S, returns=object)
             except WorkerFailure as exc:
                 log.warning("lanes.abort.missed", worker=str(worker), error=str(exc))
                 return
@@ -327,7 +331,7 @@ def _raise_first_failure(pending: list[PendingCall]) -> None:
             _outcome(p.worker, p.command, p.reply)
 
 
-def _decoded(call: LaneCall, reply: msgspec.Raw) -> Any:
+def _decoded(call: LaneCall, reply: msgspec.Raw) -> Any:  # (the type the call asked for)
     try:
         return msgspec.msgpack.decode(reply, type=call.returns)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
