@@ -271,8 +271,8 @@ def test_store_values_commands_and_generations() -> None:
     host, port = leader.address
     follower = JobStore.connect(host, port, timeout_s=10.0)
     assert [leader.next_generation("g"), follower.next_generation("g")] == [1, 2]
-    generation = follower.record_command("pause", wait=True)
-    assert leader.command(generation, timeout_s=5.0) == JobCommand("pause", {"wait": True})
+    generation = follower.record_command("steps", steps=12)
+    assert leader.command(generation, timeout_s=5.0) == JobCommand(command="steps", steps=12)
     assert leader.latest_command() == generation
     leader.put(f"command/{generation + 1}", ["not", "a", "command"])
     assert leader.command(generation + 1, timeout_s=5.0) is None

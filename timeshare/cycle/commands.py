@@ -41,8 +41,7 @@ IDLE_START = "start"
 def event_of(command: JobCommand) -> Requested | StepsChanged | None:
     """The machine's event for a command of the job store, or None for one it cannot name."""
     if command.command == "steps":
-        steps = command.params.get("steps")
-        return StepsChanged(steps) if isinstance(steps, int) else None
+        return None if command.steps is None else StepsChanged(command.steps)
     try:
         return Requested(Request(command.command))
     except ValueError:
@@ -118,7 +117,7 @@ async def _set_log_level(workers: Workers, worker_ids: list[WorkerId], command: 
     """Over the control lanes, answered while work runs; a worker that misses it is logged."""
     for worker in worker_ids:
         try:
-            level = LogLevelParams(str(command.params.get("level", "")))
+            level = LogLevelParams(command.level or "")
             await workers.control(
                 worker, "log_level", level, timeout_s=LOG_LEVEL_TIMEOUT_S, returns=str
             )

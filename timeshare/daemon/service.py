@@ -349,10 +349,13 @@ class Service:
         """A stream of every transition from now on (`watch`); the first item is the status."""
         return self.watchers.subscribe({"kind": "status", **msgspec.to_builtins(self.status())})
 
-    async def command(self, name: str, **params: Any) -> int:
+    async def command(
+        self, name: str, *, steps: int | None = None, level: str | None = None
+    ) -> int:
         """Tell the job (every node, through the job store), and journal it; the generation."""
-        generation = await self.parts.store.record_command(name, **params)
-        self.journal_add("command", command=name, **params)
+        generation = await self.parts.store.record_command(name, steps=steps, level=level)
+        said = {k: v for k, v in (("steps", steps), ("level", level)) if v is not None}
+        self.journal_add("command", command=name, **said)
         return generation
 
     def use_config(self, config: Config, loaded: LoadedConfig | None = None) -> None:

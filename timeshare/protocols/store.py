@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
-from typing import Any, TypeAlias, TypeVar
+from typing import TypeAlias, TypeVar
 
 import anyio
 import msgspec
@@ -56,11 +56,13 @@ class Published(msgspec.Struct, frozen=True, kw_only=True):
     reason: str | None = None
 
 
-class JobCommand(msgspec.Struct, frozen=True):
-    """A command that changes the cycle (pause, resume, drain, stop, steps, log_level)."""
+class JobCommand(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A command that changes the cycle (pause, resume, drain, stop, steps, log_level), with
+    what the one that takes a value takes."""
 
     command: str
-    params: dict[str, Any] = {}
+    steps: int | None = None  # `steps`: the job's new step count
+    level: str | None = None  # `log_level`: the workers' new log level
 
 
 class JobStore:
@@ -195,10 +197,13 @@ class JobStore:
         """Where node `node`'s part of the job stands, once its driver has said."""
         return msgspec.convert(self.get(state_key(node), timeout_s=timeout_s), Published)
 
-    def record_command(self, command: str, **params: Any) -> int:
+    def record_command(
+        self, command: str, *, steps: int | None = None, level: str | None = None
+    ) -> int:
         """Write a cycle-changing command under a new generation; return the generation."""
         generation = self.next_generation(COMMAND)
-        self.put(f"{COMMAND}/{generation}", {"command": command, "params": params})
+        value = JobCommand(command=command, steps=steps, level=level)
+        self.put(f"{COMMAND}/{generation}", msgspec.to_builtins(value))
         return generation
 
     def latest_command(self) -> int:
@@ -279,8 +284,11 @@ class AsyncJobStore:
     async def read_present(self, keys: list[str]) -> list[Json]:
         return await self._call(partial(self.blocking.read_present, keys))
 
-    async def record_command(self, command: str, **params: Any) -> int:
-        return await self._call(partial(self.blocking.record_command, command, **params))
+    async def record_command(
+        self, command: str, *, steps: int | None = None, level: str | None = None
+    ) -> int:
+        recording = partial(self.blocking.record_command, command, steps=steps, level=level)
+        return await self._call(recording)
 
     async def latest_command(self) -> int:
         return await self._call(self.blocking.latest_command)
