@@ -18,7 +18,9 @@ from typing import TypeAlias, TypeVar
 import anyio
 import msgspec
 import torch.distributed as dist
-from torch._C._distributed_c10d import TCPStore  # torch.distributed re-exports it untyped
+
+# torch.distributed re-exports these untyped
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from timeshare.cluster import ClusterSection
 from timeshare.errors import StoreError
@@ -106,6 +108,11 @@ class JobStore:
     def raw(self) -> TCPStore:
         """The TCPStore itself, for barriers and for torch.distributed's own use."""
         return self._store
+
+    def prefixed(self, prefix: str) -> PrefixStore:
+        """The store under `prefix`, for a process group of torch.distributed's own
+        (`init_process_group(store=...)`): its keys stay apart from the job's."""
+        return PrefixStore(prefix, self._store)
 
     def next_generation(self, name: str) -> int:
         """A number no earlier call for `name` on any rank returned (1, 2, …)."""

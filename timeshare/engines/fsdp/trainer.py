@@ -131,7 +131,7 @@ class FsdpTrainer(ShardedTrainer):
         assert self.store is not None, "the FSDP trainer needs the job store"
         dist.init_process_group(
             "nccl" if self.device.type == "cuda" else "gloo",
-            store=dist.PrefixStore("fsdp/trainers/", self.store.raw),  # type: ignore[attr-defined]
+            store=self.store.prefixed("fsdp/trainers/"),
             rank=self.rank,
             world_size=self.world_size,
             timeout=timedelta(seconds=self.collective_timeout_s),
@@ -228,7 +228,7 @@ class FsdpTrainer(ShardedTrainer):
             new = self._logprobs(self.module, data.prompts[piece], data.completions[piece])
             loss, metrics = self.loss(new, data, piece)
             scaled = loss * (len(new) / len(rows))  # the minibatch's mean, not the sum
-            scaled.backward()  # type: ignore[no-untyped-call]
+            torch.autograd.backward(scaled)
             loss_sum += float(scaled.detach())
         return loss_sum, metrics
 

@@ -69,7 +69,7 @@ def join(
         assert store is not None, "the Megatron trainer needs the job store"
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
-            store=dist.PrefixStore(STORE_PREFIX, store.raw),  # type: ignore[attr-defined]
+            store=store.prefixed(STORE_PREFIX),
             rank=layout.rank,
             world_size=layout.world,
             timeout=timedelta(seconds=timeout_s),

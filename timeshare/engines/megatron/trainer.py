@@ -216,7 +216,7 @@ class MegatronTrainer(ShardedTrainer):
             new = self._logprobs(module, data.prompts[piece], data.completions[piece])
             loss, metrics = self.loss(new, data, piece)
             scaled = loss * (len(new) / len(group_rows))  # the minibatch's mean
-            scaled.backward()  # type: ignore[no-untyped-call]
+            torch.autograd.backward(scaled)
             loss_sum += float(scaled.detach())
         metrics |= self.optimizing.step()
         return self._job_mean(loss_sum), metrics

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from timeshare.engines.patches import Outcome, Patch, apply_patches
+from timeshare.engines.sglang.op_library import OpLibrary, load_op_library, op_library
 
 SHIM = "timeshare's torchvision shim (engines/sglang/cpu_shims.py)"
 # The ops torchvision's fake-tensor registrations need defined (its _meta_registrations.py).
@@ -32,7 +33,7 @@ TORCHVISION_OPS_SCHEMAS = {
     "nms": "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
     "qnms": "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
 }
-_libraries: list[torch.library.Library] = []  # kept alive: a dropped Library unregisters its ops
+_libraries: list[OpLibrary] = []  # kept alive: a dropped Library unregisters its ops
 
 
 def cpu_only_torch() -> bool:
@@ -52,17 +53,17 @@ def torchvision_lacks_ops() -> bool:
     if not extensions:
         return True
     try:
-        torch.ops.load_library(str(extensions[0]))  # type: ignore[no-untyped-call]
+        load_op_library(str(extensions[0]))
     except (OSError, RuntimeError):
         return True
     return False
 
 
 def define_torchvision_ops() -> None:
-    library = torch.library.Library("torchvision", "DEF")  # type: ignore[no-untyped-call]
+    library = op_library("torchvision", "DEF")
     for name, schema in TORCHVISION_OPS_SCHEMAS.items():
-        library.define(schema)  # type: ignore[no-untyped-call]
-        library.impl(name, _unavailable_op(name), "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
+        library.define(schema)
+        library.impl(name, _unavailable_op(name), "CompositeExplicitAutograd")
     _libraries.append(library)
 
 

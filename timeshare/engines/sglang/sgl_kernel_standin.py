@@ -19,6 +19,8 @@ from typing import NoReturn
 
 import torch
 
+from timeshare.engines.sglang.op_library import OpLibrary, op_library
+
 STANDIN = "timeshare's sgl_kernel stand-in (engines/sglang/sgl_kernel_standin.py)"
 __version__ = "0.0.0+timeshare.standin"
 
@@ -93,12 +95,10 @@ def murmur_hash32(
 
 def register_torch_ops() -> None:
     """`torch.ops.sgl_kernel.murmur_hash32_cpu`, and loud stubs for `LOOKED_UP_OPS`."""
-    library = torch.library.Library("sgl_kernel", "FRAGMENT")  # type: ignore[no-untyped-call]
-    library.define(  # type: ignore[no-untyped-call]
-        "murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor"
-    )
-    library.impl("murmur_hash32_cpu", murmur_hash32, "CPU")  # type: ignore[no-untyped-call]
-    library.impl("murmur_hash32_cpu", _murmur_hash32_shape, "Meta")  # type: ignore[no-untyped-call]
+    library = op_library("sgl_kernel", "FRAGMENT")
+    library.define("murmur_hash32_cpu(Tensor seed, Tensor positions, Tensor col_indices) -> Tensor")
+    library.impl("murmur_hash32_cpu", murmur_hash32, "CPU")
+    library.impl("murmur_hash32_cpu", _murmur_hash32_shape, "Meta")
     _libraries.append(library)
     namespace = torch.ops.sgl_kernel
     for name in LOOKED_UP_OPS:
@@ -111,7 +111,7 @@ def _murmur_hash32_shape(
     return seed.new_empty((seed.shape[0], col_indices.shape[0]), dtype=torch.uint32)
 
 
-_libraries: list[torch.library.Library] = []  # kept alive: a dropped Library unregisters its ops
+_libraries: list[OpLibrary] = []  # kept alive: a dropped Library unregisters its ops
 
 
 def _missing(name: str) -> Callable[..., NoReturn]:

@@ -87,7 +87,7 @@ class TorchRefTrainer(GrpoTrainer):
             assert self.store is not None, "a data-parallel trainer needs the job store"
             dist.init_process_group(
                 "gloo",
-                store=dist.PrefixStore("torch_ref/trainers/", self.store.raw),  # type: ignore[attr-defined]
+                store=self.store.prefixed("torch_ref/trainers/"),
                 rank=self.rank,
                 world_size=self.world_size,
                 timeout=timedelta(seconds=self.collective_timeout_s),
@@ -187,7 +187,7 @@ class TorchRefTrainer(GrpoTrainer):
         new = self._logprobs(self.model, data.prompts[part], data.completions[part])
         loss, metrics = self.loss(new, data, part)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # type: ignore[no-untyped-call]
+        torch.autograd.backward(loss)
         self._average_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -138,7 +138,7 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
 
         def post_process() -> None:
             mark = time.perf_counter()
-            finalize_layerwise_reload(model, self.model_config)  # type: ignore[no-untyped-call]
+            _finalize_reload(model, self.model_config)
             spent.finalize_s += time.perf_counter() - mark
 
         started = time.perf_counter()
@@ -187,7 +187,7 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
     def _abandon_reload(self) -> None:
         """A failed version: end the layerwise reload so the next one starts clean (torn)."""
         try:
-            finalize_layerwise_reload(self.model, self.model_config)  # type: ignore[no-untyped-call]
+            _finalize_reload(self.model, self.model_config)
         except Exception as exc:  # the transfer's own failure is what the caller must see
             log.warning("vllm.backend.reload_not_ended", error=f"{type(exc).__name__}: {exc}")
 
@@ -248,3 +248,8 @@ class TimeshareWorkerExtension:
                 "timeshare_report: this engine's weight_transfer_config backend is not timeshare"
             )
         return None if engine.report is None else engine.report.encode()
+
+
+def _finalize_reload(model: torch.nn.Module, model_config: object) -> None:
+    """vLLM's end of a layerwise reload (its processing of the loaded weights), typed."""
+    finalize_layerwise_reload(model, model_config)  # type: ignore[no-untyped-call]
