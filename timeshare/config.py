@@ -27,7 +27,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, NoReturn
 
 import msgspec
 
@@ -136,7 +136,7 @@ def load_config(
     path: Path | None,
     environ: Mapping[str, str] | None = None,
     *,
-    overrides: Mapping[str, tuple[Any, str]] | None = None,
+    overrides: Mapping[str, tuple[object, str]] | None = None,
     probe: bool = True,
 ) -> LoadedConfig:
     """Read `path` (if any), apply TIMESHARE_* overrides, validate everything.
@@ -145,7 +145,7 @@ def load_config(
     command line's). `probe=False`: the engines' probes are left out (check_engines).
     """
     environ = os.environ if environ is None else environ
-    data: dict[str, Any] = {}
+    data: dict[str, object] = {}
     sources: dict[str, str] = {}
     if path is not None:
         data = _read_toml(path)
@@ -186,7 +186,7 @@ def effective_lines(loaded: LoadedConfig) -> list[str]:
     return lines
 
 
-def flat(config: Config) -> dict[str, Any]:
+def flat(config: Config) -> dict[str, object]:
     """Every leaf key of `config` (`deadlines.phase_s`, ...) with its value."""
     values = msgspec.to_builtins(config)
     return {key: _get(values, key) for key in _leaf_keys(values)}
@@ -201,7 +201,7 @@ class ConfigChanges:
     """What differs between two configs: every changed key with its new value, and those of
     them that a running service cannot take (`fixed`)."""
 
-    changed: dict[str, Any]
+    changed: dict[str, object]
     fixed: list[str]
 
 
@@ -221,7 +221,7 @@ def with_live_values(running: Config, read: Config) -> Config:
 # -- reading -----------------------------------------------------------------------------------
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
+def _read_toml(path: Path) -> dict[str, object]:
     try:
         return tomllib.loads(path.read_text())
     except FileNotFoundError as exc:
@@ -230,7 +230,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
 
 
-def _apply_launcher(data: dict[str, Any], sources: dict[str, str], env: Mapping[str, str]) -> None:
+def _apply_launcher(
+    data: dict[str, object], sources: dict[str, str], env: Mapping[str, str]
+) -> None:
     """[cluster] keys from a launcher's environment, where the file and TIMESHARE_* left them
     unset; a value set there that the launcher contradicts is an error naming both."""
     for name, (value, source) in launcher_values(env).items():
@@ -252,14 +254,14 @@ def _env_key(name: str) -> str:
     return ".".join(parts)
 
 
-def _env_value(raw: str) -> Any:
+def _env_value(raw: str) -> object:
     try:
         return tomllib.loads(f"value = {raw}")["value"]
     except tomllib.TOMLDecodeError:
         return raw  # a bare word: a string
 
 
-def _convert(data: dict[str, Any], sources: dict[str, str]) -> Config:
+def _convert(data: dict[str, object], sources: dict[str, str]) -> Config:
     try:
         return msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
@@ -277,7 +279,7 @@ ENGINE_KINDS: dict[str, registry.Role] = {"engine.trainer": "trainer", "engine.r
 
 
 def _unknown_engine(
-    data: dict[str, Any], key: str, where: str, exc: msgspec.ValidationError
+    data: dict[str, object], key: str, where: str, exc: msgspec.ValidationError
 ) -> NoReturn:
     """`engine.trainer` or `rollout` names no registered engine of its role: say which exist."""
     try:
@@ -326,7 +328,7 @@ def _check_nesting(config: Config, sources: dict[str, str]) -> None:
     for inner, command in [*NESTED_DEADLINES, *_engine_deadlines(config)]:
         custom = command in config.deadlines.commands
         outer = f"deadlines.commands.{command}" if custom else "deadlines.phase_s"
-        inner_s, outer_s = _get(values, inner), _get(values, outer)
+        inner_s, outer_s = _seconds(values, inner), _seconds(values, outer)
         if inner_s >= outer_s:
             raise ConfigError(
                 f"{inner} ({inner_s:g} s, from {sources.get(inner, 'default')}) must be shorter "
@@ -346,7 +348,7 @@ def _engine_deadlines(config: Config) -> list[tuple[str, str]]:
 # -- nested dicts --------------------------------------------------------------------------------
 
 
-def _leaf_keys(data: Mapping[str, Any], prefix: str = "") -> list[str]:
+def _leaf_keys(data: Mapping[str, object], prefix: str = "") -> list[str]:
     keys = []
     for name, value in data.items():
         key = f"{prefix}{name}"
@@ -357,7 +359,7 @@ def _leaf_keys(data: Mapping[str, Any], prefix: str = "") -> list[str]:
     return keys
 
 
-def _merged(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+def _merged(defaults: Mapping[str, object], given: Mapping[str, object]) -> dict[str, object]:
     """`given` over `defaults`, table by table (a value that is not a table replaces)."""
     merged = dict(defaults)
     for name, value in given.items():
@@ -369,13 +371,23 @@ def _merged(defaults: Mapping[str, Any], given: Mapping[str, Any]) -> dict[str, 
     return merged
 
 
-def _get(data: Mapping[str, Any], key: str) -> Any:
+def _get(data: Mapping[str, object], key: str) -> object:
+    value: object = data
     for part in key.split("."):
-        data = data[part]
-    return data
+        if not isinstance(value, Mapping):
+            raise KeyError(key)
+        value = value[part]
+    return value
 
 
-def _set(data: dict[str, Any], key: str, value: Any) -> None:
+def _seconds(data: Mapping[str, object], key: str) -> float:
+    """A deadline's value (a number of seconds: the config was validated)."""
+    value = _get(data, key)
+    assert isinstance(value, int | float), (key, value)
+    return float(value)
+
+
+def _set(data: dict[str, object], key: str, value: object) -> None:
     *parents, leaf = key.split(".")
     for part in parents:
         child = data.setdefault(part, {})
@@ -385,7 +397,7 @@ def _set(data: dict[str, Any], key: str, value: Any) -> None:
     data[leaf] = value
 
 
-def _toml_value(value: Any) -> str:
+def _toml_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):

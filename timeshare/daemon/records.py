@@ -30,7 +30,7 @@ JOURNAL_FILE = "journal.jsonl"
 JOURNAL_MAX_BYTES = 64 << 20
 
 
-def read_progress(state_dir: Path) -> dict[str, Any]:
+def read_progress(state_dir: Path) -> dict[str, Any]:  # (JSON as written, for a reader)
     """The last progress written ({} when none, or when the file is unreadable)."""
     try:
         progress = msgspec.json.decode((state_dir / PROGRESS_FILE).read_bytes())
@@ -39,7 +39,7 @@ def read_progress(state_dir: Path) -> dict[str, Any]:
     return progress if isinstance(progress, dict) else {}
 
 
-def write_progress(state_dir: Path, progress: dict[str, Any]) -> None:
+def write_progress(state_dir: Path, progress: dict[str, object]) -> None:
     write_atomically(state_dir / PROGRESS_FILE, msgspec.json.encode(progress))
 
 
@@ -58,7 +58,7 @@ class Journal:
     def _open(self) -> int:
         return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
 
-    def append(self, entries: list[dict[str, Any]]) -> None:
+    def append(self, entries: list[dict[str, object]]) -> None:
         lines = b"".join(msgspec.json.encode(e) + b"\n" for e in entries)
         if os.fstat(self._fd).st_size + len(lines) > self.max_bytes:
             self._rotate()
@@ -77,11 +77,11 @@ class Journal:
         os.close(self._fd)
 
 
-def journal_entry(kind: str, **fields: Any) -> dict[str, Any]:
+def journal_entry(kind: str, **fields: object) -> dict[str, object]:
     return {"time": time.time(), "kind": kind, **fields}
 
 
-def read_journal(state_dir: Path) -> list[dict[str, Any]]:
+def read_journal(state_dir: Path) -> list[dict[str, Any]]:  # (JSON as written, for a reader)
     """Every whole line of the journal, oldest first (a line torn by a crash is skipped)."""
     entries = []
     text = b""
@@ -104,16 +104,16 @@ class RecordWriter:
     the queue is written even while the daemon exits.
     """
 
-    def __init__(self, state_dir: Path, progress: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, state_dir: Path, progress: Callable[[], dict[str, object]]) -> None:
         self.state_dir = state_dir
         self.journal = Journal(state_dir)
         self.progress = progress
-        self._pending: list[dict[str, Any]] = []
+        self._pending: list[dict[str, object]] = []
         self._progress_dirty = False
         self._wake = anyio.Event()
         self._writing = anyio.Lock()
 
-    def add(self, *entries: dict[str, Any]) -> None:
+    def add(self, *entries: dict[str, object]) -> None:
         self._pending.extend(entries)
         self._wake.set()
 
