@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import structlog
@@ -34,7 +33,7 @@ class SavedProgress(msgspec.Struct, frozen=True):
 
     committed_step: int | None = None
     weight_version: int | None = None
-    last_step: dict[str, Any] | None = None
+    last_step: dict[str, object] | None = None
 
 
 def load_saved_progress(state_dir: Path) -> SavedProgress:
@@ -65,9 +64,10 @@ class JobProgress:
     def snapshot(self) -> SavedProgress:
         return SavedProgress(self.committed_step, self.weight_version, self.last_step)
 
-    def bootstrapped(self, report: BootstrapReport) -> list[dict[str, Any]]:
+    def bootstrapped(self, report: BootstrapReport) -> list[dict[str, object]]:
         """A rank's trainer loaded the checkpoint of `report.step` (0: none yet)."""
-        known = self.last_step is not None and self.last_step.get("step", 0) >= report.step
+        last = self.last_step.get("step", 0) if self.last_step is not None else None
+        known = isinstance(last, int) and last >= report.step
         if not known:
             self._steps.resume(report)  # finish that step's figures if a crash cut it short
         if report.rank != self.ranks[0]:
@@ -81,7 +81,7 @@ class JobProgress:
         self._steps.clear()  # steps a stopped cycle left unfinished are not reported
         self._finished.clear()
 
-    def phase_ended(self, report: PhaseReport) -> list[dict[str, Any]]:
+    def phase_ended(self, report: PhaseReport) -> list[dict[str, object]]:
         self.metrics.phase_ended(report.phase, report.seconds)
         if report.phase is Phase.SYNC and isinstance(report.trainer, SyncResult):
             sent = report.trainer.transfer
@@ -96,7 +96,7 @@ class JobProgress:
             entries.append(journal_entry("step.done", step=figures.step, figures=self.last_step))
         return entries
 
-    def _every_rank(self, report: PhaseReport) -> list[dict[str, Any]]:
+    def _every_rank(self, report: PhaseReport) -> list[dict[str, object]]:
         """Journal entries of a phase every rank has now finished."""
         key = (report.step, report.phase)
         self._finished[key] += 1

@@ -9,7 +9,6 @@ keeping the running config whole; it answers once the new values are in force.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import anyio
 import msgspec
@@ -30,9 +29,9 @@ class OperatorRequests:
     def __init__(self, service: Service) -> None:
         self.service = service
 
-    async def handle(self, call: Call) -> Any:
+    async def handle(self, call: Call) -> object:
         """One control request (not `watch`, which the server streams)."""
-        requests: dict[str, Callable[[], Awaitable[Any]]] = {
+        requests: dict[str, Callable[[], Awaitable[object]]] = {
             "status": self.status,
             "pause": lambda: self.pause(call.params),
             "resume": self.resume,
@@ -84,7 +83,7 @@ class OperatorRequests:
             await service.tell_idle_nodes(STOP)
         return service.status()
 
-    async def reload(self) -> dict[str, Any]:
+    async def reload(self) -> dict[str, object]:
         """Re-read the config: apply what may change live, refuse the rest, keep it on error."""
         notifier = self.service.parts.notifier
         notifier.reloading()
@@ -94,7 +93,7 @@ class OperatorRequests:
             notifier.ready(self.service.status_line())
         return {"changed": changed, "status": self.service.status()}
 
-    async def set_log_level(self, params: LogLevelParams) -> dict[str, Any]:
+    async def set_log_level(self, params: LogLevelParams) -> dict[str, object]:
         """The daemon's level at once; its workers' through the job store (all nodes)."""
         config = self.service.config
         await self._set_level(params.level)
@@ -103,7 +102,7 @@ class OperatorRequests:
         self.service.journal_add("log_level", level=params.level)
         return {"log_level": params.level}
 
-    async def _reload(self) -> dict[str, Any]:
+    async def _reload(self) -> dict[str, object]:
         service = self.service
         try:
             loaded = await anyio.to_thread.run_sync(load_config, service.paths.config_file)

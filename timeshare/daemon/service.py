@@ -13,7 +13,6 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import anyio
 import msgspec
@@ -143,7 +142,7 @@ class Service:
             nodes=self._nodes() if self.cycle_runs else [],
         )
 
-    def _nodes(self) -> list[dict[str, Any]]:
+    def _nodes(self) -> list[dict[str, object]]:
         now, silent_after_s = time.monotonic(), self.config.deadlines.node_s
         return [seen.view(now, silent_after_s) for seen in self.node_records]
 
@@ -345,7 +344,7 @@ class Service:
 
     # -- what operators change (daemon/requests.py decides) ---------------------------------------
 
-    def subscribe(self) -> MemoryObjectReceiveStream[dict[str, Any]]:
+    def subscribe(self) -> MemoryObjectReceiveStream[dict[str, object]]:
         """A stream of every transition from now on (`watch`); the first item is the status."""
         return self.watchers.subscribe({"kind": "status", **msgspec.to_builtins(self.status())})
 
@@ -400,5 +399,5 @@ class Service:
         self._changed.set()
         self._changed = anyio.Event()
 
-    def journal_add(self, kind: str, **fields: Any) -> None:
+    def journal_add(self, kind: str, **fields: object) -> None:
         self.records.add(journal_entry(kind, **fields))
