@@ -97,11 +97,11 @@ def parse_request(line: bytes) -> Call:
     return Call(request_id, envelope.method, params)
 
 
-def encode_result(request_id: RequestId, result: Any) -> bytes:
+def encode_result(request_id: RequestId, result: object) -> bytes:
     return msgspec.json.encode({"id": request_id, "result": result}) + b"\n"
 
 
-def encode_event(request_id: RequestId, event: Any) -> bytes:
+def encode_event(request_id: RequestId, event: object) -> bytes:
     return msgspec.json.encode({"id": request_id, "event": event}) + b"\n"
 
 
@@ -119,7 +119,7 @@ class ServiceStatus(msgspec.Struct, frozen=True, kw_only=True):
     steps: int  # the job's step limit
     committed_step: int | None
     weight_version: int | None
-    last_step: dict[str, Any] | None  # the last complete step's figures (cycle/steps.py)
+    last_step: dict[str, object] | None  # the last complete step's figures (cycle/steps.py)
     reason: str | None  # why the job drains, stopped, failed, or the service idles
     uptime_s: float
     pid: int
@@ -131,4 +131,4 @@ class ServiceStatus(msgspec.Struct, frozen=True, kw_only=True):
     node: int = 0  # this daemon's node of the job
     # Several nodes: every node as its daemon last wrote it into the job store (while a cycle
     # runs): node, ranks, host, pid, lifecycle, step, phases, reason, and `beat_age_s`.
-    nodes: list[dict[str, Any]] = []
+    nodes: list[dict[str, object]] = []
