@@ -161,3 +161,16 @@ def test_memory_held_is_what_sleep_can_release_and_resident_what_it_cannot(
     assert (pausing.held_mb(), pausing.resident_mb()) == (0.0, 10.0)
     with pytest.raises(TimeshareError, match="no whole weight version"):
         pausing.digest()
+
+
+def test_an_engine_broken_inside_a_call_is_raised_as_it_was_said(engine: FakeEngine) -> None:
+    """(SGLang's SIGQUIT handler raises EngineBroken, naming the process, inside a call.)"""
+    engine.processes[0].send_signal(signal.SIGKILL)
+    engine.processes[0].wait(timeout=30)
+
+    def broken() -> None:
+        raise EngineBroken("Fake rollout rank 0: one of its processes failed")
+
+    with pytest.raises(EngineBroken) as failed:
+        engine.call("flush_cache", broken)
+    assert str(failed.value) == "Fake rollout rank 0: one of its processes failed"

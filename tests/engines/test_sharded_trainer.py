@@ -128,3 +128,13 @@ def test_a_cuda_device_this_process_cannot_see_is_a_config_error_naming_the_key(
         pick_device("cuda", "engine.megatron.device")
     with mock.patch("torch.cuda.is_available", return_value=False):
         assert pick_device("auto", "engine.fsdp.device") == torch.device("cpu")
+
+
+def test_a_checkpoint_that_fails_leaves_the_parameters_off_as_they_were() -> None:
+    trainer = LinearTrainer(reference=False)
+    trainer.offload()
+    trainer.offload_params()
+    with pytest.raises(OSError, match="disk full"), trainer.onloaded():
+        assert trainer.param_store.nbytes == 0
+        raise OSError("disk full")
+    assert trainer.param_store.nbytes > 0  # off again: the rollout may still wake

@@ -9,7 +9,9 @@ from typing import Any
 import anyio
 import pytest
 
-from timeshare.protocols.store import AsyncJobStore, JobStore
+from timeshare.errors import StoreError
+from timeshare.protocols.store import AsyncJobStore, JobStore, state_key
+from timeshare.state import initial_state
 
 
 class Counting:
@@ -45,3 +47,16 @@ async def test_calls_made_together_take_one_thread_at_a_time_and_all_land() -> N
     assert [blocking.get(f"key/{n}", timeout_s=1.0) for n in range(20)] == [
         {"n": n} for n in range(20)
     ]
+
+
+@pytest.mark.asyncio
+async def test_a_nodes_published_state_reads_back_typed_and_a_value_of_another_shape_is_named() -> (
+    None
+):
+    blocking = JobStore.host()
+    await AsyncJobStore(blocking).publish(initial_state(2, nodes=2, first_rank=2), node=1)
+    published = blocking.published(1, timeout_s=5.0)
+    assert (published.node, published.step, published.lifecycle) == (1, 0, "starting")
+    blocking.put(state_key(0), {"node": "zero"})
+    with pytest.raises(StoreError, match=r"state/node/0: not a node's state: Expected `int`"):
+        blocking.published(0, timeout_s=5.0)

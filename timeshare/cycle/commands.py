@@ -115,9 +115,12 @@ class CommandFeed:
 
 async def _set_log_level(workers: Workers, worker_ids: list[WorkerId], command: JobCommand) -> None:
     """Over the control lanes, answered while work runs; a worker that misses it is logged."""
+    if command.level is None:
+        log.warning("cycle.log_level.without_level", command=command.command)
+        return
+    level = LogLevelParams(command.level)
     for worker in worker_ids:
         try:
-            level = LogLevelParams(command.level or "")
             await workers.control(
                 worker, "log_level", level, timeout_s=LOG_LEVEL_TIMEOUT_S, returns=str
             )

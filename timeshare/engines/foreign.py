@@ -177,6 +177,8 @@ class ForeignRollout(RolloutEngine):
         except CallTimedOut as exc:
             self.broken = str(exc)
             raise EngineBroken(f"{self.who}: {self.broken}") from exc
+        except EngineBroken:
+            raise  # said already (SGLang's SIGQUIT handler names the process that failed)
         except Exception as exc:
             self.raise_if_process_gone(what, exc)
             raise

@@ -104,12 +104,14 @@ class ShardedTrainer(GrpoTrainer):
     @contextmanager
     def onloaded(self) -> Iterator[None]:
         """Everything on the device inside (a checkpoint reads it all); the parameters go back
-        off after if they were off before."""
+        off after (whatever happened inside) if they were off before."""
         params_offloaded = bool(self.param_store.moved)
         self.onload()
-        yield
-        if params_offloaded:
-            self.offload_params()
+        try:
+            yield
+        finally:
+            if params_offloaded:
+                self.offload_params()
 
     # -- checkpoints ---------------------------------------------------------------------------
 

@@ -417,8 +417,9 @@ def _phase_handler(
     those within."""
 
     def run_phase(raw: msgspec.Raw) -> CommandResult:
+        structlog.contextvars.bind_contextvars(phase=phase, step=None)  # (until the params say)
         params = decode_params(raw, PhaseParams, phase)
-        structlog.contextvars.bind_contextvars(phase=phase, step=params.step)
+        structlog.contextvars.bind_contextvars(step=params.step)
         fire_faults(spec, phase, params.step)
         spans.take()  # (what a failed command left)
         started = time.monotonic()

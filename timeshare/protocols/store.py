@@ -202,7 +202,11 @@ class JobStore:
 
     def published(self, node: int, *, timeout_s: float) -> Published:
         """Where node `node`'s part of the job stands, once its driver has said."""
-        return msgspec.convert(self.get(state_key(node), timeout_s=timeout_s), Published)
+        value = self.get(state_key(node), timeout_s=timeout_s)
+        try:
+            return msgspec.convert(value, Published)
+        except msgspec.ValidationError as exc:
+            raise StoreError(f"{state_key(node)}: not a node's state: {exc}") from exc
 
     def record_command(
         self, command: str, *, steps: int | None = None, level: str | None = None
