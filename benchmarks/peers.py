@@ -37,7 +37,14 @@ import anyio.to_thread
 
 import timeshare.daemon  # noqa: F401 (first: TCPStore's C++ traces off stderr, torch_quiet.py)
 from timeshare.cycle.commands import NODES_POLL_S
-from timeshare.cycle.nodes import agreed_start, last_command_seen, newest_command
+from timeshare.cycle.nodes import (
+    CommandsSeen,
+    StartAgreed,
+    StartBrought,
+    agreed_start,
+    last_command_seen,
+    newest_command,
+)
 from timeshare.cycle.runner import NODES_PUBLISH_EVERY_S
 from timeshare.errors import NodeLost, StoreError, first_error
 from timeshare.protocols.nodes import BEAT_S, NodeBeat, NodeCrossing
@@ -99,13 +106,25 @@ class Peer:
             await store.another_connection(), store.blocking, self.node, self.nodes, cycle
         )
         commands = await anyio.to_thread.run_sync(store.blocking.latest_command)
-        start = {"step": 0, "commands": commands}
-        await crossing.cross(start, agreed_start, timeout_s=self.fence_s)
+        start = StartBrought(step=0, commands=commands)
+        await crossing.cross(
+            start,
+            agreed_start,
+            brought_as=StartBrought,
+            agreed_as=StartAgreed,
+            timeout_s=self.fence_s,
+        )
         beat.judging = True
         self.state = dataclasses.replace(self.state, lifecycle=Lifecycle.RUNNING)
         while True:
             arrived = time.monotonic()
-            await crossing.cross(last_command_seen, newest_command, timeout_s=self.fence_s)
+            await crossing.cross(
+                last_command_seen,
+                newest_command,
+                brought_as=CommandsSeen,
+                agreed_as=CommandsSeen,
+                timeout_s=self.fence_s,
+            )
             self.waits.append(time.monotonic() - arrived)
             self.crossings += 1
             self.state = dataclasses.replace(self.state, step=1 + self.crossings // 3)
