@@ -33,7 +33,8 @@ import msgspec
 import structlog
 
 from timeshare.config import load_config
-from timeshare.cycle import RunSummary, run_cycle
+from timeshare.cycle.hooks import RunSummary
+from timeshare.cycle.runner import run_cycle
 from timeshare.protocols.commands.results import SyncResult
 from timeshare.state import Phase
 

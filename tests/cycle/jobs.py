@@ -11,7 +11,8 @@ import anyio
 import psutil
 
 from timeshare.config import Config
-from timeshare.cycle import CycleHooks, RunSummary, run_cycle
+from timeshare.cycle.hooks import CycleHooks, RunSummary
+from timeshare.cycle.runner import run_cycle
 from timeshare.cycle.workers import WorkerSpawner, spawn_workers
 from timeshare.protocols.store import JobStore
 from timeshare.state import MEMORY_FENCES, Phase

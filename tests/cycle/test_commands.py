@@ -17,7 +17,8 @@ import pytest
 from tests.configs import config
 from tests.cycle.fake_workers import FakeWorkers, spawner
 from tests.cycle.jobs import run
-from timeshare.cycle import CycleHooks, RunSummary, runner
+from timeshare.cycle import runner
+from timeshare.cycle.hooks import CycleHooks, RunSummary
 from timeshare.protocols.commands import WorkerId
 from timeshare.protocols.commands.params import LogLevelParams
 from timeshare.protocols.store import JobStore, state_key

@@ -12,8 +12,8 @@ import pytest
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from timeshare.config import DeadlineSection
-from timeshare.cycle import CycleHooks
 from timeshare.cycle.commands import CommandFeed
+from timeshare.cycle.hooks import CycleHooks
 from timeshare.cycle.nodes import NodeCoordinator
 from timeshare.cycle.telling import Telling
 from timeshare.cycle.workers import Workers

@@ -15,7 +15,7 @@ import pytest
 from tests.configs import config
 from tests.cycle.fake_workers import FakeWorkers, samples_of, spawner
 from tests.cycle.jobs import run
-from timeshare.cycle import CycleHooks
+from timeshare.cycle.hooks import CycleHooks
 from timeshare.errors import (
     CommandTimeout,
     CycleFailed,

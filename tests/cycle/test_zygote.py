@@ -17,8 +17,8 @@ import pytest
 
 from tests.configs import FAST, config, toml_file
 from tests.cycle.jobs import assert_nothing_left, processes_of, run, workers_of
-from timeshare.cycle import CycleHooks
 from timeshare.cycle.factory import Exited, Forked, Refused, WorkerFactory
+from timeshare.cycle.hooks import CycleHooks
 from timeshare.cycle.workers import prepare_runtime
 from timeshare.errors import CycleFailed, WorkerDied
 from timeshare.state import JobState, Lifecycle

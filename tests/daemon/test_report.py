@@ -320,3 +320,23 @@ def test_a_run_dir_without_a_summary_or_a_log_is_exit_2_naming_what_is_missing(
     garbled = timeshare("trace", str(tmp_path))
     assert garbled.returncode == 2 and "log.jsonl:1: a record of the timeline" in garbled.stderr
     assert not (tmp_path / "trace.json").exists()
+
+
+def test_reading_a_run_imports_no_torch(tmp_path: Path) -> None:
+    """`timeshare report` and `timeshare trace` read files: torch's import (seconds on a loaded
+    machine) is not theirs to pay."""
+    probe = (
+        "import sys; from timeshare.daemon import cli; "
+        "from timeshare.report import picture, run_dir, table, trace; "
+        "cli.main(['report', sys.argv[1], '--text']); "
+        "print([m for m in ('torch', 'torch.distributed') if m in sys.modules])"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert "holds no summary.json" in done.stderr, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

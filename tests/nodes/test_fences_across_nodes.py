@@ -19,7 +19,8 @@ from tests.cycle.jobs import assert_nothing_left
 from tests.cycle.test_fences import SLOW
 from tests.ports import free_port
 from timeshare.config import Config
-from timeshare.cycle import RunSummary, run_cycle
+from timeshare.cycle.hooks import RunSummary
+from timeshare.cycle.runner import run_cycle
 from timeshare.errors import CycleFailed, WorkerError
 
 RUN_S = 120.0

@@ -12,22 +12,7 @@ hooks.py     how a front end watches and steers a run, and what it is told
 telling.py   telling it: the hooks, the run's summary, the timeline's records (also logged)
 records.py   the timeline's records: each phase of a rank, each mark of the driver's
 steps.py     one step's figures, from the phase reports: the run summary's and the service's
+
+Nothing is imported here: `timeshare report` reads records.py and steps.py without the
+runner's imports (torch among them); import each from its module.
 """
-
-from timeshare.cycle.hooks import (
-    BootstrapReport,
-    CycleHooks,
-    PhaseObserver,
-    PhaseReport,
-    RunSummary,
-)
-from timeshare.cycle.runner import run_cycle
-
-__all__ = [
-    "BootstrapReport",
-    "CycleHooks",
-    "PhaseObserver",
-    "PhaseReport",
-    "RunSummary",
-    "run_cycle",
-]

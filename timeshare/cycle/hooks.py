@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from timeshare.config import DeadlineSection
 from timeshare.cycle.records import Record
 from timeshare.protocols.commands.results import BootstrapResult, CommandResult
-from timeshare.protocols.nodes import NodeSeen
 from timeshare.state import JobState, Phase
+
+if TYPE_CHECKING:  # protocols.nodes imports torch.distributed: a report's reader needs neither
+    from timeshare.protocols.nodes import NodeSeen
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class BootstrapReport:
 PhaseObserver = Callable[[PhaseReport | BootstrapReport], Awaitable[None]]
 # Called with the job's state after every transition; synchronous, so it must return at once.
 StateObserver = Callable[[JobState], None]
-NodesObserver = Callable[[list[NodeSeen]], None]
+NodesObserver = Callable[[list["NodeSeen"]], None]
 # Every record of the run's timeline (records.py); synchronous, so it must return at once.
 RecordObserver = Callable[[Record], None]
 # The deadlines in force now: a service reloads them while the cycle runs.

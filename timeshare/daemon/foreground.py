@@ -18,14 +18,14 @@ import anyio
 
 from timeshare.cluster import node_ranks
 from timeshare.config import Config
-from timeshare.cycle import (
+from timeshare.cycle.hooks import (
     BootstrapReport,
     CycleHooks,
     PhaseObserver,
     PhaseReport,
     RunSummary,
-    run_cycle,
 )
+from timeshare.cycle.runner import run_cycle
 from timeshare.cycle.steps import StepFigures, StepLog
 from timeshare.errors import Interrupted, first_error
 from timeshare.report.summary import SummaryFile

@@ -21,8 +21,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from timeshare.cluster import node_ranks
 from timeshare.config import Config, LoadedConfig
-from timeshare.cycle import BootstrapReport, CycleHooks, PhaseReport, run_cycle
 from timeshare.cycle.commands import IDLE_START, READ_S
+from timeshare.cycle.hooks import BootstrapReport, CycleHooks, PhaseReport
+from timeshare.cycle.runner import run_cycle
 from timeshare.cycle.workers import WorkerSpawner, spawn_workers
 from timeshare.daemon.health import LoopLag, watchdog_fed
 from timeshare.daemon.metrics import Metrics
