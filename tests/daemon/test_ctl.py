@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from timeshare.daemon.ctl import status_table
+from timeshare.errors import NoDaemon
 
 
 def test_no_daemon_is_exit_2_naming_the_socket(tmp_path: Path) -> None:
@@ -73,3 +76,10 @@ def test_the_status_table_shows_what_each_rank_sent_and_each_tp_worker_loaded() 
     table = status_table({"lifecycle": "running", "last_step": last, "pid": 1})
     assert "rank 0: sent 3.00 MiB, loaded 3.00 MiB / 3.00 MiB by 2 TP workers" in table
     assert "rank 1: sent 0.00 MiB" in table
+
+
+def test_a_status_field_of_the_wrong_type_is_not_understood_naming_it() -> None:
+    with pytest.raises(NoDaemon, match=r"status was not understood.*\$\.steps"):
+        status_table({"lifecycle": "running", "steps": "thirty"})
+    with pytest.raises(NoDaemon, match=r"last step was not understood.*\$\.phases"):
+        status_table({"lifecycle": "running", "last_step": {"step": 3, "phases": {"train": "x"}}})

@@ -19,7 +19,7 @@ import socket
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import msgspec
 
@@ -30,6 +30,86 @@ DEFAULT_SOCKET = "/run/timeshared/control.sock"
 EXIT_REFUSED = 1
 EXIT_NO_DAEMON = 2
 _ids = itertools.count(1)
+V = TypeVar("V", bound=msgspec.Struct)
+
+
+# -- what this client reads of the daemon's answers ----------------------------------------------
+# Each field is optional (a missing one shows as the daemon would have left it: None, or a dash),
+# but one of the wrong type is an answer not understood (exit 2), naming the field. The shapes
+# are the daemon's: ServiceStatus (protocols/control.py), StepFigures (cycle/steps.py),
+# NodeRecord and NodeSeen.view (protocols/nodes.py), the journal's transition entries.
+
+
+class _RankSent(msgspec.Struct, frozen=True):
+    rank: int | None = None
+    sent_bytes: int | None = None
+    loaded_bytes: list[int] | None = None
+
+
+class _Sync(msgspec.Struct, frozen=True):
+    gbps: float | None = None  # null: msgspec writes a NaN or an infinity so
+
+
+class _LastStep(msgspec.Struct, frozen=True):
+    step: int | None = None
+    phases: dict[str, float] = {}
+    sync: _Sync | None = None
+    per_rank: list[_RankSent] | None = None
+    reward_mean: float | None = None
+    rollout_resident_mb: float | None = None
+
+
+class _Node(msgspec.Struct, frozen=True):
+    node: int
+    ranks: list[int] | None = None
+    host: str | None = None
+    pid: int | None = None
+    lifecycle: str | None = None
+    step: int | None = None
+    phases: list[str] | None = None
+    beat_age_s: float | None = None
+    silent: bool | None = None
+
+
+class _Status(msgspec.Struct, frozen=True):
+    lifecycle: str | None = None
+    step: int | None = None
+    steps: int | None = None
+    committed_step: int | None = None
+    weight_version: int | None = None
+    phases: list[str] | None = None
+    uptime_s: float | None = None
+    engine: str | None = None
+    ranks: int | None = None
+    last_step: dict[str, object] | None = None  # read as _LastStep unless empty
+    reason: str | None = None
+    metrics_port: int | None = None
+    pid: int | None = None
+    nodes: list[_Node] | None = None
+
+
+class _Event(msgspec.Struct, frozen=True):
+    kind: str | None = None
+    lifecycle: str | None = None
+    step: int | None = None
+    phases: list[str] = []
+    reason: str | None = None
+
+
+class _Reloaded(msgspec.Struct, frozen=True):
+    changed: dict[str, object] = {}
+
+
+class _LogLevelSet(msgspec.Struct, frozen=True):
+    log_level: str | None = None
+
+
+def _read(value: object, shape: type[V], what: str) -> V:
+    """`value`, decoded JSON from the daemon, as `shape`; else the answer is not understood."""
+    try:
+        return msgspec.convert(value, shape)
+    except msgspec.ValidationError as exc:
+        raise NoDaemon(f"the daemon's {what} was not understood: {exc}") from exc
 
 
 class Client:
@@ -45,13 +125,13 @@ class Client:
             raise NoDaemon(f"cannot connect to {path}: {exc}") from exc
         self.lines = self.sock.makefile("rb")
 
-    def send(self, method: str, params: dict[str, Any] | None = None) -> int:
+    def send(self, method: str, params: dict[str, object] | None = None) -> int:
         request_id = next(_ids)
         request = {"id": request_id, "method": method, "params": params or {}}
         self.sock.sendall(msgspec.json.encode(request) + b"\n")
         return request_id
 
-    def receive(self) -> dict[str, Any]:
+    def receive(self) -> dict[str, object]:
         try:
             line = self.lines.readline()
         except TimeoutError as exc:
@@ -68,11 +148,12 @@ class Client:
             raise DaemonRefused(reply["error"])
         return reply
 
-    def call(self, method: str, params: dict[str, Any] | None = None) -> Any:
+    def call(self, method: str, params: dict[str, object] | None = None) -> object:
+        """The request's result: decoded JSON, for the caller to read as the shape it expects."""
         self.send(method, params)
         return self.receive().get("result")
 
-    def events(self) -> Iterator[dict[str, Any]]:
+    def events(self) -> Iterator[object]:
         self.send("watch")
         while True:
             yield self.receive().get("event", {})
@@ -121,59 +202,62 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         result = client.call(command, {"wait": args.wait, "timeout_s": args.timeout})
     else:
         result = client.call(command)
-    status = result.get("status", result) if isinstance(result, dict) else {}
     if command == "reload":
-        changed = result.get("changed", {})
+        changed = _read(result, _Reloaded, "reload answer").changed
         print("reloaded: " + (", ".join(f"{k} = {v}" for k, v in changed.items()) or "no change"))
     elif command == "log-level":
-        print(f"log level: {result.get('log_level')}")
+        print(f"log level: {_read(result, _LogLevelSet, 'log-level answer').log_level}")
     else:
-        print(f"{command}: {status.get('lifecycle')} at step {status.get('step')}")
+        status = (
+            _read(result.get("status", result), _Status, "status")
+            if isinstance(result, dict)
+            else _Status()
+        )
+        print(f"{command}: {status.lifecycle} at step {status.step}")
     return 0
 
 
-def status_table(status: dict[str, Any]) -> str:
-    """`timesharectl status` for people."""
-    rows = [
-        ("lifecycle", status.get("lifecycle")),
-        ("step", f"{_dash(status.get('step'))} of {status.get('steps')}"),
-        ("committed step", _dash(status.get("committed_step"))),
-        ("weight version", _dash(status.get("weight_version"))),
-        ("phases", ", ".join(status.get("phases") or []) or "-"),
-        ("uptime", _duration(float(status.get("uptime_s") or 0.0))),
-        ("engine", f"{status.get('engine')} x {status.get('ranks')} ranks"),
+def status_table(answer: object) -> str:
+    """`timesharectl status` for people, from the daemon's answer (decoded JSON)."""
+    status = _read(answer, _Status, "status")
+    rows: list[tuple[str, object]] = [
+        ("lifecycle", status.lifecycle),
+        ("step", f"{_dash(status.step)} of {status.steps}"),
+        ("committed step", _dash(status.committed_step)),
+        ("weight version", _dash(status.weight_version)),
+        ("phases", ", ".join(status.phases or []) or "-"),
+        ("uptime", _duration(float(status.uptime_s or 0.0))),
+        ("engine", f"{status.engine} x {status.ranks} ranks"),
     ]
-    last = status.get("last_step")
-    if last:
-        phases = "  ".join(f"{p} {s * 1000:.1f} ms" for p, s in last.get("phases", {}).items())
-        rows.append((f"last step ({last.get('step')})", phases or "-"))
-        gbps = (last.get("sync") or {}).get("gbps")
+    if status.last_step:
+        last = _read(status.last_step, _LastStep, "last step")
+        phases = "  ".join(f"{p} {s * 1000:.1f} ms" for p, s in last.phases.items())
+        rows.append((f"last step ({last.step})", phases or "-"))
+        gbps = last.sync.gbps if last.sync is not None else None
         rows.append(("sync", "-" if gbps is None else f"{gbps:.3f} GB/s"))
-        rows += [("sync bytes", line) for line in _sync_bytes(last.get("per_rank") or [])]
-        if last.get("reward_mean") is not None:
-            rows.append(("reward", f"{last['reward_mean']:.3f}"))
-        if last.get("rollout_resident_mb"):  # an engine that cannot release memory says so
-            resident = (
-                f"{last['rollout_resident_mb']:.1f} MiB (the rollout engine cannot release it)"
-            )
+        rows += [("sync bytes", line) for line in _sync_bytes(last.per_rank or [])]
+        if last.reward_mean is not None:
+            rows.append(("reward", f"{last.reward_mean:.3f}"))
+        if last.rollout_resident_mb:  # an engine that cannot release memory says so
+            resident = f"{last.rollout_resident_mb:.1f} MiB (the rollout engine cannot release it)"
             rows.append(("resident while asleep", resident))
-    if status.get("reason"):
-        rows.append(("reason", status["reason"]))
-    if status.get("metrics_port"):
-        rows.append(("metrics", f"http://127.0.0.1:{status['metrics_port']}/metrics"))
-    rows.append(("pid", status.get("pid")))
-    rows += [(f"node {node['node']}", _node_line(node)) for node in status.get("nodes") or []]
+    if status.reason:
+        rows.append(("reason", status.reason))
+    if status.metrics_port:
+        rows.append(("metrics", f"http://127.0.0.1:{status.metrics_port}/metrics"))
+    rows.append(("pid", status.pid))
+    rows += [(f"node {node.node}", _node_line(node)) for node in status.nodes or []]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def _sync_bytes(per_rank: list[dict[str, Any]]) -> list[str]:
+def _sync_bytes(per_rank: list[_RankSent]) -> list[str]:
     """Per rank: the bytes sent into its rollout engine and, for a tensor-parallel engine,
     what reached each worker's loader."""
     lines = []
     for rank in per_rank:
-        line = f"rank {rank.get('rank')}: sent {_mib(rank.get('sent_bytes'))}"
-        loaded = rank.get("loaded_bytes") or []
+        line = f"rank {rank.rank}: sent {_mib(rank.sent_bytes)}"
+        loaded = rank.loaded_bytes or []
         if loaded:
             line += (
                 ", loaded " + " / ".join(_mib(b) for b in loaded) + f" by {len(loaded)} TP workers"
@@ -182,32 +266,30 @@ def _sync_bytes(per_rank: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def _mib(nbytes: Any) -> str:
+def _mib(nbytes: int | None) -> str:
     return f"{float(nbytes or 0) / (1 << 20):.2f} MiB"
 
 
-def _node_line(node: dict[str, Any]) -> str:
+def _node_line(node: _Node) -> str:
     """One node of several: its ranks, where it stands, and whether its daemon beats."""
-    ranks = node.get("ranks") or []
+    ranks = node.ranks or []
     span = f"ranks {ranks[0]}-{ranks[-1]}" if ranks else "no ranks"
-    phases = ",".join(node.get("phases") or []) or "-"
-    age = float(node.get("beat_age_s") or 0.0)  # on the reporting daemon's clock
-    alive = f"silent for {age:.0f} s" if node.get("silent") else "alive"  # past deadlines.node_s
-    where = f"{node.get('host')} pid {node.get('pid')}"
-    return f"{span}  {node.get('lifecycle')} step {node.get('step')}  {phases}  {alive} ({where})"
+    phases = ",".join(node.phases or []) or "-"
+    age = float(node.beat_age_s or 0.0)  # on the reporting daemon's clock
+    alive = f"silent for {age:.0f} s" if node.silent else "alive"  # past deadlines.node_s
+    where = f"{node.host} pid {node.pid}"
+    return f"{span}  {node.lifecycle} step {node.step}  {phases}  {alive} ({where})"
 
 
-def _event_line(event: dict[str, Any]) -> str:
-    kind = event.get("kind")
-    if kind == "transition":
-        phases = ",".join(event.get("phases", []))
-        return f"{event.get('lifecycle'):<9} step {event.get('step')}  {phases}"
-    return f"{kind}: {event.get('lifecycle')}" + (
-        f" ({event['reason']})" if event.get("reason") else ""
-    )
+def _event_line(answer: object) -> str:
+    event = _read(answer, _Event, "event")
+    if event.kind == "transition":
+        phases = ",".join(event.phases)
+        return f"{event.lifecycle:<9} step {event.step}  {phases}"
+    return f"{event.kind}: {event.lifecycle}" + (f" ({event.reason})" if event.reason else "")
 
 
-def _dash(value: Any) -> str:
+def _dash(value: int | None) -> str:
     return "-" if value is None else str(value)
 
 
