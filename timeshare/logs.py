@@ -18,10 +18,11 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import TextIO, cast
 
 import msgspec
 import structlog
+from structlog.typing import EventDict, Processor, WrappedLogger
 
 from timeshare.errors import ConfigError
 from timeshare.levels import LOG_LEVELS
@@ -52,7 +53,7 @@ def configure(
     """Where events go: JSON lines at `level` into `file` if given (rotated at `max_mb`, 0:
     never, `keep` old files); else stderr, at `stderr_level` (at `level` for a service),
     readable on a terminal, JSON otherwise."""
-    shared: list[Any] = [
+    shared: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -64,7 +65,7 @@ def configure(
             sink: TextIO = cast(TextIO, RotatingFile(Path(file), int(max_mb * MIB), keep))
         except OSError as exc:
             raise ConfigError(f"log.file: cannot open {file}: {exc}") from exc
-        renderer: Any = _json_renderer()
+        renderer: Processor = _json_renderer()
         threshold = level
     else:
         sink = sys.stderr
@@ -93,7 +94,7 @@ def set_level(level: str) -> None:
     logging.getLogger().setLevel(LEVELS[level])
 
 
-def _route_stdlib(shared: list[Any], renderer: Any, sink: TextIO, level: str) -> None:
+def _route_stdlib(shared: list[Processor], renderer: Processor, sink: TextIO, level: str) -> None:
     """Records of the stdlib's `logging` get the same processors, renderer and sink."""
     formatter = structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=shared,
@@ -108,14 +109,14 @@ def _route_stdlib(shared: list[Any], renderer: Any, sink: TextIO, level: str) ->
     root.setLevel(LEVELS[level])
 
 
-def _json_renderer() -> Any:
+def _json_renderer() -> structlog.processors.JSONRenderer:
     return structlog.processors.JSONRenderer(serializer=_dumps)
 
 
 _ENCODER = msgspec.json.Encoder(enc_hook=repr)
 
 
-def _dumps(event: dict[str, Any], default: Callable[[Any], Any]) -> str:
+def _dumps(event: EventDict, default: Callable[[object], object]) -> str:
     """One event as JSON. msgspec writes a phase record (floats, spans) in about a third of
     `json.dumps`'s time, and the driver writes one per phase, on the cycle's path. A value or
     key it has no JSON for is written as its repr (as structlog's fallback writes a value);
@@ -138,8 +139,8 @@ def _is_journal(stream: TextIO) -> bool:
     return expected == f"{status.st_dev}:{status.st_ino}"
 
 
-def _with_priority(renderer: Any) -> Any:
-    def render(logger: Any, method: str, event: dict[str, Any]) -> str:
+def _with_priority(renderer: Processor) -> Processor:
+    def render(logger: WrappedLogger, method: str, event: EventDict) -> str:
         text = renderer(logger, method, event)
         priority = PRIORITIES.get(str(event.get("level", method)), 6)
         return "\n".join(f"<{priority}>{line}" for line in str(text).splitlines())
@@ -147,6 +148,6 @@ def _with_priority(renderer: Any) -> Any:
     return render
 
 
-def _add_pid(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+def _add_pid(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
     event["pid"] = os.getpid()
     return event
