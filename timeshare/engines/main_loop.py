@@ -14,8 +14,8 @@ ends with `Aborted`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TypeVar
 
 import anyio
 
@@ -23,7 +23,7 @@ from timeshare.errors import Aborted
 from timeshare.protocols.commands import WorkerServer
 
 T = TypeVar("T")
-Job = tuple[Callable[[], Coroutine[Any, Any, Any]], "asyncio.Future[Any]"]
+Job = Callable[[], Coroutine[object, object, None]]  # runs one coroutine, settles its future
 
 
 class MainThreadLoop:
@@ -41,11 +41,24 @@ class MainThreadLoop:
         self._aborted = False  # the running job's
         self._host = self._loop.create_task(self._host_jobs())
 
-    def run(self, coroutine: Callable[[], Coroutine[Any, Any, T]], what: str) -> T:
+    def run(self, coroutine: Callable[[], Awaitable[T]], what: str) -> T:
         """`coroutine()`'s result; `Aborted` (naming `what`) if the driver aborts it."""
         done: asyncio.Future[T] = self._loop.create_future()
+
+        async def job() -> None:
+            with anyio.CancelScope() as self._scope:
+                if self._aborted:  # before the job began
+                    self._scope.cancel()
+                try:
+                    done.set_result(await coroutine())
+                except Exception as exc:  # the caller's to raise
+                    done.set_exception(exc)
+            self._scope = None
+            if not done.done():  # cancelled by the abort (the only canceller of this scope)
+                done.set_exception(Aborted(f"{what} aborted by the driver"))
+
         self._aborted = False
-        self._jobs.put_nowait((coroutine, done))
+        self._jobs.put_nowait(job)
         schedule = self._loop.call_soon_threadsafe  # safe in a signal handler: it only queues
         with self._server.aborting_with(lambda: schedule(self._abort)):
             result = self._loop.run_until_complete(done)
@@ -68,14 +81,4 @@ class MainThreadLoop:
 
     async def _host_jobs(self) -> None:
         while (job := await self._jobs.get()) is not None:
-            coroutine, done = job
-            with anyio.CancelScope() as self._scope:
-                if self._aborted:  # before the job began
-                    self._scope.cancel()
-                try:
-                    done.set_result(await coroutine())
-                except Exception as exc:  # the caller's to raise
-                    done.set_exception(exc)
-            self._scope = None
-            if not done.done():  # cancelled by the abort
-                done.set_result(None)
+            await job()
