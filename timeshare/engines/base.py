@@ -14,7 +14,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from timeshare.engines.inlet import WeightInlet
 from timeshare.errors import GenerateTimeout, PromptTooLong, UnsupportedInput, WeightsTorn
@@ -39,9 +38,9 @@ class RolloutRequest:
     request_id: str
     prompt_tokens: tuple[int, ...]
     sampling: SamplingParams = SamplingParams()
-    images: tuple[Any, ...] = ()
-    videos: tuple[Any, ...] = ()
-    processor_output: Mapping[str, Any] | None = None
+    images: tuple[object, ...] = ()  # passed to the engine as given (paths, bytes, images)
+    videos: tuple[object, ...] = ()
+    processor_output: Mapping[str, object] | None = None
 
     def fields_in_use(self) -> set[str]:
         """The optional fields this request sets (what an adapter must honour or refuse)."""

@@ -27,7 +27,9 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
+
+import msgspec
 
 from timeshare.errors import ConfigError
 
@@ -55,13 +57,14 @@ class EngineEntry:
     def part(self, role: Role) -> str:
         return self.trainer if role == "trainer" else self.rollout
 
-    def spec_type(self) -> type[Any]:
-        spec: type[Any] = load(self.spec)
+    def spec_type(self) -> type[msgspec.Struct]:
+        spec = load(self.spec)
+        if not (isinstance(spec, type) and issubclass(spec, msgspec.Struct)):
+            raise TypeError(f"{self.spec} is not a msgspec.Struct")
         return spec
 
-    def builder(self, role: Role) -> Callable[..., Any]:
-        builder: Callable[..., Any] = load(self.part(role))
-        return builder
+    def builder(self, role: Role) -> Callable[..., object]:
+        return load_function(self.part(role))
 
 
 ENGINES: dict[str, EngineEntry] = {
@@ -150,10 +153,18 @@ def described() -> list[str]:
     return lines
 
 
-def load(target: str) -> Any:
+def load(target: str) -> object:
     """The object `"package.module:Qual.name"` names, importing its module now."""
     module, _, qualname = target.partition(":")
-    value: Any = importlib.import_module(module)
+    value: object = importlib.import_module(module)
     for part in qualname.split("."):
         value = getattr(value, part)
+    return value
+
+
+def load_function(target: str) -> Callable[..., object]:
+    """The function (or class) `target` names: a builder, check or probe."""
+    value = load(target)
+    if not callable(value):
+        raise TypeError(f"{target} is not a function")
     return value

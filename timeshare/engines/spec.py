@@ -15,7 +15,7 @@ one that fails to import fails every config load, whichever engines the job runs
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Annotated, Literal, TypeVar, cast
 
 import msgspec
 
@@ -170,13 +170,13 @@ def check_engines(
         check_rollout_group(spec, source_of, ranks_per_node)
     for name, roles in spec.roles().items():
         if check := registry.ENGINES[name].check:
-            registry.load(check)(spec, roles)
+            registry.load_function(check)(spec, roles)
     trained = spec.trained_model()
     if trained is not None:
         spec.task.check_model(trained.config, trained.where)
     for name, roles in spec.roles().items():
         if probe and (probed := registry.ENGINES[name].probe):
-            registry.load(probed)(spec, roles)
+            registry.load_function(probed)(spec, roles)
 
 
 def check_rollout_group(spec: EngineChoice, source_of: Sources, ranks_per_node: int) -> None:
@@ -256,7 +256,7 @@ def engine_spec_type() -> type[EngineChoice]:
     clashing = sorted(shared & set(registry.ENGINES))
     if clashing:
         raise TypeError(f"engines named {clashing} would hide [engine]'s own keys: rename them")
-    fields: list[tuple[str, Any, Any]] = [
+    fields: list[tuple[str, object, object]] = [
         ("trainer", Literal[tuple(registry.kinds("trainer"))], "simulated"),
         ("rollout", Literal[tuple(registry.kinds("rollout"))], "simulated"),
         *(
@@ -283,7 +283,7 @@ else:
     EngineSpec = engine_spec_type()
 
 
-def engine_spec(**values: Any) -> EngineChoice:
+def engine_spec(**values: object) -> EngineChoice:
     """An `EngineSpec` from keyword values (tables as spec structs or plain dicts), validated
     as the config file's `[engine]` is."""
     return msgspec.convert(msgspec.to_builtins(values), EngineSpec)
