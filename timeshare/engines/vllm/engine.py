@@ -24,7 +24,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import structlog
@@ -57,7 +57,12 @@ from timeshare.units import MIB
 from vllm import LLM
 from vllm import SamplingParams as VllmSampling
 from vllm.inputs import TokensPrompt
+from vllm.outputs import RequestOutput
 from vllm.platforms import current_platform
+
+if TYPE_CHECKING:
+    from vllm.logprobs import LogprobsOnePosition
+    from vllm.v1.engine.llm_engine import LLMEngine
 
 log = structlog.get_logger(__name__)
 EXTENSION = "timeshare.engines.vllm.backend.TimeshareWorkerExtension"
@@ -192,7 +197,7 @@ class VllmRollout(ForeignRollout):
             request_id = f"{batch}-{index}"
             engine.add_request(request_id, _prompt(request), _sampling(request, index))
             pending[request_id] = index
-        outputs: dict[int, Any] = {}
+        outputs: dict[int, RequestOutput] = {}
         deadline = self.generate_deadline()
         try:
             self._step_until_done(engine, pending, outputs, deadline, len(requests))
@@ -206,9 +211,9 @@ class VllmRollout(ForeignRollout):
 
     def _step_until_done(
         self,
-        engine: Any,
+        engine: LLMEngine,
         pending: dict[str, int],
-        outputs: dict[int, Any],
+        outputs: dict[int, RequestOutput],
         deadline: float,
         requests: int,
     ) -> None:
@@ -223,6 +228,8 @@ class VllmRollout(ForeignRollout):
             for output in engine.step():
                 done = pending.get(output.request_id)
                 if done is not None and output.finished:
+                    if not isinstance(output, RequestOutput):  # a pooling model's: not asked
+                        raise TypeError(f"vLLM answered a generate with a {type(output).__name__}")
                     outputs[done] = output
                     del pending[output.request_id]
             self.progress()
@@ -282,7 +289,7 @@ class VllmInlet:
         # vLLM's worker is a process of this machine: its spans' monotonic clock is this one's.
         return received.transfer
 
-    def _step(self, step: str, arguments: dict[str, Any] | None = None) -> None:
+    def _step(self, step: str, arguments: dict[str, object] | None = None) -> None:
         """One weight-transfer step in every vLLM worker; what any of them raised (its text:
         all that crosses vLLM's RPC) is raised here typed again, naming the TP worker."""
         llm = self.engine.llm
@@ -327,15 +334,23 @@ def _sampling(request: RolloutRequest, index: int) -> VllmSampling:
     )
 
 
-def _sample(request: RolloutRequest, output: Any, version: int) -> RolloutSample:
+def _sample(request: RolloutRequest, output: RequestOutput, version: int) -> RolloutSample:
     completion = output.outputs[0]
     tokens = tuple(int(t) for t in completion.token_ids)
     logprobs: tuple[float, ...] = ()
     if completion.logprobs is not None:
         logprobs = tuple(
-            float(step[token].logprob)
-            for step, token in zip(completion.logprobs, tokens, strict=True)
+            _logprob(step, token) for step, token in zip(completion.logprobs, tokens, strict=True)
         )
     return RolloutSample(
         request.request_id, tokens, logprobs, version, prompt_tokens=request.prompt_tokens
     )
+
+
+def _logprob(step: LogprobsOnePosition | None, token: int) -> float:
+    """The sampled token's logprob at one position. vLLM types a sample's positions as
+    optional (FlatLogprobs is a sequence of `dict | None`); a sampled position always has one,
+    and a missing one is the TypeError indexing None would have raised, naming the token."""
+    if step is None:
+        raise TypeError(f"vLLM gave no logprobs at the position of sampled token {token}")
+    return float(step[token].logprob)
