@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import msgspec
 import structlog
@@ -61,13 +61,23 @@ from vllm.model_executor.model_loader.reload.layerwise import (
     initialize_layerwise_reload,
 )
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig, WeightTransferConfig
+
 log = structlog.get_logger(__name__)
+
+
+@runtime_checkable
+class _LoadsWeights(Protocol):
+    """What every vLLM model class has (by HF names), and `torch.nn.Module` does not declare."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object: ...
 
 
 @dataclass
 class TimeshareInitInfo(WeightTransferInitInfo):
     endpoint: str = ""  # the trainer's weight endpoint (weight_endpoint(runtime_dir, rank))
-    transfer: dict[str, Any] = field(default_factory=dict)  # TransferConfig, as plain values
+    transfer: dict[str, object] = field(default_factory=dict)  # TransferConfig, as plain values
 
 
 @dataclass
@@ -81,8 +91,14 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
     update_info_cls = TimeshareUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
         self.endpoint = ""
         self.transfer = TransferConfig()
         self.receiver: WeightReceiver | None = None
@@ -105,8 +121,9 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
         receiver = self._usable_receiver()
         digest = WeightsDigest() if update_info.digest else None
         model = self.model
-        # Every vLLM model class has load_weights (by HF names); nn.Module does not declare it.
-        load_weights: Callable[[list[tuple[str, torch.Tensor]]], object] = model.load_weights  # type: ignore[assignment]
+        if not isinstance(model, _LoadsWeights):  # (was the AttributeError reading it)
+            raise AttributeError(f"vLLM's model {type(model).__name__} has no load_weights")
+        load_weights = model.load_weights
 
         # Where a version's time goes inside vLLM's worker (in the report: the benchmark shows it).
         spent = LoadSeconds()
@@ -225,9 +242,11 @@ STEPS = {
 class TimeshareWorkerExtension:
     """Methods mixed into vLLM's worker, called by name through `collective_rpc`."""
 
-    weight_transfer_engine: WeightTransferEngine[Any, Any] | None
+    weight_transfer_engine: (
+        WeightTransferEngine[WeightTransferInitInfo, WeightTransferUpdateInfo] | None
+    )
 
-    def timeshare_step(self, step: str, arguments: dict[str, Any]) -> str | None:
+    def timeshare_step(self, step: str, arguments: dict[str, object]) -> str | None:
         """Run the worker's own weight-transfer step `step` (one of STEPS), with `arguments`;
         answer None, or what it raised as text (engine.py says why it never raises)."""
         if step not in STEPS or set(arguments) != set(STEPS[step]):
@@ -252,4 +271,4 @@ class TimeshareWorkerExtension:
 
 def _finalize_reload(model: torch.nn.Module, model_config: object) -> None:
     """vLLM's end of a layerwise reload (its processing of the loaded weights), typed."""
-    finalize_layerwise_reload(model, model_config)  # type: ignore[no-untyped-call]
+    finalize_layerwise_reload(model, model_config)  # type: ignore[no-untyped-call]  # vLLM: (*args, **kwargs), unannotated
