@@ -166,7 +166,7 @@ def test_every_offload_writes_into_the_host_copies_of_the_first() -> None:
         trainer.train_step(scored_batch(trainer, step))
         trainer.offload()
         trainer.offload_params()
-        host = [*trainer.host_params.values()]
+        host: list[object] = [*trainer.host_params.values()]
         host += [v for s in trainer.host_optimizer.values() for v in s.values()]
         addresses.append({t.data_ptr() for t in host if isinstance(t, torch.Tensor)})
         params = {name: tensor.clone() for name, tensor in trainer.host_params.items()}

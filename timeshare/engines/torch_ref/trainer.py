@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import structlog
@@ -75,7 +74,7 @@ class TorchRefTrainer(GrpoTrainer):
         # The host's copies, allocated at the first offload and written in place after: a fresh
         # copy every step fragmented the heap (the trainer's RSS grew ~30 MiB per 1,000 steps).
         self.host_params: dict[str, torch.Tensor] = {}
-        self.host_optimizer: dict[int, dict[str, Any]] = {}
+        self.host_optimizer: dict[int, dict[str, object]] = {}  # tensors, and the step count
         self.params_offloaded = False
         self.optimizer_offloaded = False
         self.checkpoint_dir: Path | None = None
@@ -136,7 +135,7 @@ class TorchRefTrainer(GrpoTrainer):
             return
         freed = 0
         for name, parameter in self.model.named_parameters():
-            self.host_params[name] = _into(self.host_params.get(name), parameter.data)
+            self.host_params[name] = _into_tensor(self.host_params.get(name), parameter.data)
             freed += parameter.data.nbytes
             parameter.data = torch.empty(0)
         self.params_offloaded = True
@@ -249,15 +248,21 @@ class TorchRefTrainer(GrpoTrainer):
         log.info("trainer.checkpoint.loaded", rank=self.rank, step=self.step)
 
 
-def _clone(value: Any) -> Any:
+def _clone(value: object) -> object:
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
-def _into(host: Any, value: Any) -> Any:
-    """`value` written into `host`, the host's copy kept from the last offload, where it has
-    the same shape and dtype; a new copy where not (the first offload)."""
+def _into(host: object, value: object) -> object:
+    """An optimiser's state value for the host: a tensor as `_into_tensor` writes it, else
+    itself (the step count)."""
     if not isinstance(value, torch.Tensor):
         return value
+    return _into_tensor(host, value)
+
+
+def _into_tensor(host: object, value: torch.Tensor) -> torch.Tensor:
+    """`value` written into `host`, the host's copy kept from the last offload, where it has
+    the same shape and dtype; a new copy where not (the first offload)."""
     if isinstance(host, torch.Tensor) and host.shape == value.shape and host.dtype == value.dtype:
         return host.copy_(value)
     return value.clone()
