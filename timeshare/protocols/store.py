@@ -9,11 +9,11 @@ pickle. Blocking calls here are meant for worker threads (see barrier.py); each 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
-from typing import TypeAlias, TypeVar
+from typing import Protocol, TypeAlias, TypeVar, runtime_checkable
 
 import anyio
 import msgspec
@@ -46,6 +46,15 @@ def heard_key(generation: int, node: int) -> str:
 # What the store holds under a key: a JSON value, read back as one (a reader converts it to
 # its own type: msgspec.convert).
 Json: TypeAlias = dict[str, "Json"] | list["Json"] | str | int | float | bool | None
+
+
+@runtime_checkable
+class _MultiSet(Protocol):
+    """torch's `Store.multi_set`, which its type stub (torch/_C/_distributed_c10d.pyi) lacks;
+    the binding's own signature (its __doc__): `multi_set(keys: Sequence[str], values:
+    Sequence[str]) -> None`."""
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str]) -> None: ...
 
 
 class Published(msgspec.Struct, frozen=True, kw_only=True):
@@ -134,8 +143,10 @@ class JobStore:
             return
         with self._mapped(str(list(items))):
             keys = [PREFIX + key for key in items]
-            # (torch's Store has multi_set; its type stub lacks it)
-            self._store.multi_set(keys, [json.dumps(v) for v in items.values()])  # type: ignore[attr-defined]
+            store = self._store
+            if not isinstance(store, _MultiSet):  # (was the AttributeError calling it)
+                raise AttributeError(f"torch's {type(store).__name__} has no multi_set")
+            store.multi_set(keys, [json.dumps(v) for v in items.values()])
 
     def get(self, key: str, *, timeout_s: float) -> Json:
         """The JSON value under `key`, waiting at most `timeout_s` for it to be written."""
