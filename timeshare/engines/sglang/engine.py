@@ -88,9 +88,9 @@ def resolve_device(spec: SglangSpec) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def server_args(spec: SglangSpec, model_dir: str, device: str, *, dummy: bool) -> dict[str, Any]:
+def server_args(spec: SglangSpec, model_dir: str, device: str, *, dummy: bool) -> dict[str, object]:
     """What `Engine(...)` gets: the typed keys, then server_args, then what timeshare sets."""
-    args: dict[str, Any] = {**spec.typed_args(device), **spec.server_args}
+    args: dict[str, object] = {**spec.typed_args(device), **spec.server_args}
     if dummy:
         args.setdefault("load_format", "dummy")  # the first SYNC brings the trainer's weights
     if device == "cpu":
@@ -131,7 +131,7 @@ def build(context: EngineContext) -> SglangRollout:
     )
 
 
-def start_engine(args: dict[str, Any]) -> Any:
+def start_engine(args: dict[str, object]) -> Any:  # SGLang's Engine (untyped)
     """SGLang's `Engine`, imported only now: SGLang reads its platform at import."""
     if args["device"] == "cpu":
         os.environ[CPU_ENGINE_ENV] = "1"
@@ -209,7 +209,7 @@ class SglangRollout(ForeignRollout):
 
     # -- calls into SGLang ----------------------------------------------------------------------
 
-    def checked(self, what: str, fn: Callable[[], Any]) -> None:
+    def checked(self, what: str, fn: Callable[[], object]) -> None:
         """A call whose answer is SGLang's (success, message) pair or an output with them."""
         answer = self.call(what, fn)
         success, message = _success_of(answer)
@@ -302,7 +302,7 @@ class SglangRollout(ForeignRollout):
             return []
         batch = f"g{next(self._ids)}-r{self.rank}"
         rids = [f"{batch}-{index}" for index in range(len(requests))]
-        arguments: dict[str, Any] = {
+        arguments: dict[str, object] = {
             "input_ids": [list(request.prompt_tokens) for request in requests],
             "sampling_params": [
                 _sampling(request, index) for index, request in enumerate(requests)
@@ -330,7 +330,7 @@ class SglangRollout(ForeignRollout):
         ]
 
     async def _generate(
-        self, arguments: dict[str, Any], rids: list[str], deadline: float
+        self, arguments: dict[str, object], rids: list[str], deadline: float
     ) -> list[dict[str, Any]] | None:
         """SGLang's generate, with the worker's heartbeat while it runs; past `deadline` its
         requests are aborted inside SGLang (None)."""
@@ -448,14 +448,14 @@ def _mapped_anywhere(prefix: str) -> set[str]:
     return mapped
 
 
-def _success_of(answer: Any) -> tuple[bool, str]:
+def _success_of(answer: object) -> tuple[bool, str]:
     """SGLang answers (success, message), or an output object carrying them."""
     if isinstance(answer, tuple):
         return bool(answer[0]), str(answer[1])
     return bool(getattr(answer, "success", True)), str(getattr(answer, "message", ""))
 
 
-def _sampling(request: RolloutRequest, index: int) -> dict[str, Any]:
+def _sampling(request: RolloutRequest, index: int) -> dict[str, object]:
     sampling = request.sampling
     seed = secrets.randbits(63) if sampling.seed is None else mix(sampling.seed, index)
     return {

@@ -8,7 +8,7 @@ keys and values of `server_args` is asked of SGLang itself, once, before any wor
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -67,7 +67,7 @@ class SglangSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     release_memory: bool = True
     # A generate still running after this is aborted inside SGLang (the engine stays usable).
     generate_timeout_s: Seconds = 20.0
-    server_args: dict[str, Any] = {}
+    server_args: dict[str, object] = {}
 
     def rollout_footprint(self, sequences: int) -> RolloutFootprint:
         """Weights in `dtype`, split over tp_size ranks; a KV cache of max_total_tokens
@@ -94,9 +94,9 @@ class SglangSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                     f"engine.sglang.server_args.{key}: use engine.sglang.{TYPED_ARGS[key]} instead"
                 )
 
-    def typed_args(self, device: str) -> dict[str, Any]:
+    def typed_args(self, device: str) -> dict[str, object]:
         """The typed keys as SGLang's server arguments, on `device` (what "auto" resolved to)."""
-        args: dict[str, Any] = {
+        args: dict[str, object] = {
             "device": device,
             "dtype": self.dtype,
             "max_total_tokens": self.max_total_tokens,
