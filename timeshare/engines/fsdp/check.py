@@ -86,7 +86,7 @@ def model_dir_problem(directory: Path) -> str:
             return f"{where}/config.json: transformers has no architecture {name!r}"
     try:
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+            model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]  # transformers' from_config is unannotated
     except (ValueError, KeyError) as exc:
         return f"{where}: not a causal LM transformers knows: {_first_line(exc)}"
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}

@@ -53,7 +53,7 @@ def load_model(model_dir: Path) -> torch.nn.Module:
     # Imported here: transformers is an extra, and only the FSDP trainer's workers need it.
     import transformers  # noqa: PLC0415
 
-    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers' logging helpers are unannotated
     pretrained = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, local_files_only=True
     )

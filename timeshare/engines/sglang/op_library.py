@@ -21,10 +21,10 @@ class OpLibrary(Protocol):
 def op_library(namespace: str, kind: str) -> OpLibrary:
     """`torch.library.Library(namespace, kind)`; kind "DEF" (a namespace of ours) or
     "FRAGMENT" (ops added to one that may exist). Keep it alive while its ops are in use."""
-    library: OpLibrary = torch.library.Library(namespace, kind)  # type: ignore[no-untyped-call]
+    library: OpLibrary = torch.library.Library(namespace, kind)  # type: ignore[no-untyped-call]  # torch's Library.__init__ is unannotated
     return library
 
 
 def load_op_library(path: str) -> None:
     """Load a shared library of compiled ops (it registers them as it loads)."""
-    torch.ops.load_library(path)  # type: ignore[no-untyped-call]
+    torch.ops.load_library(path)  # type: ignore[no-untyped-call]  # torch's _Ops.load_library is unannotated

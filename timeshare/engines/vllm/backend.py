@@ -271,4 +271,4 @@ class TimeshareWorkerExtension:
 
 def _finalize_reload(model: torch.nn.Module, model_config: object) -> None:
     """vLLM's end of a layerwise reload (its processing of the loaded weights), typed."""
-    finalize_layerwise_reload(model, model_config)  # type: ignore[no-untyped-call]  # vLLM: (*args, **kwargs), unannotated
+    finalize_layerwise_reload(model, model_config)  # type: ignore[no-untyped-call]  # vLLM's is (*args, **kwargs)

@@ -90,7 +90,7 @@ class CudaIpcStaging(Staging):
         (torch's IPC reference counter), collected here when that is already so."""
         self.buffers = []
         if self._owner and torch.cuda.is_available():
-            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]
+            torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # torch.cuda.ipc_collect is unannotated
 
 
 def cuda_device(device: torch.device) -> torch.device:
@@ -144,7 +144,7 @@ def export_handle(buffer: torch.Tensor) -> CudaIpcHandle:
         ref_counter_offset,
         event_handle,
         event_sync_required,
-    ) = buffer.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]
+    ) = buffer.untyped_storage()._share_cuda_()  # type: ignore[no-untyped-call]  # torch's _share_cuda_ is unannotated
     return CudaIpcHandle(
         handle=bytes(handle),
         storage_bytes=int(storage_bytes),
@@ -158,7 +158,7 @@ def export_handle(buffer: torch.Tensor) -> CudaIpcHandle:
 
 def open_handle(handle: CudaIpcHandle, device_index: int) -> torch.UntypedStorage:
     """The storage a sender exported, opened in this process on GPU `device_index`."""
-    torch.cuda._lazy_init()  # type: ignore[no-untyped-call]
+    torch.cuda._lazy_init()  # type: ignore[no-untyped-call]  # torch.cuda's init is unannotated
     try:
         storage: torch.UntypedStorage = torch.UntypedStorage._new_shared_cuda(
             device_index,
