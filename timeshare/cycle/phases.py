@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
 
 import anyio
 import structlog
@@ -176,7 +175,7 @@ async def held_memory(
 
 
 async def _on_every_worker(
-    ranks: Sequence[int], ask: Callable[[WorkerId], Coroutine[Any, Any, None]], what: str
+    ranks: Sequence[int], ask: Callable[[WorkerId], Coroutine[object, object, None]], what: str
 ) -> None:
     """`ask` every worker at once; the first failure is the run's, naming its worker and `what`."""
     try:

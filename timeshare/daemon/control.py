@@ -15,7 +15,6 @@ import socket
 import struct
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
 
 import anyio
 import structlog
@@ -28,6 +27,7 @@ from timeshare.daemon.service import Service
 from timeshare.errors import Busy, ControlError, InvalidTransition, RequestTooLarge, SocketInUse
 from timeshare.protocols.control import (
     Call,
+    RequestId,
     encode_error,
     encode_event,
     encode_result,
@@ -204,7 +204,7 @@ class ControlServer:
     def _count(self, method: str, exc: Refusal) -> None:
         self.service.parts.metrics.control_requests.labels(method, type(exc).__name__).inc()
 
-    def _error(self, request_id: Any, exc: Refusal) -> bytes:
+    def _error(self, request_id: RequestId, exc: Refusal) -> bytes:
         return encode_error(request_id, type(exc).__name__, str(exc), self._state())
 
     def _state(self) -> str:

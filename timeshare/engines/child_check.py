@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from typing import Any
+from collections.abc import Mapping
 
 from timeshare.errors import ConfigError
 
@@ -39,12 +39,12 @@ def ask_child(module: str, payload: str, what: str, timeout_s: float) -> None:
         raise ConfigError(str(verdict.get("error")))
 
 
-def answer(verdict: dict[str, Any]) -> None:
+def answer(verdict: Mapping[str, object]) -> None:
     """The child's last line (libraries may print before it)."""
     sys.stdout.write("\n" + json.dumps(verdict) + "\n")
 
 
-def _last_json_line(output: str) -> dict[str, Any] | None:
+def _last_json_line(output: str) -> dict[str, object] | None:
     for line in reversed(output.splitlines()):
         if line.startswith("{"):
             try:

@@ -23,7 +23,7 @@ import threading
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import ClassVar, TypeVar
 
 from timeshare.engines.base import RolloutEngine
 from timeshare.errors import EngineBroken, TimeshareError
@@ -46,7 +46,7 @@ class CallTimedOut(Exception):
 
 def bounded(what: str, fn: Callable[[], T], timeout_s: float) -> T:
     """`fn()` within `timeout_s`, or `CallTimedOut`; what it raised, raised here."""
-    outcome: list[Any] = []
+    outcome: list[T] = []
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -62,8 +62,7 @@ def bounded(what: str, fn: Callable[[], T], timeout_s: float) -> T:
         raise CallTimedOut(f"{what} did not return within {timeout_s:g} s")
     if failure:
         raise failure[0]
-    result: T = outcome[0]
-    return result
+    return outcome[0]
 
 
 @contextlib.contextmanager

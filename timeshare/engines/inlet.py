@@ -11,7 +11,7 @@ deadlines.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -56,7 +56,7 @@ class LocalInlet:
             # a new session, taken by a new receiver (as vLLM's backend does, vllm/backend.py).
             self.receiver = WeightReceiver(self.endpoint, self.transfer)
 
-        def load(named: list[Any]) -> None:
+        def load(named: list[tuple[str, torch.Tensor]]) -> None:
             self.engine.load_weights(named)
             progress()
 

@@ -11,9 +11,8 @@ from __future__ import annotations
 import io
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,7 +73,7 @@ def prune(root: Path, trainer: str, is_committed: Committed, keep: int = KEEP) -
             shutil.rmtree(step_dir(root, trainer, step), ignore_errors=True)
 
 
-def write_durably(path: Path, value: dict[str, Any]) -> None:
+def write_durably(path: Path, value: Mapping[str, object]) -> None:
     """`value` saved by torch to `path`, atomically and durably (its presence: it is whole)."""
     buffer = io.BytesIO()
     torch.save(value, buffer)
