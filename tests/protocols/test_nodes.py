@@ -75,8 +75,10 @@ def test_a_beats_age_is_on_the_readers_clock_and_silence_follows_the_deadline() 
     seen = {s.record.node: s for s in leader.beat_once()}
     now = time.monotonic()
     moved, still = seen[2].view(now, silent_after_s=0.15), seen[1].view(now, silent_after_s=0.15)
-    assert moved["beat_age_s"] < 0.1 and not moved["silent"]  # not 56 years
-    assert 0.2 <= still["beat_age_s"] < 5.0 and still["silent"]
+    moved_age, still_age = moved["beat_age_s"], still["beat_age_s"]
+    assert isinstance(moved_age, float) and isinstance(still_age, float)
+    assert moved_age < 0.1 and not moved["silent"]  # not 56 years
+    assert 0.2 <= still_age < 5.0 and still["silent"]
     assert not seen[1].view(now, silent_after_s=10.0)["silent"]  # a longer node_s: not yet
 
 

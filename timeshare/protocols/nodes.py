@@ -26,7 +26,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import msgspec
 
@@ -73,7 +73,7 @@ class NodeSeen(msgspec.Struct, frozen=True, kw_only=True):
     # followers one beat in `full_every` (their beat's age may be that much older).
     read_lag_s: float = 0.0
 
-    def view(self, now: float, silent_after_s: float) -> dict[str, Any]:
+    def view(self, now: float, silent_after_s: float) -> dict[str, object]:
         """The record as status shows it: with its beat's age at `now` (monotonic) and whether
         that is past `silent_after_s` (the job's `deadlines.node_s`)."""
         age = max(now - self.still_since, 0.0)
