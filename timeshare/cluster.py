@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
 
@@ -54,7 +54,7 @@ def first_host(nodelist: str) -> str:
 
 
 # (key of [cluster], environment variable, launcher, how its value reads)
-LAUNCHER_VARIABLES: list[tuple[str, str, str, Callable[[str], Any]]] = [
+LAUNCHER_VARIABLES: list[tuple[str, str, str, Callable[[str], int | str]]] = [
     ("nodes", "NNODES", "torchrun", int),
     ("node_rank", "NODE_RANK", "torchrun", int),
     ("leader_addr", "MASTER_ADDR", "torchrun", str),
@@ -65,9 +65,9 @@ LAUNCHER_VARIABLES: list[tuple[str, str, str, Callable[[str], Any]]] = [
 ]
 
 
-def launcher_values(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+def launcher_values(environ: Mapping[str, str]) -> dict[str, tuple[int | str, str]]:
     """[cluster] keys a launcher's environment gives: key -> (value, where it came from)."""
-    found: dict[str, tuple[Any, str]] = {}
+    found: dict[str, tuple[int | str, str]] = {}
     for key, variable, launcher, read in LAUNCHER_VARIABLES:
         raw = environ.get(variable)
         if raw is None or raw == "":
