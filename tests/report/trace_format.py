@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ def load_trace(path: Path) -> list[Event]:
     return events
 
 
-def check_events(events: Sequence[Event]) -> None:
+def check_events(events: Sequence[Mapping[str, Any]]) -> None:
     """Raise AssertionError naming the first event that breaks the format."""
     for index, event in enumerate(events):
         where = f"event {index} {event!r}"
@@ -63,10 +63,10 @@ def check_events(events: Sequence[Event]) -> None:
             raise AssertionError(f"{where}: phase {phase!r} is not one timeshare writes")
 
 
-def check_timeline(events: Sequence[Event]) -> None:
+def check_timeline(events: Sequence[Mapping[str, Any]]) -> None:
     """On each track (pid, tid): timestamps never go back, in the file's order, and complete
     slices nest (one inside another, or one after the other, never half over)."""
-    by_track: dict[tuple[int, int], list[Event]] = defaultdict(list)
+    by_track: dict[tuple[int, int], list[Mapping[str, Any]]] = defaultdict(list)
     for event in events:
         if event["ph"] != "M":
             by_track[(event["pid"], event["tid"])].append(event)
