@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from timeshare.capacity import Plan
 from timeshare.capacity.memory import GIB, PHASES
 
@@ -62,7 +60,7 @@ def _gib(value: float, mark: str = "") -> str:
     return f"{mark}{value / GIB:.2f}"
 
 
-def as_json(plan: Plan) -> dict[str, Any]:
+def as_json(plan: Plan) -> dict[str, object]:
     return {
         "feasible": plan.feasible,
         "cluster": {
