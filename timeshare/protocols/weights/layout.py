@@ -14,7 +14,6 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, cast
 
 import torch
 
@@ -371,4 +370,4 @@ def payload_extent(pieces: list[TensorPiece]) -> int:
 
 def crc32(flat: torch.Tensor) -> int:
     """crc32 of a flat uint8 CPU tensor, read in place."""
-    return zlib.crc32(cast(Any, flat.numpy()))
+    return zlib.crc32(flat.numpy().data)
