@@ -6,6 +6,8 @@ be handed the same port before either binds it (two leaders then share one job s
 outgoing connection may take it meanwhile. These come from below the kernel's ephemeral range
 (no connection is handed one), from a block of their own for each pytest worker, starting at a
 random place in it (another pytest session on the machine picks elsewhere, most likely).
+A session without workers takes the block PORT_BLOCK_ENV names (make test runs two such
+sessions side by side, each with its own), else the first.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import socket
 BASE = 20000  # the ephemeral range starts at 32768 (/proc/sys/net/ipv4/ip_local_port_range)
 BLOCK = 1000
 BLOCKS = 12  # pytest workers with a block of their own
+PORT_BLOCK_ENV = "TIMESHARE_TEST_PORT_BLOCK"
 
 
 def free_port() -> int:
     """A port of this worker's block that nothing listens on now."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "").removeprefix("gw")
+    worker = worker or os.environ.get(PORT_BLOCK_ENV, "0")
     block = BASE + (int(worker) % BLOCKS if worker.isdigit() else 0) * BLOCK
     start = random.randrange(BLOCK)
     for offset in range(BLOCK):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import psutil
 
 from tests.cycle.jobs import RESOURCE_TRACKER
 from timeshare.protocols.weights import sweep_stale
+from timeshare.protocols.weights.segments import SHM_DIR as SHM
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENT_TIMEOUT_S = 300.0  # an engine's start-up on a loaded machine, with room
@@ -92,6 +94,40 @@ def recorded_segments(runtime_dir: Path) -> list[str]:
     for record in runtime_dir.glob("*.segments.json"):
         names += json.loads(record.read_text())["segments"]
     return names
+
+
+def shm_names() -> set[str]:
+    """What /dev/shm holds now."""
+    return set(os.listdir(SHM))
+
+
+def left_in_shm(before: set[str], settle_s: float = 10.0) -> list[str]:
+    """What appeared in /dev/shm since `before` and stays there, mapped by no live process:
+    what dead processes left behind. make test runs SGLang's tests beside others: their files
+    are mapped by their own live processes, or gone within `settle_s`. A leak stays. (So do the
+    semaphores of Python's resource tracker for moments after their processes exit.)"""
+    deadline = time.monotonic() + settle_s
+    while True:
+        new = shm_names() - before
+        left = sorted(new - mapped_by_any_process(new))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def mapped_by_any_process(names: set[str]) -> set[str]:
+    """Those of `names` (files in /dev/shm) that a live process maps."""
+    if not names:
+        return set()
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        with contextlib.suppress(OSError):  # a process that exits meanwhile, or not ours to read
+            for line in maps.read_text().splitlines():
+                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+                name = path.removeprefix(f"{SHM}/").removesuffix(" (deleted)")
+                if name in names:
+                    mapped.add(name)
+    return mapped
 
 
 def wait_for(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[str]) -> Any:

@@ -11,7 +11,6 @@ caught after the fact; what the engine cannot honour at all is refused naming th
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -22,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.engines.foreign_hosts import left_in_shm, shm_names
 from tests.engines.sglang import tiny_vl
 from tests.engines.sglang.conftest import TRANSFER, spec
 from timeshare.engines.base import RolloutRequest, SamplingParams
@@ -31,7 +31,6 @@ from timeshare.engines.sglang.engine import SglangRollout
 from timeshare.engines.sglang.media import MediaPlaceholders
 from timeshare.errors import UnsupportedInput
 from timeshare.protocols.weights import WeightSender
-from timeshare.protocols.weights.segments import SHM_DIR as SHM
 
 pytestmark = pytest.mark.slow
 SAMPLING = SamplingParams(max_tokens=5, temperature=1.0, seed=3)
@@ -43,7 +42,7 @@ def vl_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangRollou
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    shm_before = set(os.listdir(SHM))  # (make test runs the SGLang tests one at a time)
+    shm_before = shm_names()
     root = tmp_path_factory.mktemp("sglang-vl")
     model_dir = tiny_vl.build(root / "model")
     runtime_dir = root / "run"
@@ -71,7 +70,7 @@ def vl_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SglangRollou
     finally:
         engine.close()
     # A multimodal model's start leaves a semaphore nobody maps: the engine released it.
-    assert sorted(set(os.listdir(SHM)) - shm_before) == []
+    assert left_in_shm(shm_before) == []
 
 
 def request(engine: SglangRollout, media: str, value: object) -> RolloutRequest:

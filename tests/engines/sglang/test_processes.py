@@ -17,13 +17,12 @@ import msgspec
 import psutil
 import pytest
 
-from tests.engines.foreign_hosts import Host, assert_nothing_left
+from tests.engines.foreign_hosts import Host, assert_nothing_left, left_in_shm, shm_names
 from tests.engines.sglang.conftest import MODEL, TRANSFER
 from timeshare.engines.torch_ref.model import init_model
 from timeshare.errors import AckTimeout
 from timeshare.protocols.weights import WeightSender
 from timeshare.protocols.weights.segments import SEGMENT_PREFIX
-from timeshare.protocols.weights.segments import SHM_DIR as SHM
 from timeshare.runtime import mapped_segments, wait_gone
 
 pytestmark = pytest.mark.slow
@@ -33,7 +32,7 @@ SENDER = msgspec.structs.replace(TRANSFER, ack_timeout_s=3.0, handshake_timeout_
 
 @pytest.fixture
 def host(runtime_dir: Path) -> Iterator[Host]:
-    before = set(os.listdir(SHM))  # (make test runs the SGLang tests one at a time)
+    before = shm_names()
     started = Host("tests.engines.sglang.host", runtime_dir)
     try:
         yield started
@@ -41,10 +40,7 @@ def host(runtime_dir: Path) -> Iterator[Host]:
         started.stop()
     # Nothing of SGLang's stays in /dev/shm: its semaphores (sem.mp-*) go with Python's
     # resource tracker, which outlives SGLang's processes by moments to unlink them.
-    deadline = time.monotonic() + 10
-    while (left := sorted(set(os.listdir(SHM)) - before)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert left == []
+    assert left_in_shm(before) == []
 
 
 def scheduler(processes: list[int]) -> int:

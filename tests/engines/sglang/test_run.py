@@ -23,14 +23,15 @@ from tests.configs import TINY, merged, toml_file
 from tests.cycle.jobs import assert_nothing_left
 from tests.daemon.test_run import timeshare_run
 from tests.engines.foreign_hosts import (
+    left_in_shm,
     recorded_processes,
+    shm_names,
     start_run,
     tp_1_and_tp_2_runs,
     wait_for,
 )
 from timeshare.protocols.weights import sweep_stale
 from timeshare.protocols.weights.segments import SEGMENT_PREFIX
-from timeshare.protocols.weights.segments import SHM_DIR as SHM
 from timeshare.runtime import mapped_segments, wait_gone
 
 pytestmark = pytest.mark.slow
@@ -111,7 +112,7 @@ def test_an_sglang_tp_scheduler_killed_in_sync_fails_the_cycle_naming_it(
 
 
 def test_no_sglang_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -> None:
-    before = set(os.listdir(SHM))  # (make test runs the SGLang tests one at a time)
+    before = shm_names()
     run = start_run(runtime_dir, tp_config(runtime_dir, 2, steps=1000))  # a TP engine
     try:
         processes = wait_for("SGLang", lambda: recorded_processes(runtime_dir / "run"), 240, run)
@@ -128,7 +129,7 @@ def test_no_sglang_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path)
             run.wait()
     assert wait_gone(processes, 10) == []  # the rollout worker and SGLang's processes
     sweep_stale(runtime_dir / "run")  # what the next run does first
-    assert sorted(set(os.listdir(SHM)) - before) == []
+    assert left_in_shm(before) == []
 
 
 def test_a_key_sglang_rejects_is_exit_2_before_any_process(runtime_dir: Path) -> None:
