@@ -133,7 +133,9 @@ def mapped_by_any_process(names: set[str]) -> set[str]:
 def wait_for(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[str]) -> Any:
     deadline = time.monotonic() + timeout_s
     while not (found := check()):
-        assert proc.poll() is None, f"the run exited ({proc.returncode}) before {what}"
+        if proc.poll() is not None:
+            said = proc.stderr.read()[-3000:] if proc.stderr else ""
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}: {said}")
         assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
         time.sleep(0.01)
     return found
@@ -181,6 +183,7 @@ def tp_1_and_tp_2_runs(
     from tests.cycle.jobs import assert_nothing_left
     from tests.daemon.test_run import steps_of, timeshare_run
 
+    before = shm_names()
     runs = {}
     for tp in (1, 2):
         directory = root / f"tp{tp}"
@@ -190,6 +193,7 @@ def tp_1_and_tp_2_runs(
         assert done.returncode == 0, done.stderr[-3000:]
         runs[tp] = steps_of(summary)
         assert_nothing_left(directory)
+    assert left_in_shm(before) == []  # nor anything the records did not name
     for tp, steps in runs.items():
         assert [s["step"] for s in steps] == [1, 2, 3], tp
         assert all(s["weights_match"] and s["ranks_agree"] for s in steps), tp

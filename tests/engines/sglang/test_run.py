@@ -88,6 +88,7 @@ def test_an_sglang_tp_scheduler_killed_in_sync_fails_the_cycle_naming_it(
     runtime_dir: Path,
 ) -> None:
     """TP rank 1's scheduler of rank 0's engine (which serves ranks 0 and 1) dies in SYNC."""
+    before = shm_names()
     run = start_run(runtime_dir, tp_config(runtime_dir, 2))
     try:
         processes = wait_for("SGLang", lambda: recorded_processes(runtime_dir / "run"), 240, run)
@@ -109,6 +110,7 @@ def test_an_sglang_tp_scheduler_killed_in_sync_fails_the_cycle_naming_it(
     assert re.search(r"TP worker 1\b|receiver 1 of 2", stderr), stderr[-3000:]
     assert wait_gone(processes, 10) == []
     assert_nothing_left(runtime_dir)
+    assert left_in_shm(before) == []
 
 
 def test_no_sglang_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -> None:

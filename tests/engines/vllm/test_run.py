@@ -23,8 +23,10 @@ from tests.configs import TINY, merged, toml_file
 from tests.cycle.jobs import assert_nothing_left
 from tests.daemon.test_run import steps_of, timeshare_run
 from tests.engines.foreign_hosts import (
+    left_in_shm,
     recorded_processes,
     recorded_segments,
+    shm_names,
     start_run,
     tp_1_and_tp_2_runs,
     wait_for,
@@ -84,6 +86,7 @@ def test_tp_1_and_tp_2_from_one_seed_hold_the_same_weights_every_step(runtime_di
 @pytest.mark.alone
 def test_a_vllm_tp_worker_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: Path) -> None:
     """TP worker 1 of rank 0's engine (which serves ranks 0 and 1) dies in the first SYNC."""
+    before = shm_names()
     run = start_run(runtime_dir, tp_config(runtime_dir, 2))
     try:
         processes = wait_for("vLLM", lambda: recorded_processes(runtime_dir / "run"), 240, run)
@@ -110,11 +113,13 @@ def test_a_vllm_tp_worker_killed_in_sync_fails_the_cycle_naming_it(runtime_dir: 
     assert wait_gone(processes, 10) == []
     assert_nothing_left(runtime_dir)
     assert [name for name in segments if (SHM / name).exists()] == []
+    assert left_in_shm(before) == []  # nor what the records did not name (the TP all-reduce's)
 
 
 @pytest.mark.alone
 def test_no_vllm_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -> None:
     """A TP engine: its EngineCore and both TP workers die with the run."""
+    before = shm_names()
     run = start_run(runtime_dir, tp_config(runtime_dir, 2, steps=1000))
     try:
         processes = wait_for("vLLM", lambda: recorded_processes(runtime_dir / "run"), 240, run)
@@ -135,6 +140,7 @@ def test_no_vllm_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path) -
     assert wait_gone(processes, 10) == []
     sweep_stale(runtime_dir / "run")  # what the next run does first
     assert [name for name in segments if (SHM / name).exists()] == []
+    assert left_in_shm(before) == []  # nor what the records did not name (the TP all-reduce's)
 
 
 @pytest.mark.alone  # held to a share of a CPU: beside other tests it would get less still

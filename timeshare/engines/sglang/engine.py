@@ -75,7 +75,9 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 IDLE_POLL_S = 0.05  # between SGLang's flush_cache tries while it finishes what it runs
 PROGRESS_S = 0.5  # the heartbeat while a generate runs
-SEGMENT_PREFIXES = ("psm_", "sglang", "sgl_shm_mq_")  # shared memory SGLang's processes map
+# The shared memory SGLang's processes map, Python's named semaphores among it (which the
+# resource tracker would unlink, if it outlived them).
+SEGMENT_PREFIXES = ("psm_", "sglang", "sgl_shm_mq_", "sem.mp-")
 # (sgl_shm_mq_: the message queues of its tensor-parallel ranks)
 SEMAPHORE_PREFIX = "sem.mp-"  # Python's named semaphores (multiprocessing), in /dev/shm
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"

@@ -69,7 +69,10 @@ EXTENSION = "timeshare.engines.vllm.backend.TimeshareWorkerExtension"
 EXTENSION_REPORT = "timeshare_report"  # its method that returns the last version's report
 EXTENSION_STEP = "timeshare_step"  # its method that runs one weight-transfer step
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # its CPU workers' thread binding (cpu_binding.py)
-VLLM_SEGMENT_PREFIX = "psm_"  # Python's SharedMemory names, as vLLM's message queues use them
+# The shared memory vLLM's processes map: Python's SharedMemory (its message queues), its CPU
+# TP workers' all-reduce buffers (vllm_dist_*-cpushm_<rank>, which a SIGKILLed worker leaves),
+# Python's named semaphores (which the resource tracker would unlink, if it outlived them).
+VLLM_SEGMENT_PREFIXES = ("psm_", "vllm_dist_", "sem.mp-")
 
 
 def engine_args(spec: VllmSpec, model_dir: str, *, sleep_mode: bool) -> dict[str, Any]:
@@ -105,7 +108,7 @@ class VllmRollout(ForeignRollout):
 
     name = "vLLM"
     title_prefix = "VLLM::"
-    segment_prefixes = (VLLM_SEGMENT_PREFIX,)
+    segment_prefixes = VLLM_SEGMENT_PREFIXES
 
     def __init__(
         self,
