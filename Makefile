@@ -52,7 +52,7 @@ SGLANG_TORCHVISION ?= torchvision==0.28.0
 apt_install = apt-get install -y -q $(1) || (apt-get update -q && apt-get install -y -q $(1))
 
 .PHONY: demo demo-vllm demo-vllm-tp2 demo-sglang-tp2 demo-fsdp demo-fsdp-vllm demo-megatron demo-megatron-vllm demo-sglang test lint typecheck pytest \
-	pytest-sglang pytest-alone test-tools bench bench-vllm bench-fsdp bench-megatron bench-nodes soak \
+	pytest-sglang pytest-alone pytest-parallel pytest-after test-tools bench bench-vllm bench-fsdp bench-megatron bench-nodes soak \
 	bench-scale bench-sglang docs-picture clean
 
 $(STAMP): pyproject.toml
@@ -130,10 +130,12 @@ demo-megatron-vllm: $(STAMP)
 	$(VENV)/bin/timeshare run examples/megatron-vllm-grpo.toml \
 		--summary runs/megatron-vllm-grpo/summary.json
 
-# lint first (seconds); then mypy beside the tests, on the core the parallel phase leaves idle
-# (its one line of output, or its errors, among pytest's).
+# lint first (seconds); then, beside the parallel phase of the tests, on the core it leaves
+# idle: mypy (its one line of output, or its errors, among pytest's) and SGLang's venv (needed
+# only by the phase after). Then the two sessions that follow it (pytest-after).
 test: lint
-	$(MAKE) -j2 typecheck pytest
+	$(MAKE) -j3 typecheck $(SGLANG_STAMP) pytest-parallel
+	$(MAKE) pytest-after
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check timeshare tests benchmarks
@@ -142,28 +144,34 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy timeshare tests benchmarks
 
+pytest: pytest-parallel
+	$(MAKE) pytest-after
+
 # The parallel phase: four pytest workers on two cores; the tests wait (for processes,
-# deadlines, sockets) more than they compute, and keep about 1.5 cores busy. Slow tests are
-# scheduled first. Bytecode is compiled first: else the first run's many processes each compile
-# the package at once. Then two sessions side by side, each one test at a time: the tests marked
-# `alone` (a vLLM engine of several TP workers, which beside two other pytest workers would load
-# two cores; jobs held to a share of a CPU on purpose, whose deadlines are sized for that), about
-# 0.8 of a core, and SGLang's (from its venv), about 1.3. Each session takes ports of its own,
-# and each one's output is printed whole when it ends.
-pytest: $(STAMP) $(SGLANG_STAMP) test-tools
+# deadlines, sockets) more than they compute. Slow tests are scheduled first. Bytecode is
+# compiled first: else the first run's many processes each compile the package at once.
+pytest-parallel: $(STAMP) test-tools
 	$(PY) -m compileall -q timeshare tests
 	$(PY) -m pytest -q -n 4 --dist worksteal --durations=15 -m "not sglang and not alone" \
 		--ignore=tests/engines/sglang
+
+# Then two sessions side by side, each one test at a time: the tests marked `alone` (a vLLM
+# engine of several TP workers, which beside other pytest workers would load two cores; jobs held
+# to a share of a CPU on purpose, whose deadlines are sized for that), about 0.8 of a core, and
+# SGLang's (from its venv), about 1.3. Each session takes ports of its own (TESTS_PORT_BLOCK; not
+# TIMESHARE_...: the config refuses a variable of that prefix it does not know), and each one's
+# output is printed whole when it ends.
+pytest-after:
 	$(MAKE) -j2 --output-sync=target pytest-alone pytest-sglang
 
 pytest-alone: $(STAMP) test-tools
-	TIMESHARE_TEST_PORT_BLOCK=10 $(PY) -m pytest -q -p no:cacheprovider --durations=5 \
+	TESTS_PORT_BLOCK=4 $(PY) -m pytest -q -p no:cacheprovider --durations=5 \
 		-m "alone and not sglang" tests/engines/vllm tests/engines/contract tests/nodes
 
 # The tests that run SGLang, from its venv (one at a time: each SGLang engine keeps a core and
 # more busy).
 pytest-sglang: $(SGLANG_STAMP) test-tools
-	TIMESHARE_TEST_PORT_BLOCK=11 $(SGLANG_PY) -m pytest -q -p no:cacheprovider -m sglang \
+	TESTS_PORT_BLOCK=5 $(SGLANG_PY) -m pytest -q -p no:cacheprovider -m sglang \
 		--durations=10 tests/engines/sglang tests/engines/contract
 
 # socat: a plain client of the control socket; systemd-analyze and systemd-socket-activate

@@ -7,7 +7,9 @@ outgoing connection may take it meanwhile. These come from below the kernel's ep
 (no connection is handed one), from a block of their own for each pytest worker, starting at a
 random place in it (another pytest session on the machine picks elsewhere, most likely).
 A session without workers takes the block PORT_BLOCK_ENV names (make test runs two such
-sessions side by side, each with its own), else the first.
+sessions side by side, each with its own, after four workers used blocks 0-3), else the first.
+SGLang derives ports of its own from its default port 30000 up (blocks 10 and 11 would share
+them) and picks its process group's port at random in 22000-29999, as any process may.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import socket
 BASE = 20000  # the ephemeral range starts at 32768 (/proc/sys/net/ipv4/ip_local_port_range)
 BLOCK = 1000
 BLOCKS = 12  # pytest workers with a block of their own
-PORT_BLOCK_ENV = "TIMESHARE_TEST_PORT_BLOCK"
+PORT_BLOCK_ENV = "TESTS_PORT_BLOCK"
 
 
 def free_port() -> int:
