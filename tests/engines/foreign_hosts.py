@@ -24,6 +24,7 @@ import psutil
 from tests.cycle.jobs import RESOURCE_TRACKER
 from timeshare.protocols.weights import sweep_stale
 from timeshare.protocols.weights.segments import SHM_DIR as SHM
+from timeshare.runtime import mapped_segments
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENT_TIMEOUT_S = 300.0  # an engine's start-up on a loaded machine, with room
@@ -119,15 +120,7 @@ def mapped_by_any_process(names: set[str]) -> set[str]:
     """Those of `names` (files in /dev/shm) that a live process maps."""
     if not names:
         return set()
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):  # a process that exits meanwhile, or not ours to read
-            for line in maps.read_text().splitlines():
-                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-                name = path.removeprefix(f"{SHM}/").removesuffix(" (deleted)")
-                if name in names:
-                    mapped.add(name)
-    return mapped
+    return names & {name for pid in psutil.pids() for name in mapped_segments(pid, "")}
 
 
 def wait_for(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[str]) -> Any:
