@@ -7,7 +7,8 @@ outgoing connection may take it meanwhile. These come from below the kernel's ep
 (no connection is handed one), from a block of their own for each pytest worker, starting at a
 random place in it (another pytest session on the machine picks elsewhere, most likely).
 A session without workers takes the block PORT_BLOCK_ENV names (make test runs two such
-sessions side by side, each with its own, after four workers used blocks 0-3), else the first.
+sessions side by side, each with its own, above the blocks its parallel stage's workers used),
+else the first.
 SGLang derives ports of its own from its default port 30000 up (blocks 10 and 11 would share
 them) and picks its process group's port at random in 22000-29999, as any process may.
 """

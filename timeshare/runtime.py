@@ -248,6 +248,47 @@ def kill_group(pid: int) -> None:
         pass  # the pid went to another user's process: not ours to kill
 
 
+# Python's multiprocessing resource tracker, which a process that starts others with spawn
+# starts too (one per tree): it holds the names of the named semaphores (/dev/shm/sem.mp-*) that
+# its processes made, and unlinks those still there once every process it serves has exited (one
+# killed before its own finalizers ran leaves them to it). Killed with the rest, it leaves them in
+# /dev/shm for good: `end_groups` lets it finish first.
+RESOURCE_TRACKER = "multiprocessing.resource_tracker"
+TRACKERS_S = 5.0  # for the trackers to unlink and exit, once what they serve is gone
+
+
+def end_groups(pgids: list[int], trackers_s: float = TRACKERS_S) -> None:
+    """SIGKILL the process groups `pgids` (each pid alone that leads none yet), all but Python's
+    resource trackers in them first, so that those unlink what the killed processes left; then,
+    once they exited or `trackers_s` passed, what is left of the groups."""
+    members = group_members(set(pgids))
+    trackers = [pid for pid in members if is_resource_tracker(pid)]
+    for pid in set(members) - set(trackers):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    wait_gone(trackers, trackers_s)
+    for pgid in pgids:
+        kill_group(pgid)
+
+
+def group_members(pgids: set[int]) -> list[int]:
+    """The live processes whose process group is one of `pgids` (from /proc)."""
+    members = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            fields = _stat_fields(int(proc.name))
+            if fields is not None and fields[0] not in ("Z", "X") and int(fields[2]) in pgids:
+                members.append(int(proc.name))
+    return members
+
+
+def is_resource_tracker(pid: int) -> bool:
+    try:
+        return RESOURCE_TRACKER.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -270,6 +311,7 @@ def die_with_parent(parent: int | None = None) -> None:
 # directory removes them once those processes are gone, however they died.
 FOREIGN_SEGMENTS_SUFFIX = ".segments.json"
 SHM_ROOT = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
+SEMAPHORE_PREFIX = "sem.mp-"  # Python's named semaphores (multiprocessing's), in /dev/shm
 
 
 def record_foreign_segments(
@@ -351,6 +393,35 @@ def mapped_segments(pid: int, prefix: str) -> list[str]:
         if path.startswith(f"{SHM_ROOT}/{prefix}"):
             names.add(path[len(str(SHM_ROOT)) + 1 :].removesuffix(" (deleted)"))
     return sorted(names)
+
+
+def mapped_anywhere(names: set[str]) -> set[str]:
+    """Those of `names` (files in /dev/shm) that a live process of this machine maps, under any
+    name: a named semaphore's maker maps it by the temporary name it made it under, which shows
+    as deleted in its maps (glibc makes it whole under that name, then links the real one)."""
+    inodes: dict[int, str] = {}
+    for name in names:
+        with contextlib.suppress(OSError):
+            inodes[(SHM_ROOT / name).stat().st_ino] = name
+    mapped: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if inodes and proc.name.isdigit():
+            mapped.update(inodes[inode] for inode in _shm_inodes(proc) if inode in inodes)
+    return mapped
+
+
+def _shm_inodes(proc: Path) -> set[int]:
+    """The inodes of the /dev/shm files the process `proc` (/proc/<pid>) maps."""
+    try:
+        maps = (proc / "maps").read_text()
+    except OSError:
+        return set()
+    inodes = set()
+    for line in maps.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(f"{SHM_ROOT}/"):
+            inodes.add(int(fields[4]))
+    return inodes
 
 
 def parent_of(pid: int) -> int | None:

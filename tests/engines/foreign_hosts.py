@@ -24,7 +24,7 @@ import psutil
 from tests.cycle.jobs import RESOURCE_TRACKER
 from timeshare.protocols.weights import sweep_stale
 from timeshare.protocols.weights.segments import SHM_DIR as SHM
-from timeshare.runtime import mapped_segments
+from timeshare.runtime import mapped_anywhere
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENT_TIMEOUT_S = 300.0  # an engine's start-up on a loaded machine, with room
@@ -110,17 +110,10 @@ def left_in_shm(before: set[str], settle_s: float = 10.0) -> list[str]:
     deadline = time.monotonic() + settle_s
     while True:
         new = shm_names() - before
-        left = sorted(new - mapped_by_any_process(new))
+        left = sorted(new - mapped_anywhere(new))
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.2)
-
-
-def mapped_by_any_process(names: set[str]) -> set[str]:
-    """Those of `names` (files in /dev/shm) that a live process maps."""
-    if not names:
-        return set()
-    return names & {name for pid in psutil.pids() for name in mapped_segments(pid, "")}
 
 
 def wait_for(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[str]) -> Any:

@@ -19,9 +19,9 @@ from timeshare.engines.patches import (
     Outcome,
     Patch,
     apply_patches,
-    resolve,
     source_fingerprint,
 )
+from timeshare.engines.registry import load_function
 from timeshare.errors import PatchRefused
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def test_a_known_source_is_patched_once() -> None:
     patch = greeting_patch("greet.once")
     assert apply_patches([patch], environ={}) == {"greet.once": Outcome.APPLIED}
     assert patch_target.greet("ada") == "hello ada, patched"
-    assert resolve(TARGET) is patch_target.greet
+    assert load_function(TARGET) is patch_target.greet
     assert apply_patches([patch], environ={}) == {"greet.once": Outcome.ALREADY}
 
 

@@ -18,7 +18,7 @@ import json
 import os
 import signal
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -37,7 +37,7 @@ from timeshare.protocols.commands.processes import describe_exit
 from timeshare.protocols.commands.results import ROLES
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import sweep_stale, weight_endpoint
-from timeshare.runtime import kill_group, process_start_time, wait_gone
+from timeshare.runtime import end_groups, process_start_time, wait_gone
 from timeshare.torch_quiet import as_the_user_had_it
 
 log = structlog.get_logger(__name__)
@@ -283,8 +283,7 @@ def record_workers(runtime: Path, groups: list[int]) -> None:
 
 def clean_up(runtime: Path, workers: list[int], factory: WorkerFactory) -> None:
     """Kill every worker process group, let the zygote reap them and exit, sweep the runtime dir."""
-    for pid in workers:
-        kill_group(pid)
+    end_groups(workers)
     factory.close()
     # A worker orphaned by a dead zygote is reaped by whoever adopted it, maybe late: its
     # staging is stale once it has exited, reaped or not.
@@ -304,9 +303,8 @@ def prepare_runtime(runtime: Path) -> list[int]:
         for entry in json.loads(record.read_text()):
             pgid = int(entry["pgid"])
             if entry.get("start") is not None and process_start_time(pgid) == entry["start"]:
-                with suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
-                    killed.append(pgid)
+                killed.append(pgid)
+        end_groups(killed)
         record.unlink()
     sweep_stale(runtime)
     if killed:

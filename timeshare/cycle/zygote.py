@@ -32,7 +32,7 @@ import msgspec
 
 from timeshare.cycle.factory import Exited, Forked, ForkRequest, Refused, Reply
 from timeshare.engines.worker import WorkerSpec, run
-from timeshare.runtime import die_with_parent, kill_group
+from timeshare.runtime import die_with_parent, end_groups
 
 PR_SET_NAME = 15
 NAME_LIMIT = 15  # bytes of a task's name, not counting its NUL
@@ -137,8 +137,7 @@ class Zygote:
 
     def _kill_children(self) -> None:
         """Every worker group still alive is killed, and every worker reaped (no zombies)."""
-        for pid in self.children:
-            kill_group(pid)
+        end_groups(list(self.children))
         deadline = time.monotonic() + REAP_S
         while self.children and time.monotonic() < deadline:
             self._reap()

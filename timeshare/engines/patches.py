@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from timeshare.engines.registry import load
+from timeshare.engines.registry import load_function
 from timeshare.errors import PatchRefused
 
 log = structlog.get_logger(__name__)
@@ -86,7 +86,7 @@ class Patch:
         """The target as it is in this process: its version, or its source's fingerprint."""
         if self.version_of:
             return package_version(self.version_of)
-        return source_fingerprint(resolve(self.source_of))
+        return source_fingerprint(load_function(self.source_of))
 
 
 def apply_patches(
@@ -154,14 +154,6 @@ def package_version(name: str) -> str:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return str(getattr(importlib.import_module(name), "__version__", "?"))
-
-
-def resolve(target: str) -> Callable[..., object]:
-    """The function `"package.module:Qual.name"` names."""
-    value: object = load(target)
-    if not callable(value):
-        raise TypeError(f"{target} is not a function")
-    return value
 
 
 def source_fingerprint(function: Callable[..., object]) -> str:

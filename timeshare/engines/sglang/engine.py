@@ -66,20 +66,17 @@ from timeshare.protocols.commands.results import WorkerLoad
 from timeshare.protocols.weights import TransferConfig, TransferReport
 from timeshare.protocols.weights.layout import DTYPES
 from timeshare.protocols.weights.segments import SHM_DIR
-from timeshare.runtime import (
-    mapped_segments,
-)
+from timeshare.runtime import SEMAPHORE_PREFIX, mapped_anywhere
 from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
 IDLE_POLL_S = 0.05  # between SGLang's flush_cache tries while it finishes what it runs
 PROGRESS_S = 0.5  # the heartbeat while a generate runs
-# The shared memory SGLang's processes map, Python's named semaphores among it (which the
-# resource tracker would unlink, if it outlived them).
-SEGMENT_PREFIXES = ("psm_", "sglang", "sgl_shm_mq_", "sem.mp-")
+# The shared memory SGLang's processes map, Python's named semaphores among it (which its
+# resource tracker unlinks too, if it outlives them: runtime.py `end_groups`).
+SEGMENT_PREFIXES = ("psm_", "sglang", "sgl_shm_mq_", SEMAPHORE_PREFIX)
 # (sgl_shm_mq_: the message queues of its tensor-parallel ranks)
-SEMAPHORE_PREFIX = "sem.mp-"  # Python's named semaphores (multiprocessing), in /dev/shm
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # its CPU TP ranks' thread binding (cpu_binding.py)
 
@@ -192,7 +189,8 @@ class SglangRollout(ForeignRollout):
             raise
         # A semaphore that a process of SGLang's start-up made and left (a multimodal model's
         # start leaves one): nobody maps it, so nobody would ever unlink it.
-        self._orphans = sorted(_semaphores() - semaphores - _mapped_anywhere(SEMAPHORE_PREFIX))
+        made = _semaphores() - semaphores
+        self._orphans = sorted(made - mapped_anywhere(made))
         self.media = MediaPlaceholders.of_model(self.sgl.tokenizer_manager.model_config)
         # SGLang takes a prompt of at most max_req_input_len tokens (its context_length less 6):
         # one more is what a prompt and a completion of at least one token may hold, always.
@@ -439,15 +437,6 @@ def _cpu_binding(workers: int) -> dict[str, str]:
 
 def _semaphores() -> set[str]:
     return {path.name for path in SHM_DIR.glob(f"{SEMAPHORE_PREFIX}*")}
-
-
-def _mapped_anywhere(prefix: str) -> set[str]:
-    """The /dev/shm names starting with `prefix` that any process of this machine maps."""
-    mapped: set[str] = set()
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            mapped.update(mapped_segments(int(proc.name), prefix))
-    return mapped
 
 
 def _success_of(answer: object) -> tuple[bool, str]:

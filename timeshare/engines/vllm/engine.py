@@ -53,6 +53,7 @@ from timeshare.errors import (
 )
 from timeshare.protocols.commands.results import WorkerLoad
 from timeshare.protocols.weights import TransferConfig, TransferReport
+from timeshare.runtime import SEMAPHORE_PREFIX
 from timeshare.units import MIB
 from vllm import LLM
 from vllm import SamplingParams as VllmSampling
@@ -71,8 +72,9 @@ EXTENSION_STEP = "timeshare_step"  # its method that runs one weight-transfer st
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # its CPU workers' thread binding (cpu_binding.py)
 # The shared memory vLLM's processes map: Python's SharedMemory (its message queues), its CPU
 # TP workers' all-reduce buffers (vllm_dist_*-cpushm_<rank>, which a SIGKILLed worker leaves),
-# Python's named semaphores (which the resource tracker would unlink, if it outlived them).
-VLLM_SEGMENT_PREFIXES = ("psm_", "vllm_dist_", "sem.mp-")
+# Python's named semaphores (which its resource tracker unlinks too, if it outlives them:
+# runtime.py `end_groups`).
+VLLM_SEGMENT_PREFIXES = ("psm_", "vllm_dist_", SEMAPHORE_PREFIX)
 
 
 def engine_args(spec: VllmSpec, model_dir: str, *, sleep_mode: bool) -> dict[str, Any]:
