@@ -120,7 +120,11 @@ def wait_for(what: str, check: Any, timeout_s: float, proc: subprocess.Popen[str
     deadline = time.monotonic() + timeout_s
     while not (found := check()):
         if proc.poll() is not None:
-            said = proc.stderr.read()[-3000:] if proc.stderr else ""
+            try:  # (a process it left holding its stderr would keep a read waiting)
+                _, said = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                said = "(its stderr still open 30 s after it exited)"
+            said = (said or "")[-3000:]
             raise AssertionError(f"the run exited ({proc.returncode}) before {what}: {said}")
         assert time.monotonic() < deadline, f"no {what} within {timeout_s:g} s"
         time.sleep(0.01)
