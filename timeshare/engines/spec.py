@@ -92,6 +92,10 @@ class EngineChoice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # intra-op threads per worker process: a trainer and a rollout share each rank's cores, and
     # spinning OpenMP pools of several processes on few cores stall each other for a second
     torch_threads: PositiveInt = 1
+    # Each sequence's numbers independent of its batch, in every engine of the job: the
+    # rollout's logprobs are then the trainer's to the bit (invariance.py; registry.py says how
+    # each engine does it, or that it cannot)
+    batch_invariant: bool = False
     task: TaskSpec = TaskSpec()
     grpo: GrpoSpec = GrpoSpec()
 
@@ -168,6 +172,8 @@ def check_engines(
         trainer.check_ranks(ranks)
     if ranks_per_node is not None:
         check_rollout_group(spec, source_of, ranks_per_node)
+    if spec.batch_invariant:
+        check_batch_invariant(spec, source_of)
     for name, roles in spec.roles().items():
         if check := registry.ENGINES[name].check:
             registry.load_function(check)(spec, roles)
@@ -177,6 +183,29 @@ def check_engines(
     for name, roles in spec.roles().items():
         if probe and (probed := registry.ENGINES[name].probe):
             registry.load_function(probed)(spec, roles)
+
+
+# The project's own mode is row-invariant with one intra-op thread: with two, a trainer's and a
+# rollout's logprobs of the tiny demo model still differed by 6e-7 (which op rounds by thread
+# count is not established).
+INVARIANT_THREADS = 1
+
+
+def check_batch_invariant(spec: EngineChoice, source_of: Sources) -> None:
+    """Every engine of the job has a batch-invariant mode, and what it needs is set."""
+    for name in spec.roles():
+        way = registry.ENGINES[name].batch_invariant
+        if not way:
+            raise ConfigError(
+                f"engine.batch_invariant (from {source_of('engine.batch_invariant')}): the "
+                f"{name} engine has no batch-invariant mode"
+            )
+        if way == "own" and spec.torch_threads > INVARIANT_THREADS:
+            raise ConfigError(
+                f"engine.torch_threads ({spec.torch_threads}, from "
+                f"{source_of('engine.torch_threads')}): engine.batch_invariant runs "
+                f"{name} with {INVARIANT_THREADS} intra-op thread"
+            )
 
 
 def check_rollout_group(spec: EngineChoice, source_of: Sources, ranks_per_node: int) -> None:

@@ -18,10 +18,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from timeshare.engines.invariance import padded_linear, row_local_attention
 from timeshare.engines.model_config import ModelConfig
 from timeshare.errors import ConfigError
 
 STATE_DICT_FILES = ("pytorch_model.bin", "model.pt")
+
+
+class Linear(nn.Linear):
+    """`nn.Linear`, which in the batch-invariant mode (invariance.py) makes each call one GEMM
+    of enough rows to round each row alike."""
+
+    batch_invariant = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return padded_linear(x, self.weight, self.bias)
+        return super().forward(x)
 
 
 class RMSNorm(nn.Module):
@@ -64,15 +77,16 @@ class Attention(nn.Module):
         super().__init__()
         self.config = config
         self.layer = layer
+        self.batch_invariant = False  # attention as row-local sums (invariance.py)
         heads, kv_heads, head_dim = (
             config.num_attention_heads,
             config.num_key_value_heads,
             config.head_dim,
         )
-        self.q_proj = nn.Linear(config.hidden_size, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, config.hidden_size, bias=False)
+        self.q_proj = Linear(config.hidden_size, heads * head_dim, bias=False)
+        self.k_proj = Linear(config.hidden_size, kv_heads * head_dim, bias=False)
+        self.v_proj = Linear(config.hidden_size, kv_heads * head_dim, bias=False)
+        self.o_proj = Linear(heads * head_dim, config.hidden_size, bias=False)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
@@ -94,8 +108,11 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         # Query i sits at position (kv_len - seq + i) and sees keys up to there.
         kv_len = k.shape[2]
-        visible = torch.ones(seq, kv_len, dtype=torch.bool).tril(diagonal=kv_len - seq)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        if self.batch_invariant:
+            out = row_local_attention(q, k, v, kv_len - seq)
+        else:
+            visible = torch.ones(seq, kv_len, dtype=torch.bool).tril(diagonal=kv_len - seq)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
         return projected
 
@@ -103,9 +120,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         down: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -143,9 +160,20 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.lm_head.batch_invariant
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Every linear layer and attention of the model in the batch-invariant mode, or none
+        (the process must have turned strict GEMMs on: invariance.enable_strict_gemm)."""
+        for module in self.modules():
+            if isinstance(module, Linear | Attention):
+                module.batch_invariant = on
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Logits [batch, seq, vocab] of `tokens` [batch, seq] (continuing `cache` if given)."""

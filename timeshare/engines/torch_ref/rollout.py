@@ -24,6 +24,7 @@ from timeshare.engines.context import EngineContext
 from timeshare.engines.digest import weights_digest
 from timeshare.engines.grpo import token_logprobs
 from timeshare.engines.inlet import LocalInlet
+from timeshare.engines.invariance import enable_strict_gemm
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.spec import EngineChoice
 from timeshare.engines.torch_ref.model import CausalLM, KVCache
@@ -50,6 +51,9 @@ class TorchRefRollout(RolloutEngine):
         self.rank = rank
         self.batch_size = engine.task.batch_size
         self.config = model_config
+        self.batch_invariant = engine.batch_invariant
+        if self.batch_invariant:
+            enable_strict_gemm()  # before the first GEMM of this process
         self.model: CausalLM | None = None
         self.cache: KVCache | None = None
         self.loaded: set[str] = set()
@@ -61,6 +65,7 @@ class TorchRefRollout(RolloutEngine):
             with torch.device("meta"):
                 skeleton = CausalLM(self.config)
             self.model = skeleton.to_empty(device="cpu").eval()
+            self.model.set_batch_invariant(self.batch_invariant)
             self.loaded.clear()
             log.info("rollout.wake", rank=self.rank, tag="weights", mb=round(self.weights_mb, 3))
         if "kv_cache" in tags and self.cache is None:
@@ -161,6 +166,52 @@ class TorchRefRollout(RolloutEngine):
             for i, request in enumerate(requests)
         ]
 
+    def score(self, samples: list[RolloutSample], temperature: float) -> list[tuple[float, ...]]:
+        """The logprobs of each sample's completion under the loaded weights, computed as
+        `generate` computes them (its prompt in one prefill, then a token at a time): in the
+        batch-invariant mode, a sample's numbers alone or beside others are those it was
+        sampled with."""
+        self.check_whole()
+        if self.model is None or self.cache is None:
+            raise EngineAsleep("score: wake weights and kv_cache first")
+        if not samples:
+            return []
+        shapes = {(len(s.prompt_tokens), len(s.tokens)) for s in samples}
+        (prompt_len, completion_len), *others = sorted(shapes)
+        if others or len(samples) > self.batch_size or completion_len == 0:
+            raise TimeshareError(
+                f"torch_ref rollout: score takes up to {self.batch_size} samples of one prompt "
+                f"and completion length, not {len(samples)} of {sorted(shapes)}"
+            )
+        if prompt_len + completion_len > self.spec.kv_cache_len:
+            raise TimeshareError(
+                f"torch_ref rollout: {prompt_len + completion_len} tokens exceed the KV cache "
+                f"({self.spec.kv_cache_len})"
+            )
+        completions = torch.tensor([s.tokens for s in samples], dtype=torch.long)
+        logprobs = []
+        with torch.no_grad():
+            logits = self._prefill(torch.tensor([s.prompt_tokens for s in samples]))
+            for position in range(completion_len):
+                token = completions[:, position]
+                logprobs.append(token_logprobs(logits, token, temperature))
+                if position + 1 < completion_len:
+                    logits = self._decode(token)
+        return [tuple(row) for row in torch.stack(logprobs, dim=1).tolist()]
+
+    def _prefill(self, prompts: torch.Tensor) -> torch.Tensor:
+        """The next token's logits after `prompts` [batch, len], the cache emptied first."""
+        assert self.model is not None and self.cache is not None
+        self.cache.length = 0
+        logits: torch.Tensor = self.model(prompts, self.cache)[:, -1]
+        return logits
+
+    def _decode(self, token: torch.Tensor) -> torch.Tensor:
+        """The next token's logits after one more token per sequence, `token` [batch]."""
+        assert self.model is not None and self.cache is not None
+        logits: torch.Tensor = self.model(token.unsqueeze(1), self.cache)[:, -1]
+        return logits
+
     def _sample(
         self,
         requests: list[RolloutRequest],
@@ -174,12 +225,11 @@ class TorchRefRollout(RolloutEngine):
         generator = torch.Generator()
         if seed is not None:
             generator.manual_seed(seed)
-        self.cache.length = 0
         prompts = torch.tensor([r.prompt_tokens for r in requests], dtype=torch.long)
         chosen: list[torch.Tensor] = []
         chosen_logprobs: list[torch.Tensor] = []
         with torch.no_grad():
-            logits = self.model(prompts, self.cache)[:, -1]
+            logits = self._prefill(prompts)
             for position in range(max_tokens):
                 token = _sample_top_p(logits / temperature, top_p, generator)
                 chosen.append(token)
@@ -187,7 +237,7 @@ class TorchRefRollout(RolloutEngine):
                 self.progress()
                 self.check_deadline(deadline, len(requests))
                 if position + 1 < max_tokens:
-                    logits = self.model(token.unsqueeze(1), self.cache)[:, -1]
+                    logits = self._decode(token)
         return (
             torch.stack(chosen, dim=1).tolist(),
             torch.stack(chosen_logprobs, dim=1).tolist(),

@@ -29,6 +29,7 @@ from timeshare.engines.grpo import (
 )
 from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
 from timeshare.engines.host_memory import return_free_heap
+from timeshare.engines.invariance import enable_strict_gemm
 from timeshare.engines.spec import EngineChoice
 from timeshare.engines.torch_ref import checkpoint
 from timeshare.engines.torch_ref.model import CausalLM, init_model, load_pretrained
@@ -39,10 +40,13 @@ from timeshare.units import MIB
 log = structlog.get_logger(__name__)
 
 
-def initial_model(spec: TorchRefSpec) -> CausalLM:
+def initial_model(spec: TorchRefSpec, *, batch_invariant: bool = False) -> CausalLM:
     if spec.model_dir:
-        return load_pretrained(Path(spec.model_dir))
-    return init_model(spec.model, spec.seed)
+        model = load_pretrained(Path(spec.model_dir))
+    else:
+        model = init_model(spec.model, spec.seed)
+    model.set_batch_invariant(batch_invariant)
+    return model
 
 
 class TorchRefTrainer(GrpoTrainer):
@@ -62,14 +66,21 @@ class TorchRefTrainer(GrpoTrainer):
         self.grpo = engine.grpo
         self.store = store
         self.collective_timeout_s = collective_timeout_s
-        self.model = initial_model(self.spec)
+        self.batch_invariant = engine.batch_invariant
+        if self.batch_invariant:
+            enable_strict_gemm()  # before the first GEMM of this process
+        self.model = initial_model(self.spec, batch_invariant=self.batch_invariant)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=self.grpo.lr,
             weight_decay=self.grpo.weight_decay,
             betas=(0.9, 0.99),
         )
-        self.reference = initial_model(self.spec) if self.grpo.kl_coef > 0 else None
+        self.reference = (
+            initial_model(self.spec, batch_invariant=self.batch_invariant)
+            if self.grpo.kl_coef > 0
+            else None
+        )
         self.step = 0
         # The host's copies, allocated at the first offload and written in place after: a fresh
         # copy every step fragmented the heap (the trainer's RSS grew ~30 MiB per 1,000 steps).

@@ -1,0 +1,92 @@
+"""`[engine] batch_invariant` for the reference engines, as verl's batch-invariance tests test a
+switch that changes a whole process: each case in a spawned process (invariance_probe.py), the
+engines built through the registry, both directions asserted. And what it is for: a sequence's
+logprobs alone, beside other neighbours and in the trainer are the rollout's, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from timeshare.engines.invariance import STRICT_CBWR
+from timeshare.engines.spec import check_engines, engine_spec
+from timeshare.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def probed(switch: str) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.engines.torch_ref.invariance_probe", switch],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+@pytest.fixture(scope="module")
+def on() -> dict[str, Any]:
+    return probed("on")
+
+
+@pytest.fixture(scope="module")
+def off() -> dict[str, Any]:
+    return probed("off")
+
+
+def test_on_installs_strict_gemms_and_every_model_runs_the_mode(on: dict[str, Any]) -> None:
+    assert on["cbwr"] == STRICT_CBWR
+    assert on["gemm_row_invariant"] is True
+    for model, (flagged, modules) in on["flagged"].items():
+        assert modules > 0 and flagged == modules, model
+
+
+def test_off_installs_nothing(off: dict[str, Any]) -> None:
+    assert off["cbwr"] is None
+    assert off["gemm_row_invariant"] is False  # plain MKL: 5 rows and 8 round apart here
+    assert all(flagged == 0 for flagged, _ in off["flagged"].values()), off["flagged"]
+
+
+def test_on_a_sequence_is_the_same_alone_beside_others_and_in_the_trainer(
+    on: dict[str, Any],
+) -> None:
+    assert on["alone_vs_batch"] == 0.0
+    assert on["beside_vs_batch"] == 0.0
+    assert on["trainer_vs_rollout"] == 0.0
+
+
+def test_off_the_differences_are_fp32_noise(off: dict[str, Any]) -> None:
+    """What batch invariance removes, as measured here (not a failure: the default mode)."""
+    print({k: off[k] for k in ("alone_vs_batch", "beside_vs_batch", "trainer_vs_rollout")})
+    assert 0.0 < off["trainer_vs_rollout"] < 1e-4
+    assert off["alone_vs_batch"] < 1e-4 and off["beside_vs_batch"] < 1e-4
+
+
+def test_an_engine_without_a_mode_is_refused_by_name() -> None:
+    for trainer, rollout, named in [
+        ("simulated", "simulated", "the simulated engine"),
+        ("fsdp", "torch_ref", "the fsdp engine"),
+    ]:
+        spec = engine_spec(trainer=trainer, rollout=rollout, batch_invariant=True)
+        refused = rf"engine.batch_invariant \(from default\): {named} has no"
+        with pytest.raises(ConfigError, match=refused):
+            check_engines(spec, probe=False)
+
+
+def test_the_own_mode_takes_one_thread() -> None:
+    spec = engine_spec(
+        trainer="torch_ref", rollout="torch_ref", batch_invariant=True, torch_threads=2
+    )
+    refused = r"engine.torch_threads \(2, from default\): engine.batch_invariant"
+    with pytest.raises(ConfigError, match=refused):
+        check_engines(spec, probe=False)
