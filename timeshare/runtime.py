@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -310,6 +311,10 @@ def die_with_parent(parent: int | None = None) -> None:
 # engine's, such as vLLM's message queues) are recorded here, so that whoever sweeps the runtime
 # directory removes them once those processes are gone, however they died.
 FOREIGN_SEGMENTS_SUFFIX = ".segments.json"
+# ... and the directory their temporary files go to (TMPDIR): vLLM's and SGLang's ZMQ ipc
+# socket files among them, which libzmq leaves behind at exit (in /tmp, by default, for ever).
+# It goes with the record.
+FOREIGN_TEMP_SUFFIX = ".tmp"
 SHM_ROOT = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
 SEMAPHORE_PREFIX = "sem.mp-"  # Python's named semaphores (multiprocessing's), in /dev/shm
 
@@ -343,20 +348,29 @@ def sweep_foreign_segments(runtime_dir: Path) -> list[str]:
         except (OSError, ValueError):
             continue
         # A zombie maps nothing: an owner killed but not yet reaped is gone already.
-        alive = [pid for pid, start in record.get("owners", []) if running_since(pid) == start]
+        owners = record.get("owners", [])
+        alive = [pid for pid, start in owners if start is not None and running_since(pid) == start]
         if not alive:
             removed += _remove_record(path)
     return removed
 
 
+def foreign_temp_dir(runtime_dir: Path, owner: str) -> Path:
+    """Where `owner`'s processes make their temporary files, removed with its record."""
+    return runtime_dir / f"{owner}{FOREIGN_TEMP_SUFFIX}"
+
+
 def _remove_record(path: Path) -> list[str]:
+    owner = path.name.removesuffix(FOREIGN_SEGMENTS_SUFFIX)
+    temp = foreign_temp_dir(path.parent, owner)
+    removed = [str(temp)] if temp.is_dir() else []
+    shutil.rmtree(temp, ignore_errors=True)
     try:
         record = json.loads(path.read_text())
     except FileNotFoundError:
-        return []
+        return removed
     except ValueError:
         record = {}
-    removed = []
     for name in record.get("segments", []):
         if "/" in name:  # a name, never a path: nothing outside /dev/shm is ever removed
             continue

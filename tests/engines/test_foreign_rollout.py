@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,13 @@ from timeshare.engines.foreign import ForeignRollout
 from timeshare.engines.inlet import WeightInlet
 from timeshare.errors import EngineBroken, TimeshareError
 from timeshare.protocols.weights import TransferConfig
-from timeshare.runtime import FOREIGN_SEGMENTS_SUFFIX, running_since
+from timeshare.runtime import (
+    FOREIGN_SEGMENTS_SUFFIX,
+    foreign_temp_dir,
+    record_foreign_segments,
+    running_since,
+    sweep_foreign_segments,
+)
 
 SEGMENT = f"tsfake_{os.getpid()}"
 MAPS_THE_SEGMENT = f"""
@@ -174,3 +181,41 @@ def test_an_engine_broken_inside_a_call_is_raised_as_it_was_said(engine: FakeEng
     with pytest.raises(EngineBroken) as failed:
         engine.call("flush_cache", broken)
     assert str(failed.value) == "Fake rollout rank 0: one of its processes failed"
+
+
+LEAVES_A_SOCKET = """
+import socket, tempfile
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(tempfile.mktemp(suffix=".sock"))  # as libzmq does: the file stays at exit
+"""
+
+
+def test_what_its_processes_leave_in_tmpdir_goes_with_the_engine(tmp_path: Path) -> None:
+    """vLLM and SGLang make their ipc sockets in TMPDIR, where libzmq leaves the files: started
+    under `starting`, an engine's processes make them in its own directory of the runtime dir,
+    which its close removes, or a sweep once its processes are gone (a SIGKILLed worker)."""
+    for ending in ("close", "sweep"):
+        runtime = tmp_path / ending
+        engine = FakeEngine.__new__(FakeEngine)
+        ForeignRollout.__init__(engine, 0, runtime, 5.0, 30.0, releases=True)
+        engine.processes = []  # (its processes: the one started below)
+        temp = foreign_temp_dir(runtime, engine.owner)
+        with engine.starting("TS_FAKE_HOST_PID", {}):
+            assert tempfile.gettempdir() == str(temp)
+            subprocess.run([sys.executable, "-c", LEAVES_A_SOCKET], check=True, timeout=60)
+        assert tempfile.gettempdir() != str(temp)
+        assert [p.suffix for p in temp.iterdir()] == [".sock"]
+        if ending == "close":
+            engine.close()
+        else:  # its record names this process; a process that has exited stands in for it
+            gone = subprocess.run(
+                [sys.executable, "-c", "import os; print(os.getpid())"],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=60,
+            )
+            record_foreign_segments(runtime, engine.owner, [int(gone.stdout)], [])
+            assert str(temp) in sweep_foreign_segments(runtime)
+        assert not temp.exists()
+        assert list(runtime.iterdir()) == []

@@ -28,6 +28,7 @@ from typing import ClassVar, TypeVar
 from timeshare.engines.base import RolloutEngine
 from timeshare.errors import EngineBroken, TimeshareError
 from timeshare.runtime import (
+    foreign_temp_dir,
     mapped_segments,
     parent_of,
     process_tree,
@@ -223,6 +224,24 @@ class ForeignRollout(RolloutEngine):
             prefix = f"timeshare-{self.name.lower()}-{self.rank}-"
             self._scratch = Path(tempfile.mkdtemp(prefix=prefix))
         return self._scratch
+
+    @contextlib.contextmanager
+    def starting(self, host_pid_env: str, extra: dict[str, str]) -> Iterator[None]:
+        """While the engine starts its processes: this process's pid as `host_pid_env` and
+        `extra` in their environment (host_pid_in_environment), and a temporary directory of
+        their own in the runtime dir (TMPDIR; this process's `tempfile` too, where the engine
+        names its ipc sockets), recorded from now on: the record's release or sweep removes it
+        and what libzmq and others leave there, however the processes end."""
+        temp = foreign_temp_dir(self.runtime_dir, self.owner)
+        temp.mkdir(parents=True, exist_ok=True)
+        record_foreign_segments(self.runtime_dir, self.owner, [os.getpid()], [])
+        before = tempfile.tempdir
+        tempfile.tempdir = str(temp)
+        try:
+            with host_pid_in_environment(host_pid_env, {**extra, "TMPDIR": str(temp)}):
+                yield
+        finally:
+            tempfile.tempdir = before
 
     def record_processes(self) -> None:
         """Record the engine's processes and the shared memory they map, so that a sweep of

@@ -134,6 +134,17 @@ def test_no_sglang_process_outlives_a_run_killed_with_sigkill(runtime_dir: Path)
     assert left_in_shm(before) == []
 
 
+def test_batch_invariance_asked_of_sglang_on_cpu_is_exit_2_naming_it(runtime_dir: Path) -> None:
+    """SGLang has a batch-invariant mode on CUDA only: asked for here, it is refused by name
+    before any process starts, never silently off."""
+    config = write_config(runtime_dir, engine={"batch_invariant": True})
+    done = timeshare_run(config, runtime_dir / "summary.json", timeout_s=200)
+    assert done.returncode == 2, done.stderr
+    refused = "engine.batch_invariant: SGLang has no batch-invariant mode on cpu"
+    assert refused in done.stderr and "torch_native" in done.stderr, done.stderr
+    assert not (runtime_dir / "run").exists()
+
+
 def test_a_key_sglang_rejects_is_exit_2_before_any_process(runtime_dir: Path) -> None:
     config = write_config(runtime_dir, engine={"sglang": {"server_args": {"max_runing": 4}}})
     done = timeshare_run(config, runtime_dir / "summary.json", timeout_s=200)

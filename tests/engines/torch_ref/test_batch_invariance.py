@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 
+from tests.configs import TINY, toml_file
+from tests.daemon.test_run import steps_of, timeshare_run
 from timeshare.engines.invariance import STRICT_CBWR
 from timeshare.engines.spec import check_engines, engine_spec
 from timeshare.errors import ConfigError
@@ -90,3 +92,18 @@ def test_the_own_mode_takes_one_thread() -> None:
     refused = r"engine.torch_threads \(2, from default\): engine.batch_invariant"
     with pytest.raises(ConfigError, match=refused):
         check_engines(spec, probe=False)
+
+
+@pytest.mark.slow
+def test_a_run_with_the_switch_on_is_on_policy_to_the_bit(runtime_dir: Path) -> None:
+    """Real workers, every step: the trainer's logprobs of what the rollout sampled are the
+    rollout's own, difference 0.0 (the demo's own figures: the README's table)."""
+    config = toml_file(
+        runtime_dir, TINY, engine={"batch_invariant": True}, log={"file": f"{runtime_dir}/log"}
+    )
+    done = timeshare_run(config, runtime_dir / "summary.json", timeout_s=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = steps_of(runtime_dir / "summary.json")
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert [s["logprob_max_abs_diff"] for s in steps] == [0.0, 0.0, 0.0]
+    assert all(s["weights_match"] for s in steps)

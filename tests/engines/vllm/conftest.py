@@ -123,6 +123,8 @@ def engine(trainer_model: CausalLM) -> Iterator[Engine]:
             inlet.close()
     finally:
         rollout.close()
+        left = list(directory.iterdir())  # its temporary directory went with it: the model's
         shutil.rmtree(directory, ignore_errors=True)
         stop_resource_tracker_when_alone()
         assert child_pids() <= before  # every process of this engine is gone
+        assert [path.name for path in left] == ["model"]

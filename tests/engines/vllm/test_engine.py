@@ -3,6 +3,7 @@ seeded generation, logprobs, torn weights, loader failures, aborts. One engine f
 
 from __future__ import annotations
 
+import stat
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from timeshare.engines.load_report import LoadReport
 from timeshare.engines.torch_ref.model import CausalLM, init_model
 from timeshare.engines.vllm.report import REPORT_SOURCE
 from timeshare.errors import GenerateTimeout, PeerError, UnsupportedInput, WeightsTorn
+from timeshare.runtime import foreign_temp_dir
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +34,13 @@ def trainer_logprobs(
         logits = model(sequence)[0, len(prompt) - 1 : -1]
         chosen = torch.tensor(tokens).unsqueeze(-1)
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, chosen).squeeze(-1)
+
+
+def test_its_ipc_sockets_are_made_in_its_own_directory_of_the_runtime_dir(engine: Engine) -> None:
+    """vLLM names its ZMQ endpoints in TMPDIR (/tmp by default), and libzmq leaves their files
+    there at exit, for ever: here they are made where the engine's record removes them."""
+    temp = foreign_temp_dir(engine.rollout.runtime_dir, engine.rollout.owner)
+    assert any(stat.S_ISSOCK(path.lstat().st_mode) for path in temp.iterdir()), list(temp.iterdir())
 
 
 def test_what_arrived_is_the_trainers_weights_bit_for_bit(

@@ -38,9 +38,16 @@ CHECK_TIMEOUT_S = 120.0  # the import of SGLang and its argument resolution, on 
 INSTALL = "make .venv-sglang/.installed, then run timeshare from .venv-sglang/bin/python"
 
 
+NO_BATCH_INVARIANCE_ON_CPU = (
+    "engine.batch_invariant: SGLang has no batch-invariant mode on cpu (its deterministic "
+    "inference takes the attention backends of a CUDA device, not the CPU engine's torch_native)"
+)
+
+
 class _Check(msgspec.Struct, frozen=True):
     spec: SglangSpec
     model: ModelConfig
+    batch_invariant: bool = False  # [engine] batch_invariant
 
 
 def probe(spec: EngineChoice, roles: frozenset[Role]) -> None:
@@ -51,7 +58,8 @@ def probe(spec: EngineChoice, roles: frozenset[Role]) -> None:
             f"engine.rollout = 'sglang': SGLang is not installed for {sys.executable} ({INSTALL})"
         )
     trained = spec.served_model()
-    check = _Check(spec.settings("sglang", SglangSpec).starting_from(trained), trained.config)
+    own = spec.settings("sglang", SglangSpec).starting_from(trained)
+    check = _Check(own, trained.config, spec.batch_invariant)
     payload = msgspec.json.encode(check).decode()
     ask_child(
         "timeshare.engines.sglang.args", payload, "engine.sglang: SGLang's check", CHECK_TIMEOUT_S
@@ -64,6 +72,8 @@ def _verdict(check: _Check) -> dict[str, Any]:
     from timeshare.engines.sglang.engine import resolve_device, server_args  # noqa: PLC0415
 
     device = resolve_device(check.spec)
+    if check.batch_invariant and device == "cpu":
+        return {"ok": False, "error": NO_BATCH_INVARIANCE_ON_CPU}
     if device == "cpu":
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # before SGLang is imported: it reads it then
     from sglang.srt.arg_groups.pipeline import run_resolution_pipeline  # noqa: PLC0415
@@ -71,7 +81,13 @@ def _verdict(check: _Check) -> dict[str, Any]:
 
     with tempfile.TemporaryDirectory(prefix="timeshare-sglang-check-") as scratch:
         model_dir = check.spec.model_dir or str(write_config_dir(check.model, Path(scratch)))
-        args = server_args(check.spec, model_dir, device, dummy=not check.spec.model_dir)
+        args = server_args(
+            check.spec,
+            model_dir,
+            device,
+            dummy=not check.spec.model_dir,
+            batch_invariant=check.batch_invariant,
+        )
         problem = _outside_choices(check.spec, args)
         if problem:
             return {"ok": False, "error": problem}

@@ -44,7 +44,7 @@ from timeshare.engines.base import (
 )
 from timeshare.engines.context import EngineContext
 from timeshare.engines.cpu_binding import binding_environment, core_groups
-from timeshare.engines.foreign import RELEASED, ForeignRollout, exited, host_pid_in_environment
+from timeshare.engines.foreign import RELEASED, ForeignRollout, exited
 from timeshare.engines.gpu_placement import group_devices
 from timeshare.engines.load_report import LoadReport, worker_reports_checked
 from timeshare.engines.model_config import ModelConfig
@@ -87,9 +87,14 @@ def resolve_device(spec: SglangSpec) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def server_args(spec: SglangSpec, model_dir: str, device: str, *, dummy: bool) -> dict[str, object]:
-    """What `Engine(...)` gets: the typed keys, then server_args, then what timeshare sets."""
+def server_args(
+    spec: SglangSpec, model_dir: str, device: str, *, dummy: bool, batch_invariant: bool = False
+) -> dict[str, object]:
+    """What `Engine(...)` gets: the typed keys, then server_args, then what timeshare sets
+    (`batch_invariant`: [engine] batch_invariant, SGLang's deterministic inference)."""
     args: dict[str, object] = {**spec.typed_args(device), **spec.server_args}
+    if batch_invariant:
+        args["enable_deterministic_inference"] = True
     if dummy:
         args.setdefault("load_format", "dummy")  # the first SYNC brings the trainer's weights
     if device == "cpu":
@@ -127,6 +132,7 @@ def build(context: EngineContext) -> SglangRollout:
         trained.config,
         context.call_timeout_s,
         context.runtime_dir,
+        batch_invariant=context.spec.batch_invariant,
     )
 
 
@@ -153,6 +159,8 @@ class SglangRollout(ForeignRollout):
         trainer_model: ModelConfig,
         call_timeout_s: float,
         runtime_dir: Path,
+        *,
+        batch_invariant: bool = False,
     ) -> None:
         self.device = resolve_device(spec)
         super().__init__(
@@ -168,7 +176,9 @@ class SglangRollout(ForeignRollout):
         self._ids = itertools.count()
         model_dir = spec.model_dir or str(write_config_dir(trainer_model, self.scratch() / "model"))
         self.model_dir = model_dir
-        args = server_args(spec, model_dir, self.device, dummy=not spec.model_dir)
+        args = server_args(
+            spec, model_dir, self.device, dummy=not spec.model_dir, batch_invariant=batch_invariant
+        )
         # SGLang's own handler of a child's SIGQUIT (sent as its scheduler or detokenizer fails)
         # SIGKILLs this whole process: the worker would die without a word of why.
         args["custom_sigquit_handler"] = self._sglang_failed
@@ -182,7 +192,7 @@ class SglangRollout(ForeignRollout):
         try:
             # boot.py and plugin.py: SGLang's processes die with this one, and are patched;
             # cpu_binding.py: where TP ranks' threads run on a CPU.
-            with host_pid_in_environment(HOST_PID_ENV, self.binding):
+            with self.starting(HOST_PID_ENV, self.binding):
                 self.sgl = start_engine(args)
         except BaseException:
             self.remove_scratch()

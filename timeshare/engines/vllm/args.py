@@ -12,6 +12,7 @@ starting an engine, and prints one JSON line: `{"ok": true}` or `{"ok": false, "
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import tempfile
@@ -22,7 +23,7 @@ import msgspec
 
 from timeshare.engines.child_check import answer, ask_child
 from timeshare.engines.model_config import ModelConfig
-from timeshare.engines.vllm.spec import VllmSpec
+from timeshare.engines.vllm.spec import BATCH_INVARIANT_ENV, VllmSpec
 
 if TYPE_CHECKING:
     from timeshare.engines.registry import Role
@@ -34,18 +35,21 @@ CHECK_TIMEOUT_S = 120.0  # the import of vLLM and one engine config, on a loaded
 class _Check(msgspec.Struct, frozen=True):
     spec: VllmSpec
     model: ModelConfig
+    batch_invariant: bool = False  # [engine] batch_invariant
 
 
 def probe(spec: EngineChoice, roles: frozenset[Role]) -> None:
     """The registry's probe (registry.py): vLLM accepts the engine's arguments for the model
     the trainer trains."""
     trained = spec.served_model()
-    check_engine_args(spec.settings("vllm", VllmSpec).starting_from(trained), trained.config)
+    own = spec.settings("vllm", VllmSpec).starting_from(trained)
+    check_engine_args(own, trained.config, batch_invariant=spec.batch_invariant)
 
 
-def check_engine_args(spec: VllmSpec, model: ModelConfig) -> None:
-    """A `ConfigError` naming the key if vLLM rejects the engine's arguments."""
-    payload = msgspec.json.encode(_Check(spec, model)).decode()
+def check_engine_args(spec: VllmSpec, model: ModelConfig, *, batch_invariant: bool = False) -> None:
+    """A `ConfigError` naming the key if vLLM rejects the engine's arguments, or naming the
+    platform if it has no batch-invariant mode there and one is asked for."""
+    payload = msgspec.json.encode(_Check(spec, model, batch_invariant)).decode()
     ask_child("timeshare.engines.vllm.args", payload, "engine.vllm: vLLM's check", CHECK_TIMEOUT_S)
 
 
@@ -54,7 +58,12 @@ def _verdict(check: _Check) -> dict[str, Any]:
     from timeshare.engines.model_dir import write_config_dir  # noqa: PLC0415
     from timeshare.engines.vllm.engine import engine_args  # noqa: PLC0415
     from vllm.engine.arg_utils import EngineArgs  # noqa: PLC0415
+    from vllm.platforms import current_platform  # noqa: PLC0415
 
+    if check.batch_invariant:
+        if not current_platform.is_cuda():
+            return {"ok": False, "error": no_batch_invariance(current_platform.device_type)}
+        os.environ[BATCH_INVARIANT_ENV] = "1"  # (this child's alone: its engine config checks)
     with tempfile.TemporaryDirectory(prefix="timeshare-vllm-check-") as scratch:
         model_dir = check.spec.model_dir or str(write_config_dir(check.model, Path(scratch)))
         args = engine_args(check.spec, model_dir, sleep_mode=False)
@@ -67,6 +76,13 @@ def _verdict(check: _Check) -> dict[str, Any]:
         except Exception as exc:
             return {"ok": False, "error": _rejected(check.spec, exc)}
     return {"ok": True}
+
+
+def no_batch_invariance(platform: str) -> str:
+    return (
+        f"engine.batch_invariant: vLLM has no batch-invariant mode on {platform} (its "
+        f"{BATCH_INVARIANT_ENV} installs Triton kernels, which need a CUDA device)"
+    )
 
 
 def _unknown_key(message: str) -> str:

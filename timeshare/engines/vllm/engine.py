@@ -38,14 +38,14 @@ from timeshare.engines.base import (
 )
 from timeshare.engines.context import EngineContext
 from timeshare.engines.cpu_binding import binding_environment
-from timeshare.engines.foreign import ForeignRollout, host_pid_in_environment
+from timeshare.engines.foreign import ForeignRollout
 from timeshare.engines.gpu_placement import visible_environment
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import write_config_dir
 from timeshare.engines.task import mix
 from timeshare.engines.vllm.plugin import BACKEND, HOST_PID_ENV
 from timeshare.engines.vllm.report import LOADER_REFUSED, worker_reports
-from timeshare.engines.vllm.spec import VllmSpec
+from timeshare.engines.vllm.spec import BATCH_INVARIANT_ENV, VllmSpec
 from timeshare.errors import (
     GenerateTimeout,
     LoaderFailed,
@@ -102,6 +102,7 @@ def build(context: EngineContext) -> VllmRollout:
         trained.config,
         context.call_timeout_s,
         context.runtime_dir,
+        batch_invariant=context.spec.batch_invariant,
     )
 
 
@@ -119,6 +120,8 @@ class VllmRollout(ForeignRollout):
         trainer_model: ModelConfig,
         call_timeout_s: float,
         runtime_dir: Path,
+        *,
+        batch_invariant: bool = False,
     ) -> None:
         super().__init__(
             rank,
@@ -131,11 +134,14 @@ class VllmRollout(ForeignRollout):
         self._ids = itertools.count()
         model_dir = spec.model_dir or str(write_config_dir(trainer_model, self.scratch()))
         self.binding = _placement(rank, spec.tensor_parallel_size)
+        # [engine] batch_invariant, to the engine's own processes (its probe refused it where
+        # the platform has no such mode)
+        invariance = {BATCH_INVARIANT_ENV: "1"} if batch_invariant else {}
         started = time.perf_counter()
         try:
             # plugin.py: vLLM's processes die with this one; cpu_binding.py and
             # gpu_placement.py: where its TP workers run.
-            with host_pid_in_environment(HOST_PID_ENV, self.binding):
+            with self.starting(HOST_PID_ENV, {**self.binding, **invariance}):
                 self.llm = LLM(**engine_args(spec, model_dir, sleep_mode=self.releases))
         except BaseException:
             self.remove_scratch()

@@ -41,6 +41,9 @@ TYPED_ARGS = {
     "enforce_eager": "enforce_eager",
     "seed": "seed",
 }
+# vLLM's batch-invariant kernels ([engine] batch_invariant), in the environment of the engine's
+# processes while it starts them
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 
 
 class VllmSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
