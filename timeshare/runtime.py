@@ -409,17 +409,18 @@ def mapped_segments(pid: int, prefix: str) -> list[str]:
     return sorted(names)
 
 
-def mapped_anywhere(names: set[str]) -> set[str]:
-    """Those of `names` (files in /dev/shm) that a live process of this machine maps, under any
-    name: a named semaphore's maker maps it by the temporary name it made it under, which shows
-    as deleted in its maps (glibc makes it whole under that name, then links the real one)."""
+def mapped_anywhere(names: set[str], *, excluding: frozenset[int] = frozenset()) -> set[str]:
+    """Those of `names` (files in /dev/shm) that a live process of this machine maps (but the
+    processes `excluding`), under any name: a named semaphore's maker maps it by the temporary
+    name it made it under, which shows as deleted in its maps (glibc makes it whole under that
+    name, then links the real one)."""
     inodes: dict[int, str] = {}
     for name in names:
         with contextlib.suppress(OSError):
             inodes[(SHM_ROOT / name).stat().st_ino] = name
     mapped: set[str] = set()
     for proc in Path("/proc").iterdir():
-        if inodes and proc.name.isdigit():
+        if inodes and proc.name.isdigit() and int(proc.name) not in excluding:
             mapped.update(inodes[inode] for inode in _shm_inodes(proc) if inode in inodes)
     return mapped
 

@@ -66,7 +66,7 @@ from timeshare.protocols.commands.results import WorkerLoad
 from timeshare.protocols.weights import TransferConfig, TransferReport
 from timeshare.protocols.weights.layout import DTYPES
 from timeshare.protocols.weights.segments import SHM_DIR
-from timeshare.runtime import SEMAPHORE_PREFIX, mapped_anywhere
+from timeshare.runtime import SEMAPHORE_PREFIX, mapped_anywhere, process_tree
 from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
@@ -198,9 +198,12 @@ class SglangRollout(ForeignRollout):
             self.remove_scratch()
             raise
         # A semaphore that a process of SGLang's start-up made and left (a multimodal model's
-        # start leaves one): nobody maps it, so nobody would ever unlink it.
+        # start leaves one), which nobody would ever unlink: made meanwhile, and mapped by no
+        # process but SGLang's own (its maker may not have exited yet). One another process
+        # maps is that process's.
         made = _semaphores() - semaphores
-        self._orphans = sorted(made - mapped_anywhere(made))
+        ours = frozenset(process_tree(os.getpid()))
+        self._orphans = sorted(made - mapped_anywhere(made, excluding=ours))
         self.media = MediaPlaceholders.of_model(self.sgl.tokenizer_manager.model_config)
         # SGLang takes a prompt of at most max_req_input_len tokens (its context_length less 6):
         # one more is what a prompt and a completion of at least one token may hold, always.
