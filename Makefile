@@ -53,7 +53,7 @@ apt_install = apt-get install -y -q $(1) || (apt-get update -q && apt-get instal
 
 .PHONY: demo demo-vllm demo-vllm-tp2 demo-sglang-tp2 demo-fsdp demo-fsdp-vllm demo-megatron demo-megatron-vllm demo-sglang test lint typecheck pytest \
 	pytest-sglang pytest-alone pytest-parallel pytest-after test-tools bench bench-vllm bench-fsdp bench-megatron bench-nodes soak \
-	bench-scale bench-sglang docs-picture clean
+	bench-scale bench-sglang bench-invariance docs-picture clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -198,6 +198,12 @@ bench-megatron: $(STAMP)
 
 bench-sglang: $(SGLANG_STAMP)
 	$(SGLANG_PY) benchmarks/sglang_sync.py --json runs/sglang_sync.json
+
+# [engine] batch_invariant: the demo's job off and on (step time, logprob difference, reward),
+# then every trainer x rollout pair of the examples off and on (the README's table).
+bench-invariance: $(STAMP) $(SGLANG_STAMP)
+	$(PY) benchmarks/invariance.py --steps 30 --rounds 1 --json runs/invariance.json
+	$(PY) benchmarks/invariance.py --pairs --steps 5 --json runs/invariance-pairs.json
 
 bench-nodes: $(STAMP)
 	$(PY) benchmarks/nodes.py --steps 30 --json runs/nodes.json

@@ -1,11 +1,12 @@
 """One case of the batch-invariance switch, in a process of its own (the switch changes MKL for
-the whole process, once): `python -m tests.engines.torch_ref.invariance_probe on|off`.
+the whole process, once): `python -m tests.engines.invariance_probe on|off torch_ref|fsdp`.
 
-It builds the reference trainer and rollout through the registry, as a worker does, with
-`[engine] batch_invariant` on or off; says what the switch installed (MKL's setting, which of
-the models' linear layers and attentions run the mode); samples a batch, and compares the
-logprobs the rollout sampled with the trainer's and with the rollout's own re-scoring of a
-sequence alone and beside other neighbours. Its last line on stdout is a JSON object.
+It builds the trainer (torch_ref, or FSDP over a transformers directory of the same model) and
+the reference rollout through the registry, as a worker does, with `[engine] batch_invariant`
+on or off; says what the switch installed (MKL's setting, which of the models' linear layers
+and attentions run the mode); samples a batch, and compares the logprobs the rollout sampled
+with the trainer's and with the rollout's own re-scoring of a sequence alone and beside other
+neighbours. Its last line on stdout is a JSON object.
 """
 
 from __future__ import annotations
@@ -13,28 +14,44 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
-from timeshare.engines.base import RolloutSample
+import torch
+
+from timeshare.engines.base import RolloutSample, TrainerEngine
 from timeshare.engines.context import EngineContext
-from timeshare.engines.invariance import CBWR_ENV, gemm_is_row_invariant
+from timeshare.engines.fsdp.trainer import FsdpTrainer
+from timeshare.engines.invariance import CBWR_ENV, PaddedLinear, gemm_is_row_invariant
+from timeshare.engines.model_dir import ModelShape, init_model_dir
 from timeshare.engines.pairs import build_rollout, build_trainer
 from timeshare.engines.spec import engine_spec
 from timeshare.engines.task import TaskWorkload
-from timeshare.engines.torch_ref.model import Attention, CausalLM, Linear
+from timeshare.engines.torch_ref.model import Attention, CausalLM
 from timeshare.engines.torch_ref.rollout import TorchRefRollout
 from timeshare.engines.torch_ref.trainer import TorchRefTrainer
 from timeshare.protocols.store import JobStore
+from timeshare.protocols.weights.layout import Weight
 
 TASK = {"prompts_per_rank": 2, "group_size": 4, "completion_tokens": 5, "temperature": 1.0}
 MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+SHAPE = ModelShape(hidden=64, intermediate=128, heads=4, kv_heads=4)  # MODEL, as a directory
 
 
-def flagged(model: CausalLM | None) -> list[int]:
+def flagged(model: torch.nn.Module | None) -> list[int]:
     """[modules in the batch-invariant mode, linear layers and attentions in all]."""
     assert model is not None
-    modules = [m for m in model.modules() if isinstance(m, Linear | Attention)]
-    return [sum(m.batch_invariant for m in modules), len(modules)]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    padded = [m for m in linears if isinstance(m, PaddedLinear) or vars(m).get("batch_invariant")]
+    if isinstance(model, CausalLM):
+        own = [m for m in model.modules() if isinstance(m, Attention)]
+        attentions, rowlocal = len(own), sum(m.batch_invariant for m in own)
+    else:  # a transformers model: one attention implementation for every layer
+        layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
+        chosen = getattr(model.config, "_attn_implementation", None)
+        attentions, rowlocal = len(layers), len(layers) if chosen == "timeshare_row_local" else 0
+    return [len(padded) + rowlocal, len(linears) + attentions]
 
 
 def largest_difference(a: list[tuple[float, ...]], b: list[tuple[float, ...]]) -> float:
@@ -42,23 +59,30 @@ def largest_difference(a: list[tuple[float, ...]], b: list[tuple[float, ...]]) -
     return max(abs(one - other) for row in pairs for one, other in row)
 
 
-def probe(on: bool) -> dict[str, Any]:
+def probe(on: bool, trainer_kind: str, scratch: Path) -> dict[str, Any]:
+    sections: dict[str, Any] = {"torch_ref": {"kv_cache_len": 16}}
+    if trainer_kind == "fsdp":  # the same model, from a transformers directory
+        sections["fsdp"] = {"model_dir": str(init_model_dir(scratch / "model", SHAPE, seed=0))}
+    else:
+        sections["torch_ref"]["model"] = MODEL
     spec = engine_spec(
-        trainer="torch_ref",
+        trainer=trainer_kind,
         rollout="torch_ref",
         batch_invariant=on,
         task=TASK,
         grpo={"kl_coef": 0.02},  # (a reference model too)
-        torch_ref={"kv_cache_len": 16, "model": MODEL},
+        **sections,
     )
     store = JobStore.host()
     context = EngineContext(spec=spec, rank=0, world_size=1, store=store)
     trainer = build_trainer(context)
+    trainer.bootstrap(scratch / "checkpoints")
+    trainer.onload()
     rollout = build_rollout(context)
-    assert isinstance(trainer, TorchRefTrainer) and isinstance(rollout, TorchRefRollout)
+    assert isinstance(rollout, TorchRefRollout)
     rollout.begin_weight_update()
     rollout.wake({"weights"})
-    rollout.load_weights(list(trainer.iter_weights()))
+    rollout.load_weights([(name, whole(weight)) for name, weight in trainer.iter_weights()])
     rollout.finish_weight_update(trainer.step)
     rollout.mark_whole(trainer.step)
     rollout.wake({"kv_cache"})
@@ -74,8 +98,8 @@ def probe(on: bool) -> dict[str, Any]:
         "cbwr": os.environ.get(CBWR_ENV),
         "gemm_row_invariant": gemm_is_row_invariant(),
         "flagged": {
-            "trainer": flagged(trainer.model),
-            "reference": flagged(trainer.reference),
+            "trainer": flagged(models(trainer)[0]),
+            "reference": flagged(models(trainer)[1]),
             "rollout": flagged(rollout.model),
         },
         "trainer_vs_rollout": largest_difference(trainer.logprobs(samples), sampled),
@@ -84,5 +108,23 @@ def probe(on: bool) -> dict[str, Any]:
     }
 
 
+def whole(weight: Weight) -> torch.Tensor:
+    """A weight as a tensor (FSDP's gathers write themselves into a buffer)."""
+    if isinstance(weight, torch.Tensor):
+        return weight
+    buffer = torch.empty(weight.scratch_bytes, dtype=torch.uint8)
+    weight.write_into(buffer)
+    return buffer[: weight.nbytes].view(weight.dtype).view(weight.shape)
+
+
+def models(trainer: TrainerEngine) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
+    """The trainer's model and its reference model."""
+    if isinstance(trainer, TorchRefTrainer):
+        return trainer.model, trainer.reference
+    assert isinstance(trainer, FsdpTrainer)
+    return trainer.module, trainer._reference
+
+
 if __name__ == "__main__":
-    print(json.dumps(probe(sys.argv[1] == "on")))
+    with tempfile.TemporaryDirectory(prefix="ts-inv-") as directory:
+        print(json.dumps(probe(sys.argv[1] == "on", sys.argv[2], Path(directory))))

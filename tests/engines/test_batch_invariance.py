@@ -1,7 +1,8 @@
-"""`[engine] batch_invariant` for the reference engines, as verl's batch-invariance tests test a
-switch that changes a whole process: each case in a spawned process (invariance_probe.py), the
-engines built through the registry, both directions asserted. And what it is for: a sequence's
-logprobs alone, beside other neighbours and in the trainer are the rollout's, bit for bit."""
+"""`[engine] batch_invariant` for the engines that run the project's own mode (the reference
+trainer and rollout, the FSDP trainer), as verl's batch-invariance tests test a switch that
+changes a whole process: each case in a spawned process (invariance_probe.py), the engines built
+through the registry, both directions asserted. And what it is for: a sequence's logprobs alone,
+beside other neighbours and in the trainer are the rollout's, bit for bit."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ from timeshare.engines.invariance import STRICT_CBWR
 from timeshare.engines.spec import check_engines, engine_spec
 from timeshare.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[2]
+TRAINERS = ["torch_ref", "fsdp"]  # each with the reference rollout
 
 
-def probed(switch: str) -> dict[str, Any]:
+def probed(switch: str, trainer: str) -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, "-m", "tests.engines.torch_ref.invariance_probe", switch],
+        [sys.executable, "-m", "tests.engines.invariance_probe", switch, trainer],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -36,14 +38,14 @@ def probed(switch: str) -> dict[str, Any]:
     return result
 
 
-@pytest.fixture(scope="module")
-def on() -> dict[str, Any]:
-    return probed("on")
+@pytest.fixture(scope="module", params=TRAINERS)
+def on(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return probed("on", request.param)
 
 
-@pytest.fixture(scope="module")
-def off() -> dict[str, Any]:
-    return probed("off")
+@pytest.fixture(scope="module", params=TRAINERS)
+def off(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return probed("off", request.param)
 
 
 def test_on_installs_strict_gemms_and_every_model_runs_the_mode(on: dict[str, Any]) -> None:
@@ -77,7 +79,7 @@ def test_off_the_differences_are_fp32_noise(off: dict[str, Any]) -> None:
 def test_an_engine_without_a_mode_is_refused_by_name() -> None:
     for trainer, rollout, named in [
         ("simulated", "simulated", "the simulated engine"),
-        ("fsdp", "torch_ref", "the fsdp engine"),
+        ("megatron", "torch_ref", "the megatron engine"),
     ]:
         spec = engine_spec(trainer=trainer, rollout=rollout, batch_invariant=True)
         refused = rf"engine.batch_invariant \(from default\): {named} has no"

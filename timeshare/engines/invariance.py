@@ -22,11 +22,11 @@ RMSNorm, rotary embeddings and log_softmax are row-invariant as they are.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from timeshare.errors import TimeshareError
 
@@ -74,14 +74,29 @@ def padded_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+class PaddedLinear(nn.Linear):
+    """`nn.Linear` as one GEMM of at least `MIN_GEMM_ROWS` rows (`pad_linears` makes a model's
+    linear layers this class: their parameters and names stay as they were)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return padded_linear(x, self.weight, self.bias)
+
+
+def pad_linears(model: nn.Module) -> int:
+    """Every `nn.Linear` of `model` a `PaddedLinear`; how many."""
+    linears = [module for module in model.modules() if type(module) is nn.Linear]
+    for module in linears:
+        module.__class__ = PaddedLinear
+    return len(linears)
+
+
 def row_local_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_position: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_position: int, scale: float
 ) -> torch.Tensor:
     """Causal attention of `q` [batch, heads, seq, dim] at positions first_position... over `k`
-    and `v` [batch, heads, first_position + seq, dim]: each query over its own visible keys
-    alone (no masked ones), with sums along the innermost dimension (the same reduction for
-    the same number of keys, whatever the batch)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    and `v` [batch, heads, first_position + seq, dim], scores scaled by `scale`: each query over
+    its own visible keys alone (no masked ones), with sums along the innermost dimension (the
+    same reduction for the same number of keys, whatever the batch)."""
     outputs = []
     for i in range(q.shape[2]):
         visible = first_position + i + 1

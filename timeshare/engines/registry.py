@@ -117,6 +117,7 @@ ENGINES: dict[str, EngineEntry] = {
         probe="timeshare.engines.fsdp.check:probe",
         export="timeshare.engines.fsdp.export",
         extra="transformers",
+        batch_invariant="own",
     ),
     "megatron": EngineEntry(
         spec="timeshare.engines.megatron.spec:MegatronSpec",

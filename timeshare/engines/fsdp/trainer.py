@@ -38,6 +38,7 @@ from timeshare.engines.grpo import (
     token_logprobs,
 )
 from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
+from timeshare.engines.invariance import enable_strict_gemm, pad_linears
 from timeshare.engines.sharded_trainer import ShardedTrainer, pick_device
 from timeshare.engines.spec import EngineChoice
 from timeshare.errors import ConfigError
@@ -47,16 +48,22 @@ from timeshare.protocols.weights.layout import DTYPES, Weight
 log = structlog.get_logger(__name__)
 
 
-def load_model(model_dir: Path) -> torch.nn.Module:
+def load_model(model_dir: Path, *, batch_invariant: bool = False) -> torch.nn.Module:
     """The causal LM of a local transformers directory, in float32 (the master weights), in
-    host memory: `fully_shard` moves each rank's shards to its device, never the whole model."""
+    host memory: `fully_shard` moves each rank's shards to its device, never the whole model.
+    `batch_invariant`: its attention and linear layers in that mode (engines/invariance.py)."""
     # Imported here: transformers is an extra, and only the FSDP trainer's workers need it.
     import transformers  # noqa: PLC0415
 
+    from timeshare.engines.fsdp import invariant_attention  # noqa: PLC0415 - transformers'
+
     transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers' logging helpers are unannotated
+    attention = {"attn_implementation": invariant_attention.register()} if batch_invariant else {}
     pretrained = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, local_files_only=True
+        model_dir, dtype=torch.float32, local_files_only=True, **attention
     )
+    if batch_invariant:
+        pad_linears(pretrained)
     pretrained.config.use_cache = False  # training computes whole sequences: no KV cache
     model: torch.nn.Module = pretrained
     with torch.no_grad():
@@ -114,6 +121,9 @@ class FsdpTrainer(ShardedTrainer):
             collective_timeout_s=collective_timeout_s,
         )
         self.model_dir = Path(spec.model_dir)
+        self.batch_invariant = engine.batch_invariant
+        if self.batch_invariant:
+            enable_strict_gemm()  # before the first GEMM of this process
         self._optimizer: torch.optim.Optimizer | None = None  # built in `bootstrap`
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -142,7 +152,8 @@ class FsdpTrainer(ShardedTrainer):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.rank % torch.cuda.device_count())
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        self._model = shard(load_model(self.model_dir), mesh, self.spec)
+        model = load_model(self.model_dir, batch_invariant=self.batch_invariant)
+        self._model = shard(model, mesh, self.spec)
         self._optimizer = torch.optim.AdamW(
             self.module.parameters(),
             lr=self.grpo.lr,
@@ -150,7 +161,8 @@ class FsdpTrainer(ShardedTrainer):
             betas=(0.9, 0.99),
         )
         if self.grpo.kl_coef > 0:
-            reference = load_model(self.model_dir).requires_grad_(False)
+            reference = load_model(self.model_dir, batch_invariant=self.batch_invariant)
+            reference.requires_grad_(False)
             self._reference = shard(reference, mesh, self.spec)
 
     def close(self) -> None:

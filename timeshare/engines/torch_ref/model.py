@@ -109,7 +109,7 @@ class Attention(nn.Module):
         # Query i sits at position (kv_len - seq + i) and sees keys up to there.
         kv_len = k.shape[2]
         if self.batch_invariant:
-            out = row_local_attention(q, k, v, kv_len - seq)
+            out = row_local_attention(q, k, v, kv_len - seq, c.head_dim**-0.5)
         else:
             visible = torch.ones(seq, kv_len, dtype=torch.bool).tril(diagonal=kv_len - seq)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
