@@ -35,6 +35,7 @@ PAIRS = [
     ("torch_ref", "torch_ref", "tiny-grpo.toml", ".venv"),
     ("fsdp", "torch_ref", "fsdp-grpo.toml", ".venv"),
     ("megatron (TP 2)", "torch_ref", "megatron-grpo.toml", ".venv"),
+    ("megatron (TP 1)", "torch_ref", "megatron-grpo.toml", ".venv"),
     ("torch_ref", "vllm", "vllm-grpo.toml", ".venv"),
     ("fsdp", "vllm", "fsdp-vllm-grpo.toml", ".venv"),
     ("megatron (TP 2)", "vllm", "megatron-vllm-grpo.toml", ".venv"),
@@ -52,17 +53,28 @@ class Refused(Exception):
 
 
 def run(
-    steps: int, on: bool, job: Path = JOB, python: str = sys.executable
+    steps: int,
+    on: bool,
+    *,
+    job: Path = JOB,
+    python: str = sys.executable,
+    trainer: str = "",
+    tensor_parallel: str = "",
 ) -> list[dict[str, Any]]:
-    """One run of `job`; its summary's steps."""
+    """One run of `job`; its summary's steps. An FSDP or Megatron `trainer` starts from a model
+    made now; Megatron's `tensor_parallel` size, where given."""
     with tempfile.TemporaryDirectory(prefix="ts-inv-", dir="/tmp") as scratch:
-        model = Path(scratch) / "model"
-        init = [python, "-m", "timeshare", "model", "init", *MODEL_INIT.split(), str(model)]
-        subprocess.run(init, capture_output=True, check=True, timeout=300, cwd=ROOT)
+        model_key: dict[str, str] = {}
+        if trainer in ("fsdp", "megatron"):
+            model = Path(scratch) / "model"
+            init = [python, "-m", "timeshare", "model", "init", *MODEL_INIT.split(), str(model)]
+            subprocess.run(init, capture_output=True, check=True, timeout=300, cwd=ROOT)
+            model_key[f"TIMESHARE_ENGINE__{trainer.upper()}__MODEL_DIR"] = str(model)
+        if tensor_parallel:
+            model_key["TIMESHARE_ENGINE__MEGATRON__TENSOR_PARALLEL_SIZE"] = tensor_parallel
         env = {
             **os.environ,
-            "TIMESHARE_ENGINE__FSDP__MODEL_DIR": str(model),
-            "TIMESHARE_ENGINE__MEGATRON__MODEL_DIR": str(model),
+            **model_key,
             "TIMESHARE_JOB__STEPS": str(steps),
             "TIMESHARE_JOB__RUNTIME_DIR": f"{scratch}/run",
             "TIMESHARE_JOB__CHECKPOINT_DIR": f"{scratch}/checkpoints",
@@ -104,7 +116,12 @@ def pairs(steps: int) -> list[dict[str, Any]]:
         python = str(ROOT / venv / "bin" / "python")
         for setting in ("off", "on"):
             try:
-                done = run(steps, setting == "on", ROOT / "examples" / example, python)
+                job = ROOT / "examples" / example
+                tp = trainer.removesuffix(")").split("TP ")[-1] if "TP" in trainer else ""
+                kind = trainer.split()[0]
+                done = run(
+                    steps, setting == "on", job=job, python=python, trainer=kind, tensor_parallel=tp
+                )
             except Refused as refused:
                 row[setting] = str(refused)
             else:

@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core.models.gpt import GPTModel
 
 from timeshare.engines.base import RolloutSample, TrainerEngine
 from timeshare.engines.context import EngineContext
 from timeshare.engines.fsdp.trainer import FsdpTrainer
 from timeshare.engines.invariance import CBWR_ENV, PaddedLinear, gemm_is_row_invariant
+from timeshare.engines.megatron.cpu import RowLocalAttention, SdpaAttention
+from timeshare.engines.megatron.trainer import MegatronTrainer
 from timeshare.engines.model_dir import ModelShape, init_model_dir
 from timeshare.engines.pairs import build_rollout, build_trainer
 from timeshare.engines.spec import engine_spec
@@ -47,6 +50,9 @@ def flagged(model: torch.nn.Module | None) -> list[int]:
     if isinstance(model, CausalLM):
         own = [m for m in model.modules() if isinstance(m, Attention)]
         attentions, rowlocal = len(own), sum(m.batch_invariant for m in own)
+    elif isinstance(model, GPTModel):  # megatron's: its linear layers are its own, unpadded
+        cores = [m for m in model.modules() if isinstance(m, SdpaAttention)]
+        attentions, rowlocal = len(cores), sum(isinstance(m, RowLocalAttention) for m in cores)
     else:  # a transformers model: one attention implementation for every layer
         layers = [m for m in model.modules() if type(m).__name__.endswith("Attention")]
         chosen = getattr(model.config, "_attn_implementation", None)
@@ -61,8 +67,9 @@ def largest_difference(a: list[tuple[float, ...]], b: list[tuple[float, ...]]) -
 
 def probe(on: bool, trainer_kind: str, scratch: Path) -> dict[str, Any]:
     sections: dict[str, Any] = {"torch_ref": {"kv_cache_len": 16}}
-    if trainer_kind == "fsdp":  # the same model, from a transformers directory
-        sections["fsdp"] = {"model_dir": str(init_model_dir(scratch / "model", SHAPE, seed=0))}
+    if trainer_kind in ("fsdp", "megatron"):  # the same model, from a transformers directory
+        model_dir = str(init_model_dir(scratch / "model", SHAPE, seed=0))
+        sections[trainer_kind] = {"model_dir": model_dir}
     else:
         sections["torch_ref"]["model"] = MODEL
     spec = engine_spec(
@@ -121,6 +128,8 @@ def models(trainer: TrainerEngine) -> tuple[torch.nn.Module | None, torch.nn.Mod
     """The trainer's model and its reference model."""
     if isinstance(trainer, TorchRefTrainer):
         return trainer.model, trainer.reference
+    if isinstance(trainer, MegatronTrainer):
+        return trainer.model, trainer._reference
     assert isinstance(trainer, FsdpTrainer)
     return trainer.module, trainer._reference
 

@@ -1,8 +1,9 @@
 """`[engine] batch_invariant` for the engines that run the project's own mode (the reference
-trainer and rollout, the FSDP trainer), as verl's batch-invariance tests test a switch that
-changes a whole process: each case in a spawned process (invariance_probe.py), the engines built
-through the registry, both directions asserted. And what it is for: a sequence's logprobs alone,
-beside other neighbours and in the trainer are the rollout's, bit for bit."""
+trainer and rollout, the FSDP trainer, the Megatron trainer of one TP rank), as verl's
+batch-invariance tests test a switch that changes a whole process: each case in a spawned
+process (invariance_probe.py), the engines built through the registry, both directions asserted.
+And what it is for: a sequence's logprobs alone, beside other neighbours and in the trainer are
+the rollout's, bit for bit."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from timeshare.engines.spec import check_engines, engine_spec
 from timeshare.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
-TRAINERS = ["torch_ref", "fsdp"]  # each with the reference rollout
+TRAINERS = ["torch_ref", "fsdp", "megatron"]  # each with the reference rollout (megatron TP 1)
 
 
 def probed(switch: str, trainer: str) -> dict[str, Any]:
@@ -77,14 +78,21 @@ def test_off_the_differences_are_fp32_noise(off: dict[str, Any]) -> None:
 
 
 def test_an_engine_without_a_mode_is_refused_by_name() -> None:
-    for trainer, rollout, named in [
-        ("simulated", "simulated", "the simulated engine"),
-        ("megatron", "torch_ref", "the megatron engine"),
-    ]:
-        spec = engine_spec(trainer=trainer, rollout=rollout, batch_invariant=True)
-        refused = rf"engine.batch_invariant \(from default\): {named} has no"
-        with pytest.raises(ConfigError, match=refused):
-            check_engines(spec, probe=False)
+    spec = engine_spec(trainer="simulated", rollout="simulated", batch_invariant=True)
+    refused = r"engine.batch_invariant \(from default\): the simulated engine has no"
+    with pytest.raises(ConfigError, match=refused):
+        check_engines(spec, probe=False)
+
+
+def test_megatron_with_tensor_parallelism_is_refused_by_name() -> None:
+    """Its row-parallel layers all-reduce partial sums: no mode can make that one GEMM's."""
+    megatron = {"model_dir": "/nonexistent", "tensor_parallel_size": 2}
+    spec = engine_spec(
+        trainer="megatron", rollout="torch_ref", batch_invariant=True, megatron=megatron
+    )
+    refused = "engine.batch_invariant: megatron has no batch-invariant mode with engine.megatron"
+    with pytest.raises(ConfigError, match=refused):
+        check_engines(spec, probe=False)
 
 
 def test_the_own_mode_takes_one_thread() -> None:

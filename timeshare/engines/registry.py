@@ -128,6 +128,7 @@ ENGINES: dict[str, EngineEntry] = {
         probe="timeshare.engines.megatron.check:probe",
         export="timeshare.engines.megatron.export",
         extra="megatron",
+        batch_invariant="own",
     ),
 }
 

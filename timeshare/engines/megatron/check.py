@@ -43,6 +43,12 @@ def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
     rollout samples its own prompts), so a minibatch is tp x a rank's batch / minibatches."""
     megatron = spec.settings("megatron", MegatronSpec)
     megatron.check_named()
+    if spec.batch_invariant and megatron.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"engine.batch_invariant: megatron has no batch-invariant mode with "
+            f"engine.megatron.tensor_parallel_size {megatron.tensor_parallel_size} (each "
+            "row-parallel layer all-reduces partial sums, in another order than one GEMM)"
+        )
     micro = megatron.micro_batch_size
     minibatch = megatron.tensor_parallel_size * spec.task.batch_size // spec.grpo.minibatches
     if micro and minibatch % micro:

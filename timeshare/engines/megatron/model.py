@@ -58,13 +58,20 @@ def transformer_config(shape: HfShape, tp: int, dtype: torch.dtype) -> Transform
 
 
 def build_model(
-    shape: HfShape, tp: int, device: torch.device, dtype: torch.dtype = torch.float32
+    shape: HfShape,
+    tp: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    *,
+    batch_invariant: bool = False,
 ) -> GPTModel:
-    """This TP rank's `GPTModel` (empty weights: load them with `load_hf`)."""
+    """This TP rank's `GPTModel` (empty weights: load them with `load_hf`); `batch_invariant`:
+    its attention in that mode (engines/invariance.py; a CPU's alone)."""
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     on_host = device.type == "cpu"
     if on_host:
-        spec.submodules.self_attention.submodules.core_attention = cpu.SdpaAttention
+        attention = cpu.RowLocalAttention if batch_invariant else cpu.SdpaAttention
+        spec.submodules.self_attention.submodules.core_attention = attention
     model = GPTModel(
         config=transformer_config(shape, tp, dtype),
         transformer_layer_spec=spec,

@@ -36,8 +36,10 @@ from timeshare.engines.grpo import (
     figures_kept,
     group_advantages,
     rewards_of,
+    token_logprobs,
 )
 from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
+from timeshare.engines.invariance import enable_strict_gemm
 from timeshare.engines.megatron import checkpoint, parallel
 from timeshare.engines.megatron.gather import lent_weights
 from timeshare.engines.megatron.hf_config import HfShape
@@ -77,6 +79,9 @@ class MegatronTrainer(ShardedTrainer):
         )
         self.layout = Layout(rank=rank, world=world_size, tp=spec.tensor_parallel_size)
         self.model_dir = Path(spec.model_dir)
+        self.batch_invariant = engine.batch_invariant
+        if self.batch_invariant:
+            enable_strict_gemm()  # before the first GEMM of this process
         self.shape = HfShape.read(self.model_dir)
         self._model: GPTModel | None = None
         self._reference: GPTModel | None = None
@@ -119,7 +124,9 @@ class MegatronTrainer(ShardedTrainer):
         self._rows = TpRows(self.layout, self.grpo.minibatches)
 
     def _loaded(self, hf: dict[str, torch.Tensor]) -> GPTModel:
-        model = build_model(self.shape, self.layout.tp, self.device)
+        model = build_model(
+            self.shape, self.layout.tp, self.device, batch_invariant=self.batch_invariant
+        )
         load_hf(model, hf, self.shape, self.layout.tp, self.layout.tp_rank)
         return model
 
@@ -248,6 +255,8 @@ class MegatronTrainer(ShardedTrainer):
         tokens = torch.cat((prompts, completions), dim=1)[:, :-1].to(self.device)
         positions = torch.arange(tokens.shape[1], device=self.device).expand_as(tokens)
         logits = model(tokens, positions, None)[:, prompts.shape[1] - 1 :]
+        if self.batch_invariant:  # (one TP rank: its logits are whole) as the rollout does it
+            return token_logprobs(logits, completions.to(self.device), self.task.temperature)
         scaled = logits.float() / self.task.temperature
         labels = completions.to(self.device)
         losses: torch.Tensor = tensor_parallel.vocab_parallel_cross_entropy(
