@@ -197,3 +197,14 @@ def tp_1_and_tp_2_runs(
         assert step["per_rank"][0]["loaded_bytes"] == [sent, sent]
         assert (step["per_rank"][1]["sent_bytes"], step["per_rank"][1]["loaded_bytes"]) == (0, [])
     return runs
+
+
+def refused_before_any_process(config: Path, root: Path, *said: str) -> None:
+    """`timeshare run config` is exit 2 saying each of `said`, with no process started (no
+    runtime directory made)."""
+    from tests.daemon.test_run import timeshare_run
+
+    done = timeshare_run(config, root / "summary.json", timeout_s=200)
+    assert done.returncode == 2, done.stderr
+    assert all(part in done.stderr for part in said), done.stderr
+    assert not (root / "run").exists()

@@ -94,9 +94,13 @@ def row_local_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_position: int, scale: float
 ) -> torch.Tensor:
     """Causal attention of `q` [batch, heads, seq, dim] at positions first_position... over `k`
-    and `v` [batch, heads, first_position + seq, dim], scores scaled by `scale`: each query over
-    its own visible keys alone (no masked ones), with sums along the innermost dimension (the
-    same reduction for the same number of keys, whatever the batch)."""
+    and `v` [batch, kv_heads, first_position + seq, dim] (kv_heads dividing heads: grouped-query
+    attention), scores scaled by `scale`: each query over its own visible keys alone (no masked
+    ones), with sums along the innermost dimension (the same reduction for the same number of
+    keys, whatever the batch)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     outputs = []
     for i in range(q.shape[2]):
         visible = first_position + i + 1

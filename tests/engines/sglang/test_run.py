@@ -25,6 +25,7 @@ from tests.daemon.test_run import timeshare_run
 from tests.engines.foreign_hosts import (
     left_in_shm,
     recorded_processes,
+    refused_before_any_process,
     shm_names,
     start_run,
     tp_1_and_tp_2_runs,
@@ -138,11 +139,8 @@ def test_batch_invariance_asked_of_sglang_on_cpu_is_exit_2_naming_it(runtime_dir
     """SGLang has a batch-invariant mode on CUDA only: asked for here, it is refused by name
     before any process starts, never silently off."""
     config = write_config(runtime_dir, engine={"batch_invariant": True})
-    done = timeshare_run(config, runtime_dir / "summary.json", timeout_s=200)
-    assert done.returncode == 2, done.stderr
     refused = "engine.batch_invariant: SGLang has no batch-invariant mode on cpu"
-    assert refused in done.stderr and "torch_native" in done.stderr, done.stderr
-    assert not (runtime_dir / "run").exists()
+    refused_before_any_process(config, runtime_dir, refused, "torch_native")
 
 
 def test_a_key_sglang_rejects_is_exit_2_before_any_process(runtime_dir: Path) -> None:

@@ -28,9 +28,6 @@ def row_local_attention_forward(
     """transformers' attention interface: `query` [batch, heads, seq, dim], `key` and `value`
     [batch, kv_heads, keys, dim]; the output [batch, seq, heads, dim]. Causal, over whole
     sequences of one length (GRPO's batches pad nothing): the mask adds nothing to that."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     first = key.shape[2] - query.shape[2]
     out = row_local_attention(query, key, value, first, scale)

@@ -60,41 +60,29 @@ class SdpaAttention(MegatronModule):  # type: ignore[misc]  # megatron is untype
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
         if attention_bias is not None or packed_seq_params is not None:
-            raise NotImplementedError("SdpaAttention: no attention bias or packed sequences")
+            name = type(self).__name__
+            raise NotImplementedError(f"{name}: no attention bias or packed sequences")
         # [s, b, n, d] -> [b, n, s, d]; causal over the whole sequence (no padding: the
         # trainer's batches are rectangular)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1]
-        )
+        out = self.attend(q, k, v)
         sq, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of [b, n, s, d] queries over [b, groups, s, d] keys and values."""
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
 
 
 class RowLocalAttention(SdpaAttention):
     """`SdpaAttention` in the batch-invariant mode (engines/invariance.py): each query over its
     own visible keys alone, as the reference rollout computes it."""
 
-    def forward(  # noqa: PLR0917 - megatron calls its core attention with these, in order
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type: Any = None,
-        attention_bias: torch.Tensor | None = None,
-        packed_seq_params: Any = None,
-    ) -> torch.Tensor:
-        if attention_bias is not None or packed_seq_params is not None:
-            raise NotImplementedError("RowLocalAttention: no attention bias or packed sequences")
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         scale = q.shape[-1] ** -0.5 if self.softmax_scale is None else self.softmax_scale
-        out = row_local_attention(q, k, v, k.shape[2] - q.shape[2], scale)
-        sq, b = query.shape[0], query.shape[1]
-        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+        return row_local_attention(q, k, v, k.shape[2] - q.shape[2], scale)
 
 
 def keep_rotary_on_host(rotary: RotaryEmbedding) -> None:
