@@ -6,6 +6,7 @@
     [engine]     trainer, rollout (the registered engines, engines/registry.py), the task and
                  GRPO ([engine.task], [engine.grpo]) and each engine's own section
                  ([engine.<name>], typed by that engine's spec)
+    [checks]     the drift probe: invariance_every, invariance_samples
     [[faults]]   injected faults, for drills
     [log]        level, and a file for JSON lines
     [daemon]     the service `timeshared`: control socket, state directory, metrics, drain
@@ -33,6 +34,7 @@ import msgspec
 
 from timeshare.cluster import ClusterSection, check_cluster, launcher_values, ranks_per_node
 from timeshare.engines import registry
+from timeshare.engines.drift import ChecksSection
 from timeshare.engines.faults import Fault
 from timeshare.engines.handoff import KEEP_CHECKPOINTS
 from timeshare.engines.spec import EngineSpec, check_engines
@@ -104,6 +106,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         begin_timeout_s=20.0,
     )
     engine: EngineSpec = EngineSpec()
+    checks: ChecksSection = ChecksSection()
     faults: list[Fault] = []
     log: LogSection = LogSection()
     daemon: DaemonSection = DaemonSection()
@@ -165,6 +168,7 @@ def load_config(
     config = _convert(_merged(msgspec.to_builtins(Config()), data), sources)
     _check_nesting(config, sources)
     _check_runtime_dir(config, sources)
+    _check_drift_probe(config, sources)
     check_cluster(config.cluster, config.job.ranks, lambda key: sources.get(key, "default"))
     check_engines(
         config.engine,
@@ -174,6 +178,17 @@ def load_config(
         probe=probe,
     )
     return LoadedConfig(config, sources)
+
+
+def _check_drift_probe(config: Config, sources: dict[str, str]) -> None:
+    """The drift probe asks the rollout to re-score sequences alone: an engine that can."""
+    every, rollout = config.checks.invariance_every, config.engine.rollout
+    if every and rollout in registry.ENGINES and not registry.ENGINES[rollout].rescores:
+        where = sources.get("checks.invariance_every", "default")
+        raise ConfigError(
+            f"checks.invariance_every ({every}, from {where}): the {rollout} rollout cannot "
+            "re-score a sequence alone (the drift probe needs it)"
+        )
 
 
 def effective_lines(loaded: LoadedConfig) -> list[str]:

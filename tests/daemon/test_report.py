@@ -237,6 +237,8 @@ def test_the_text_report_is_the_runs_per_phase_table(run: FinishedRun) -> None:
     )
     bubble = 100 * sum(s.bubble_s for s in steps) / sum(s.step_s for s in steps)
     assert lines[10] == f"bubble   {bubble:.1f} % of the step time"
+    largest = max(s.logprob_max_abs_diff for s in steps if s.logprob_max_abs_diff is not None)
+    assert lines[11:] == [f"logprobs trainer/rollout differ by {largest:.1e} at most"]
 
 
 @pytest.mark.slow

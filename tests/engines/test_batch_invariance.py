@@ -17,6 +17,7 @@ import pytest
 
 from tests.configs import TINY, toml_file
 from tests.daemon.test_run import steps_of, timeshare_run
+from timeshare.config import load_config
 from timeshare.engines.invariance import STRICT_CBWR
 from timeshare.engines.spec import check_engines, engine_spec
 from timeshare.errors import ConfigError
@@ -109,11 +110,53 @@ def test_a_run_with_the_switch_on_is_on_policy_to_the_bit(runtime_dir: Path) -> 
     """Real workers, every step: the trainer's logprobs of what the rollout sampled are the
     rollout's own, difference 0.0 (the demo's own figures: the README's table)."""
     config = toml_file(
-        runtime_dir, TINY, engine={"batch_invariant": True}, log={"file": f"{runtime_dir}/log"}
+        runtime_dir,
+        TINY,
+        engine={"batch_invariant": True},
+        checks={"invariance_every": 1},  # and the drift probe every step
+        log={"file": f"{runtime_dir}/log"},
     )
     done = timeshare_run(config, runtime_dir / "summary.json", timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
     steps = steps_of(runtime_dir / "summary.json")
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert [s["logprob_max_abs_diff"] for s in steps] == [0.0, 0.0, 0.0]
+    assert [s["invariance_max_abs_diff"] for s in steps] == [0.0, 0.0, 0.0]
     assert all(s["weights_match"] for s in steps)
+    assert "drift 0.0e+00" in done.stdout  # the line of each step
+
+
+@pytest.mark.slow
+def test_the_drift_probe_runs_on_its_steps_and_measures_the_default_mode(
+    runtime_dir: Path,
+) -> None:
+    """[checks] invariance_every = 2, the switch off: steps 2 and 4 probed, the others not;
+    what it finds is fp32's noise, in the summary and in `timeshare report --text`."""
+    config = toml_file(
+        runtime_dir,
+        TINY,
+        job={"steps": 4},
+        checks={"invariance_every": 2, "invariance_samples": 3},
+        log={"file": f"{runtime_dir}/log"},
+    )
+    done = timeshare_run(config, runtime_dir / "summary.json", timeout_s=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    drifts = [s["invariance_max_abs_diff"] for s in steps_of(runtime_dir / "summary.json")]
+    assert drifts[0] is None and drifts[2] is None
+    assert all(d is not None and d < 1e-4 for d in (drifts[1], drifts[3])), drifts
+    report = subprocess.run(
+        [sys.executable, "-m", "timeshare", "report", str(runtime_dir), "--text"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    largest = max(d for d in drifts if d is not None)
+    assert f"drift    a sequence alone / in its batch: {largest:.1e} at most" in report.stdout
+
+
+def test_the_drift_probe_needs_a_rollout_that_can_rescore(tmp_path: Path) -> None:
+    config = toml_file(tmp_path, TINY, engine={"rollout": "vllm"}, checks={"invariance_every": 1})
+    refused = r"checks.invariance_every \(1, from file .*\): the vllm rollout cannot re-score"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(config, environ={}, probe=False)

@@ -16,6 +16,9 @@ has run all six of its phases. For each step:
   where they differ), for comparing nodes.
 - `logprob_max_abs_diff`: the largest difference between the trainer's and the rollout's
   logprobs of the sampled tokens (None: the engine does not measure it).
+- `invariance_max_abs_diff`: the drift probe's ([checks] invariance_every): the largest
+  difference between a sequence's logprobs re-scored alone and those its batch sampled, over
+  ranks (None: not a probed step).
 - `rollout_resident_mb`: memory the rollout engines keep while asleep because their platform
   cannot release it (vLLM on CPU has no sleep mode), summed over ranks; 0 where sleep frees all.
 - `bubble_s`: the part of a rank's step spent in no engine call and no transfer (fence waits,
@@ -86,6 +89,7 @@ class StepFigures(msgspec.Struct, frozen=True, kw_only=True):
     weights_digest: str | None = None
     # device memory the trainers said they held at BARRIER, all ranks (the rule: none)
     held_at_barrier_mb: float = 0.0
+    invariance_max_abs_diff: float | None = None
 
 
 class StepLog:
@@ -156,6 +160,8 @@ def step_figures(
     transfer_s = max(s.transfer.seconds for s in senders)
     rewards = [t.reward_mean for t in trains if t.reward_mean is not None]
     logprob_diffs = [t.logprob_max_abs_diff for t in trains if t.logprob_max_abs_diff is not None]
+    rollouts = [_as(RolloutResult, by_rank[r]["rollout"].rollout) for r in ranks]
+    drifts = [d for r in rollouts if (d := r.invariance_max_abs_diff) is not None]
     committed = [t.committed for t in trains]
     return StepFigures(
         step=step,
@@ -182,9 +188,8 @@ def step_figures(
         weights_digest=sent[0].digest if len({s.digest for s in sent}) == 1 else None,
         held_at_barrier_mb=sum(_held(by_rank[r]["barrier"].trainer) for r in ranks),
         logprob_max_abs_diff=max(logprob_diffs) if logprob_diffs else None,
-        rollout_resident_mb=sum(
-            _as(RolloutResult, by_rank[r]["rollout"].rollout).resident_mb for r in ranks
-        ),
+        rollout_resident_mb=sum(r.resident_mb for r in rollouts),
+        invariance_max_abs_diff=max(drifts) if drifts else None,
         committed_step=None if None in committed else min(c for c in committed if c is not None),
         resumed=resumed,
     )

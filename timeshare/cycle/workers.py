@@ -261,6 +261,7 @@ def worker_spec(
         runtime_dir=config.job.runtime_dir,
         transfer=config.transfer,
         engine=config.engine,
+        checks=config.checks,
         faults=config.faults,
         collective_timeout_s=config.deadlines.phase_s,
         # within SYNC's own deadline, so that the worker, not the driver, names the call

@@ -58,6 +58,11 @@ class Progress:
             f"weights_match {figures.weights_match}  "
             f"logprob_diff {_number(figures.logprob_max_abs_diff, '.1e')}"
             + (
+                f"  drift {figures.invariance_max_abs_diff:.1e}"
+                if figures.invariance_max_abs_diff is not None
+                else ""
+            )
+            + (
                 f"  resident {figures.rollout_resident_mb:.0f} MiB"
                 if figures.rollout_resident_mb
                 else ""

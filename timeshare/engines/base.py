@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from timeshare.engines.inlet import WeightInlet
-from timeshare.errors import GenerateTimeout, PromptTooLong, UnsupportedInput, WeightsTorn
+from timeshare.errors import (
+    GenerateTimeout,
+    PromptTooLong,
+    TimeshareError,
+    UnsupportedInput,
+    WeightsTorn,
+)
 from timeshare.protocols.commands.results import TrainFigures, WorkerLoad
 from timeshare.protocols.weights import TransferConfig
 from timeshare.protocols.weights.layout import Weight
@@ -200,6 +206,12 @@ class RolloutEngine(ABC):
     def generate(self, requests: list[RolloutRequest]) -> list[RolloutSample]:
         """Sample every request; raises `WeightsTorn` while no whole version is loaded, and
         refuses a request it cannot honour whole (`refuse_unsupported`) before sampling any."""
+
+    def score(self, samples: list[RolloutSample], temperature: float) -> list[tuple[float, ...]]:
+        """The logprobs of each sample's completion under the loaded weights, computed as
+        `generate` computes them (the drift probe re-scores a sequence alone with it). An
+        engine that can says so in its registry entry (`rescores`)."""
+        raise TimeshareError(f"{type(self).__name__} cannot re-score samples")
 
     @abstractmethod
     def digest(self) -> str:

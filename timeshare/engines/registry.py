@@ -16,6 +16,8 @@ modules import nothing but msgspec and the package's torch-free modules.
                                 export`): `is_checkpoint(path) -> bool` and
                                 `export_checkpoint(source, target) -> Path` ("": none)
     family   what its weights are; a trainer and a rollout engine pair only within one family
+    rescores whether its rollout can re-score a sequence alone (`RolloutEngine.score`), which
+             the drift probe asks (`[checks] invariance_every`)
     batch_invariant  how it honours `[engine] batch_invariant`: "own" (the project's mode,
                      invariance.py), "native" (its library's, where the platform has one: its
                      probe refuses the others by name) or "" (it cannot: refused by name)
@@ -55,6 +57,7 @@ class EngineEntry:
     export: str = ""
     extra: str = ""
     batch_invariant: Invariance = ""
+    rescores: bool = False
 
     def roles(self) -> tuple[Role, ...]:
         return tuple(role for role in ("trainer", "rollout") if self.part(role))
@@ -89,6 +92,7 @@ ENGINES: dict[str, EngineEntry] = {
         check="timeshare.engines.torch_ref.spec:check",
         probe="timeshare.engines.torch_ref.spec:probe",
         batch_invariant="own",
+        rescores=True,
     ),
     "vllm": EngineEntry(
         spec="timeshare.engines.vllm.spec:VllmSpec",

@@ -31,6 +31,7 @@ from timeshare.cluster import group_leader, group_ranks
 from timeshare.engines.base import RolloutEngine, RolloutSample, TrainerEngine
 from timeshare.engines.context import EngineContext
 from timeshare.engines.digest import WeightsDigest
+from timeshare.engines.drift import ChecksSection, drift
 from timeshare.engines.faults import Fault
 from timeshare.engines.handoff import (
     CALL_TIMEOUT_S,
@@ -80,6 +81,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     transfer: TransferConfig  # the job's [transfer]: both ends of a channel use the same
     runtime_dir: str = ""  # the job's (what an engine's own processes leave is recorded there)
     engine: EngineSpec = EngineSpec()
+    checks: ChecksSection = ChecksSection()
     faults: list[Fault] = []
     heartbeat_s: float = 0.2
     # (context.py states what each is, and its default)
@@ -287,9 +289,10 @@ class RolloutWorker:
         # Each rank's batch in a generate of its own: an engine seeds each request by its place
         # in the batch, so a rank samples what it would with an engine of its own.
         by_rank = {rank: self.generate(rank, step) for rank in self.ranks}
+        scored = by_rank[self.spec.rank]
+        drift = self.drift(step, scored)
         with self.spans.span("sleep"):
             self.engine.sleep()
-        scored = by_rank[self.spec.rank]
         rewards = [s.reward for s in scored if s.reward is not None]
         return RolloutResult(
             samples=_encoded(scored),  # for the trainer, as it is
@@ -297,7 +300,21 @@ class RolloutWorker:
             reward_mean=sum(rewards) / len(rewards) if rewards else None,
             resident_mb=self.engine.resident_mb(),
             batches={rank: _encoded(s) for rank, s in by_rank.items() if rank != self.spec.rank},
+            invariance_max_abs_diff=drift,
         )
+
+    def drift(self, step: int, samples: list[RolloutSample]) -> float | None:
+        """The drift probe (drift.py), on its steps."""
+        checks = self.spec.checks
+        if not checks.probes(step):
+            return None
+        temperature = self.spec.engine.task.temperature
+        with self.spans.span("drift probe"):
+            return drift(
+                samples,
+                lambda alone: self.engine.score(alone, temperature),
+                checks.invariance_samples,
+            )
 
     def generate(self, rank: int, step: int) -> list[RolloutSample]:
         """Rank `rank`'s batch of step `step`, sampled and scored."""

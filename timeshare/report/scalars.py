@@ -33,6 +33,8 @@ def scalars_of(figures: StepFigures) -> dict[str, float]:
         scalars["reward"] = figures.reward_mean
     if figures.logprob_max_abs_diff is not None:
         scalars["logprob_max_abs_diff"] = figures.logprob_max_abs_diff
+    if figures.invariance_max_abs_diff is not None:
+        scalars["invariance_max_abs_diff"] = figures.invariance_max_abs_diff
     return scalars
 
 

@@ -36,6 +36,10 @@ class PhaseTable:
     phases: dict[str, Spread]  # seconds; the phases, then "step"
     sync_gbps: Spread
     bubble_share: float  # of the run's step time, 0..1
+    # the largest trainer/rollout logprob difference, and the drift probe's, of any step (None:
+    # not measured)
+    logprob_diff: float | None = None
+    drift: float | None = None
 
 
 def phase_table(steps: Sequence[StepFigures], ranks: int) -> PhaseTable:
@@ -48,7 +52,14 @@ def phase_table(steps: Sequence[StepFigures], ranks: int) -> PhaseTable:
         phases=phases,
         sync_gbps=Spread.of([s.sync.gbps for s in steps]),
         bubble_share=sum(s.bubble_s for s in steps) / total if total > 0 else 0.0,
+        logprob_diff=_largest([s.logprob_max_abs_diff for s in steps]),
+        drift=_largest([s.invariance_max_abs_diff for s in steps]),
     )
+
+
+def _largest(values: Sequence[float | None]) -> float | None:
+    measured = [v for v in values if v is not None]
+    return max(measured) if measured else None
 
 
 def render(table: PhaseTable, title: str) -> str:
@@ -65,4 +76,8 @@ def render(table: PhaseTable, title: str) -> str:
     rate = table.sync_gbps
     lines.append(f"sync     {rate.median:.3f} GB/s median, {rate.p90:.3f} p90, {rate.max:.3f} max")
     lines.append(f"bubble   {table.bubble_share * 100:.1f} % of the step time")
+    if table.logprob_diff is not None:
+        lines.append(f"logprobs trainer/rollout differ by {table.logprob_diff:.1e} at most")
+    if table.drift is not None:
+        lines.append(f"drift    a sequence alone / in its batch: {table.drift:.1e} at most")
     return "\n".join(lines) + "\n"

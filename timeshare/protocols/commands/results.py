@@ -110,6 +110,9 @@ class RolloutResult(CommandResult, frozen=True, kw_only=True):
     # ranks, by rank (their own rollout workers answer with `served_by` and no samples).
     batches: dict[int, msgspec.Raw] = {}
     served_by: int | None = None
+    # The drift probe's step ([checks] invariance_every): the largest difference between a
+    # sequence's logprobs re-scored alone and those it was sampled with in the batch.
+    invariance_max_abs_diff: float | None = None
 
 
 class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
