@@ -153,6 +153,15 @@ def test_the_drift_probe_runs_on_its_steps_and_measures_the_default_mode(
     )
     largest = max(d for d in drifts if d is not None)
     assert f"drift    a sequence alone / in its batch: {largest:.1e} at most" in report.stdout
+    # and on the timeline: each ROLLOUT's record (what the trace shows as the slice's args)
+    rollouts = [
+        record["record"]
+        for record in map(json.loads, (runtime_dir / "log").read_text().splitlines())
+        if record.get("event") == "cycle.phase.ended" and record["record"]["phase"] == "rollout"
+    ]
+    probed = {r["step"]: r["figures"]["rollout.invariance_max_abs_diff"] for r in rollouts}
+    assert {step for step, drift in probed.items() if drift is not None} == {2, 4}
+    assert max(d for d in probed.values() if d is not None) == largest
 
 
 def test_the_drift_probe_needs_a_rollout_that_can_rescore(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from prometheus_client import start_http_server as _start_http_server
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from timeshare.cycle.steps import StepFigures
 from timeshare.state import Phase
 from timeshare.state.service import ServiceLifecycle
 from timeshare.units import gbps
@@ -112,6 +113,16 @@ class Metrics:
             ["method", "outcome"],
             registry=r,
         )
+        self.logprob_diff = Gauge(
+            "timeshare_logprob_max_abs_diff",
+            "The last step's largest trainer/rollout logprob difference (0 when batch-invariant)",
+            registry=r,
+        )
+        self.invariance_drift = Gauge(
+            "timeshare_invariance_max_abs_diff",
+            "The last drift probe: a sequence's logprobs alone against those its batch sampled",
+            registry=r,
+        )
         self.loop_lag = Gauge(
             "timeshare_event_loop_lag_max_seconds",
             "The daemon's event loop: the longest a ready task waited",
@@ -131,6 +142,13 @@ class Metrics:
         for ack in acks:
             self.ack_seconds.observe(ack)
         self.weight_version.set(version)
+
+    def stepped(self, figures: StepFigures) -> None:
+        """A step's figures, every rank's phases done (a figure the step lacks leaves its last)."""
+        if figures.logprob_max_abs_diff is not None:
+            self.logprob_diff.set(figures.logprob_max_abs_diff)
+        if figures.invariance_max_abs_diff is not None:
+            self.invariance_drift.set(figures.invariance_max_abs_diff)
 
     def failed(self, kind: str) -> None:
         self.failures.labels(kind).inc()

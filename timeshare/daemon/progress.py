@@ -89,6 +89,7 @@ class JobProgress:
         entries = self._every_rank(report)
         figures = self._steps.add(report)
         if figures is not None:
+            self.metrics.stepped(figures)
             self.last_step = msgspec.to_builtins(figures)
             if self.scalars is not None:
                 self.scalars.add(figures)  # queued: the writer's thread writes

@@ -22,7 +22,9 @@ class ChecksSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     invariance_samples: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4  # sequences probed
 
     def probes(self, step: int) -> bool:
-        return self.invariance_every > 0 and step % self.invariance_every == 0
+        """Whether ROLLOUT `step` is probed (not the bootstrap's, step 0: no step's figures
+        carry it)."""
+        return self.invariance_every > 0 and step > 0 and step % self.invariance_every == 0
 
 
 def drift(samples: Sequence[RolloutSample], score: Scorer, count: int) -> float | None:

@@ -1,0 +1,55 @@
+"""The step's figures the daemon exports to Prometheus: the trainer/rollout logprob difference
+and the drift probe's, as a scrape reads them (prometheus_client's own text format)."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from timeshare.cycle.steps import StepFigures, SyncFigures
+from timeshare.daemon.metrics import Metrics
+
+
+def figures(step: int, logprob: float | None, drift: float | None) -> StepFigures:
+    return StepFigures(
+        step=step,
+        weight_version=step,
+        sample_version=step - 1,
+        reward_mean=None,
+        phases={},
+        per_rank=[],
+        bubble_s=0.0,
+        step_s=1.0,
+        sync=SyncFigures(0, 0.0, 0.0),
+        weights_match=True,
+        ranks_agree=True,
+        logprob_max_abs_diff=logprob,
+        rollout_resident_mb=0.0,
+        committed_step=None,
+        resumed=False,
+        invariance_max_abs_diff=drift,
+    )
+
+
+def scraped(metrics: Metrics) -> dict[str, float]:
+    text = generate_latest(metrics.registry).decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in ("timeshare_logprob_max_abs_diff", "timeshare_invariance_max_abs_diff")
+    }
+
+
+def test_each_step_sets_the_logprob_difference_and_a_probed_step_the_drift() -> None:
+    metrics = Metrics(node=1)
+    metrics.stepped(figures(1, 2.5e-6, 1.2e-6))
+    assert scraped(metrics) == {
+        "timeshare_logprob_max_abs_diff": 2.5e-6,
+        "timeshare_invariance_max_abs_diff": 1.2e-6,
+    }
+    metrics.stepped(figures(2, 0.0, None))  # not a probed step: the last probe's stays
+    assert scraped(metrics) == {
+        "timeshare_logprob_max_abs_diff": 0.0,
+        "timeshare_invariance_max_abs_diff": 1.2e-6,
+    }
