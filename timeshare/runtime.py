@@ -22,6 +22,7 @@ import shutil
 import signal
 import socket
 import stat
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,18 +314,20 @@ def die_with_parent(parent: int | None = None) -> None:
 FOREIGN_SEGMENTS_SUFFIX = ".segments.json"
 # ... and the directory their temporary files go to (TMPDIR): vLLM's and SGLang's ZMQ ipc
 # socket files among them, which libzmq leaves behind at exit (in /tmp, by default, for ever).
-# It goes with the record.
-FOREIGN_TEMP_SUFFIX = ".tmp"
+# It goes with the record. A directory of the system's temporary one, not of the runtime dir:
+# a socket path holds 107 bytes, and vLLM adds 37 to it.
+FOREIGN_TEMP_PREFIX = "timeshare-tmp-"
 SHM_ROOT = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
 SEMAPHORE_PREFIX = "sem.mp-"  # Python's named semaphores (multiprocessing's), in /dev/shm
 
 
 def record_foreign_segments(
-    runtime_dir: Path, owner: str, pids: list[int], names: list[str]
+    runtime_dir: Path, owner: str, pids: list[int], names: list[str], temp: Path | None = None
 ) -> None:
-    """Say that `names` (in /dev/shm) belong to the processes `pids`; rewrites `owner`'s record."""
+    """Say that `names` (in /dev/shm) and the directory `temp` (`foreign_temp_dir`'s) belong to
+    the processes `pids`; rewrites `owner`'s record."""
     owners = [[pid, process_start_time(pid)] for pid in pids]
-    record = {"owners": owners, "segments": sorted(set(names))}
+    record = {"owners": owners, "segments": sorted(set(names)), "temp": str(temp or "")}
     path = runtime_dir / f"{owner}{FOREIGN_SEGMENTS_SUFFIX}"
     runtime_dir.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
@@ -355,22 +358,25 @@ def sweep_foreign_segments(runtime_dir: Path) -> list[str]:
     return removed
 
 
-def foreign_temp_dir(runtime_dir: Path, owner: str) -> Path:
-    """Where `owner`'s processes make their temporary files, removed with its record."""
-    return runtime_dir / f"{owner}{FOREIGN_TEMP_SUFFIX}"
+def foreign_temp_dir(owner: str) -> Path:
+    """A new directory for `owner`'s processes' temporary files (record it: its record's
+    release or sweep removes it)."""
+    return Path(tempfile.mkdtemp(prefix=f"{FOREIGN_TEMP_PREFIX}{owner}-"))
 
 
 def _remove_record(path: Path) -> list[str]:
-    owner = path.name.removesuffix(FOREIGN_SEGMENTS_SUFFIX)
-    temp = foreign_temp_dir(path.parent, owner)
-    removed = [str(temp)] if temp.is_dir() else []
-    shutil.rmtree(temp, ignore_errors=True)
     try:
         record = json.loads(path.read_text())
     except FileNotFoundError:
-        return removed
+        return []
     except ValueError:
         record = {}
+    removed = []
+    temp = Path(str(record.get("temp") or ""))
+    # only a directory `foreign_temp_dir` made: a record names nothing else to remove
+    if temp.is_absolute() and temp.name.startswith(FOREIGN_TEMP_PREFIX) and temp.is_dir():
+        shutil.rmtree(temp, ignore_errors=True)
+        removed.append(str(temp))
     for name in record.get("segments", []):
         if "/" in name:  # a name, never a path: nothing outside /dev/shm is ever removed
             continue

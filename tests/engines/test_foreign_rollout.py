@@ -23,7 +23,6 @@ from timeshare.errors import EngineBroken, TimeshareError
 from timeshare.protocols.weights import TransferConfig
 from timeshare.runtime import (
     FOREIGN_SEGMENTS_SUFFIX,
-    foreign_temp_dir,
     record_foreign_segments,
     running_since,
     sweep_foreign_segments,
@@ -192,15 +191,18 @@ listener.bind(tempfile.mktemp(suffix=".sock"))  # as libzmq does: the file stays
 
 def test_what_its_processes_leave_in_tmpdir_goes_with_the_engine(tmp_path: Path) -> None:
     """vLLM and SGLang make their ipc sockets in TMPDIR, where libzmq leaves the files: started
-    under `starting`, an engine's processes make them in its own directory of the runtime dir,
-    which its close removes, or a sweep once its processes are gone (a SIGKILLed worker)."""
+    under `starting`, an engine's processes make them in a directory of its own, recorded in
+    the runtime dir, which its close removes, or a sweep once its processes are gone (a
+    SIGKILLed worker). (pytest's tmp_path is long: a socket's path in the runtime dir would not
+    fit in 107 bytes.)"""
     for ending in ("close", "sweep"):
         runtime = tmp_path / ending
         engine = FakeEngine.__new__(FakeEngine)
         ForeignRollout.__init__(engine, 0, runtime, 5.0, 30.0, releases=True)
         engine.processes = []  # (its processes: the one started below)
-        temp = foreign_temp_dir(runtime, engine.owner)
         with engine.starting("TS_FAKE_HOST_PID", {}):
+            assert engine.temp is not None
+            temp = engine.temp
             assert tempfile.gettempdir() == str(temp)
             subprocess.run([sys.executable, "-c", LEAVES_A_SOCKET], check=True, timeout=60)
         assert tempfile.gettempdir() != str(temp)
@@ -215,7 +217,7 @@ def test_what_its_processes_leave_in_tmpdir_goes_with_the_engine(tmp_path: Path)
                 check=True,
                 timeout=60,
             )
-            record_foreign_segments(runtime, engine.owner, [int(gone.stdout)], [])
+            record_foreign_segments(runtime, engine.owner, [int(gone.stdout)], [], temp)
             assert str(temp) in sweep_foreign_segments(runtime)
         assert not temp.exists()
         assert list(runtime.iterdir()) == []

@@ -153,6 +153,7 @@ class ForeignRollout(RolloutEngine):
         self._children: list[int] = []  # its processes this one started
         self._titles: dict[int, str] = {}  # all its processes: pid -> title
         self._orphans: list[str] = []  # segments its start-up left that nobody maps
+        self.temp: Path | None = None  # its processes' temporary directory (`starting`)
 
     @property
     def who(self) -> str:
@@ -229,12 +230,11 @@ class ForeignRollout(RolloutEngine):
     def starting(self, host_pid_env: str, extra: dict[str, str]) -> Iterator[None]:
         """While the engine starts its processes: this process's pid as `host_pid_env` and
         `extra` in their environment (host_pid_in_environment), and a temporary directory of
-        their own in the runtime dir (TMPDIR; this process's `tempfile` too, where the engine
-        names its ipc sockets), recorded from now on: the record's release or sweep removes it
-        and what libzmq and others leave there, however the processes end."""
-        temp = foreign_temp_dir(self.runtime_dir, self.owner)
-        temp.mkdir(parents=True, exist_ok=True)
-        record_foreign_segments(self.runtime_dir, self.owner, [os.getpid()], [])
+        their own (TMPDIR; this process's `tempfile` too, where the engine names its ipc
+        sockets), recorded from now on: the record's release or sweep removes it and what
+        libzmq and others leave there, however the processes end."""
+        self.temp = temp = foreign_temp_dir(self.owner)
+        record_foreign_segments(self.runtime_dir, self.owner, [os.getpid()], [], temp)
         before = tempfile.tempdir
         tempfile.tempdir = str(temp)
         try:
@@ -256,7 +256,9 @@ class ForeignRollout(RolloutEngine):
             for prefix in self.segment_prefixes
             for name in mapped_segments(pid, prefix)
         ]
-        record_foreign_segments(self.runtime_dir, self.owner, tree, names + self._orphans)
+        record_foreign_segments(
+            self.runtime_dir, self.owner, tree, names + self._orphans, self.temp
+        )
 
     def close(self) -> None:
         try:

@@ -123,8 +123,9 @@ def engine(trainer_model: CausalLM) -> Iterator[Engine]:
             inlet.close()
     finally:
         rollout.close()
-        left = list(directory.iterdir())  # its temporary directory went with it: the model's
+        left = list(directory.iterdir())  # its record went with it: the model's is left
         shutil.rmtree(directory, ignore_errors=True)
         stop_resource_tracker_when_alone()
         assert child_pids() <= before  # every process of this engine is gone
         assert [path.name for path in left] == ["model"]
+        assert rollout.temp is not None and not rollout.temp.exists()  # nor its sockets

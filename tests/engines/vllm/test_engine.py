@@ -16,9 +16,10 @@ from timeshare.engines.load_report import LoadReport
 from timeshare.engines.torch_ref.model import CausalLM, init_model
 from timeshare.engines.vllm.report import REPORT_SOURCE
 from timeshare.errors import GenerateTimeout, PeerError, UnsupportedInput, WeightsTorn
-from timeshare.runtime import foreign_temp_dir
+from timeshare.runtime import FOREIGN_SEGMENTS_SUFFIX
 
 pytestmark = pytest.mark.slow
+RECORD = f"vllm-rank0{FOREIGN_SEGMENTS_SUFFIX}"  # the engine's record, in its runtime dir
 
 
 def requests(seed: int, count: int = 8, max_tokens: int = 6) -> list[RolloutRequest]:
@@ -36,10 +37,11 @@ def trainer_logprobs(
         return torch.log_softmax(logits.float(), dim=-1).gather(-1, chosen).squeeze(-1)
 
 
-def test_its_ipc_sockets_are_made_in_its_own_directory_of_the_runtime_dir(engine: Engine) -> None:
+def test_its_ipc_sockets_are_made_in_a_directory_of_its_own(engine: Engine) -> None:
     """vLLM names its ZMQ endpoints in TMPDIR (/tmp by default), and libzmq leaves their files
     there at exit, for ever: here they are made where the engine's record removes them."""
-    temp = foreign_temp_dir(engine.rollout.runtime_dir, engine.rollout.owner)
+    temp = engine.rollout.temp
+    assert temp is not None and str(temp) in (engine.rollout.runtime_dir / RECORD).read_text()
     assert any(stat.S_ISSOCK(path.lstat().st_mode) for path in temp.iterdir()), list(temp.iterdir())
 
 
