@@ -25,6 +25,9 @@ from timeshare.config import Config
 from timeshare.errors import CycleFailed, WorkerError
 from timeshare.state import MEMORY_FENCES, Phase
 
+# The phase whose allocation a fence keeps apart from the one it holds back, where that one
+# can come first when the machine is loaded.
+KEPT_APART: dict[Phase, tuple[str, ...]] = {Phase.SYNC: (Phase.TRAIN.value,)}
 SLOW = {
     "train": {"3": 0.5},
     "sync": {"3": 0.5},
@@ -62,6 +65,9 @@ async def test_without_any_one_fence_a_non_leader_device_runs_out(
     # On a non-leader's device: rank 3 is the slow one, but on two cores ranks 1 and 2 can
     # trail the leader too.
     assert re.search(r"simulated OOM on device [123]:", cause.remote_message), cause
-    # The failing allocation is the one the dropped fence would have held back.
-    assert info.value.phase == dropped.value
+    # The failing allocation is the one the dropped fence would have held back, or (SYNC) the
+    # one it would have kept apart from it: on a loaded machine a trailing rank's TRAIN can
+    # reach its optimiser after the leader's unfenced SYNC already took the device (seen once
+    # in a clean clone's make test: OOM in TRAIN on device 3, the SYNC fence dropped).
+    assert info.value.phase in {dropped.value, *KEPT_APART.get(dropped, ())}, info.value.phase
     assert_nothing_left(runtime_dir)
