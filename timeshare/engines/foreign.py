@@ -240,6 +240,10 @@ class ForeignRollout(RolloutEngine):
         try:
             with host_pid_in_environment(host_pid_env, {**extra, "TMPDIR": str(temp)}):
                 yield
+        except BaseException:
+            # a start that failed: its record and its directory go now, not at a later sweep
+            release_foreign_segments(self.runtime_dir, self.owner)
+            raise
         finally:
             tempfile.tempdir = before
 
