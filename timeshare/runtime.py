@@ -393,12 +393,19 @@ def process_tree(pid: int) -> list[int]:
     """`pid` and every descendant of it alive now (from /proc)."""
     tree = [pid]
     for parent in tree:
-        for children in Path(f"/proc/{parent}/task").glob("*/children"):
-            try:
-                tree += [int(child) for child in children.read_text().split()]
-            except (OSError, ValueError):
-                continue
+        tree += children_of(parent)
     return tree
+
+
+def children_of(pid: int) -> list[int]:
+    """The children of process `pid` (any of its threads started them), from /proc."""
+    children = []
+    for listed in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children += [int(child) for child in listed.read_text().split()]
+        except (OSError, ValueError):
+            continue
+    return children
 
 
 def mapped_segments(pid: int, prefix: str) -> list[str]:

@@ -28,7 +28,9 @@ from typing import ClassVar, TypeVar
 from timeshare.engines.base import RolloutEngine
 from timeshare.errors import EngineBroken, TimeshareError
 from timeshare.runtime import (
+    children_of,
     foreign_temp_dir,
+    is_resource_tracker,
     mapped_segments,
     parent_of,
     process_tree,
@@ -150,7 +152,8 @@ class ForeignRollout(RolloutEngine):
         self.weights_bytes = 0
         self.asleep: set[str] = set()
         self._scratch: Path | None = None  # a directory of its own (a config-only model, ...)
-        self._children: list[int] = []  # its processes this one started
+        self._started: list[int] = []  # what its start made this process start
+        self._children: list[int] = []  # its processes this one started, alive at record time
         self._titles: dict[int, str] = {}  # all its processes: pid -> title
         self._orphans: list[str] = []  # segments its start-up left that nobody maps
         self.temp: Path | None = None  # its processes' temporary directory (`starting`)
@@ -237,9 +240,17 @@ class ForeignRollout(RolloutEngine):
         record_foreign_segments(self.runtime_dir, self.owner, [os.getpid()], [], temp)
         before = tempfile.tempdir
         tempfile.tempdir = str(temp)
+        children = set(children_of(os.getpid()))
         try:
             with host_pid_in_environment(host_pid_env, {**extra, "TMPDIR": str(temp)}):
                 yield
+            # Its processes: what this process started meanwhile, but Python's resource
+            # tracker (one per process, serving whatever it starts; it must outlive them).
+            self._started = [
+                pid
+                for pid in children_of(os.getpid())
+                if pid not in children and not is_resource_tracker(pid)
+            ]
         except BaseException:
             # a start that failed: its record and its directory go now, not at a later sweep
             release_foreign_segments(self.runtime_dir, self.owner)
@@ -251,9 +262,10 @@ class ForeignRollout(RolloutEngine):
         """Record the engine's processes and the shared memory they map, so that a sweep of
         the runtime directory removes it once they are gone, even if SIGKILL ended them."""
         me = os.getpid()
-        tree = process_tree(me)
-        self._titles = process_titles(tree, self.title_prefix)
-        self._children = [pid for pid in self._titles if parent_of(pid) == me]
+        own = self.own_processes()
+        tree = [me, *own]
+        self._titles = process_titles(own, self.title_prefix)
+        self._children = [pid for pid in own if parent_of(pid) == me]
         names = [
             name
             for pid in tree
@@ -263,6 +275,16 @@ class ForeignRollout(RolloutEngine):
         record_foreign_segments(
             self.runtime_dir, self.owner, tree, names + self._orphans, self.temp
         )
+
+    def own_processes(self) -> list[int]:
+        """The engine's processes alive now: those its start made this process start, and
+        theirs. Not this process's other children: another engine's, its resource tracker."""
+        return [
+            pid
+            for child in self._started
+            for pid in process_tree(child)
+            if running_since(pid) is not None
+        ]
 
     def close(self) -> None:
         try:

@@ -24,6 +24,7 @@ free them (CPU) the engine says so: `held_mb` is 0 and `resident_mb` shows what 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import json
 import os
@@ -49,10 +50,12 @@ from timeshare.engines.gpu_placement import group_devices
 from timeshare.engines.load_report import LoadReport, worker_reports_checked
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.model_dir import write_config_dir
+from timeshare.engines.patches import apply_patches
 from timeshare.engines.sglang import loader
 from timeshare.engines.sglang.boot import HOST_PID_ENV
 from timeshare.engines.sglang.media import MediaPlaceholders
 from timeshare.engines.sglang.order import LoadOrder, LoadOutcome
+from timeshare.engines.sglang.own_shutdown import OWN_PROCESSES_ONLY, ending
 from timeshare.engines.sglang.spec import SglangSpec
 from timeshare.engines.task import mix
 from timeshare.errors import (
@@ -66,7 +69,7 @@ from timeshare.protocols.commands.results import WorkerLoad
 from timeshare.protocols.weights import TransferConfig, TransferReport
 from timeshare.protocols.weights.layout import DTYPES
 from timeshare.protocols.weights.segments import SHM_DIR
-from timeshare.runtime import SEMAPHORE_PREFIX, mapped_anywhere, process_tree
+from timeshare.runtime import SEMAPHORE_PREFIX, mapped_anywhere
 from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
@@ -142,6 +145,7 @@ def start_engine(args: dict[str, object]) -> Any:  # SGLang's Engine (untyped)
         os.environ[CPU_ENGINE_ENV] = "1"
     from sglang.srt.entrypoints.engine import Engine  # noqa: PLC0415
 
+    apply_patches([OWN_PROCESSES_ONLY])  # (own_shutdown.py)
     return Engine(**args)
 
 
@@ -202,7 +206,7 @@ class SglangRollout(ForeignRollout):
         # process but SGLang's own (its maker may not have exited yet). One another process
         # maps is that process's.
         made = _semaphores() - semaphores
-        ours = frozenset(process_tree(os.getpid()))
+        ours = frozenset([os.getpid(), *self.own_processes()])
         self._orphans = sorted(made - mapped_anywhere(made, excluding=ours))
         self.media = MediaPlaceholders.of_model(self.sgl.tokenizer_manager.model_config)
         # SGLang takes a prompt of at most max_req_input_len tokens (its context_length less 6):
@@ -361,7 +365,11 @@ class SglangRollout(ForeignRollout):
         return list(outputs) if isinstance(outputs, list) else [outputs]
 
     def shutdown_engine(self) -> None:
-        self.sgl.shutdown()
+        # own_shutdown.py: SGLang's shutdown kills this engine's processes, and no other child
+        # of this one; the shutdown SGLang registered for interpreter exit has nothing left to do.
+        with ending(self.own_processes()):
+            self.sgl.shutdown()
+        atexit.unregister(self.sgl.shutdown)
 
 
 class SglangInlet:
