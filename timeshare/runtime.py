@@ -360,8 +360,33 @@ def sweep_foreign_segments(runtime_dir: Path) -> list[str]:
 
 def foreign_temp_dir(owner: str) -> Path:
     """A new directory for `owner`'s processes' temporary files (record it: its record's
-    release or sweep removes it)."""
-    return Path(tempfile.mkdtemp(prefix=f"{FOREIGN_TEMP_PREFIX}{owner}-"))
+    release or sweep removes it). Its name holds this process's pid and start time, so that
+    `sweep_foreign_temp_dirs` removes it once this process is gone, should the record be lost
+    (a runtime dir deleted after a SIGKILL)."""
+    me = os.getpid()
+    prefix = f"{FOREIGN_TEMP_PREFIX}{owner}-{me}-{process_start_time(me) or 0}-"
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+# foreign_temp_dir's names: the owner's own name may hold hyphens; mkdtemp's suffix holds none.
+_FOREIGN_TEMP_RE = re.compile(
+    rf"^{re.escape(FOREIGN_TEMP_PREFIX)}.+-(?P<pid>\d+)-(?P<start>\d+)-[^-]+$"
+)
+
+
+def sweep_foreign_temp_dirs(root: Path | None = None) -> list[str]:
+    """Remove the directories `foreign_temp_dir` made (in `root`, the system's temporary
+    directory by default) for processes that are gone; return their paths."""
+    removed = []
+    for path in (root or Path(tempfile.gettempdir())).glob(f"{FOREIGN_TEMP_PREFIX}*"):
+        named = _FOREIGN_TEMP_RE.match(path.name)
+        if named is None or running_since(int(named["pid"])) == int(named["start"]):
+            continue
+        with contextlib.suppress(OSError):
+            if path.is_dir() and path.lstat().st_uid == os.getuid():
+                shutil.rmtree(path)
+                removed.append(str(path))
+    return removed
 
 
 def _remove_record(path: Path) -> list[str]:

@@ -5,6 +5,7 @@ same paths on vLLM and SGLang (tests/engines/vllm, tests/engines/sglang)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -23,9 +24,11 @@ from timeshare.errors import EngineBroken, TimeshareError
 from timeshare.protocols.weights import TransferConfig
 from timeshare.runtime import (
     FOREIGN_SEGMENTS_SUFFIX,
+    foreign_temp_dir,
     record_foreign_segments,
     running_since,
     sweep_foreign_segments,
+    sweep_foreign_temp_dirs,
 )
 
 SEGMENT = f"tsfake_{os.getpid()}"
@@ -47,13 +50,15 @@ class FakeEngine(ForeignRollout):
     def __init__(self, runtime_dir: Path, *, releases: bool = True) -> None:
         super().__init__(0, runtime_dir, 5.0, 30.0, releases=releases)
         (self.scratch() / "config.json").write_text("{}")
-        # argv[0] is the title a process shows in /proc/<pid>/cmdline
-        self.processes = [
-            subprocess.Popen(
-                [f"FAKE::Worker_TP{tp}", "-c", MAPS_THE_SEGMENT], executable=sys.executable
-            )
-            for tp in range(2)
-        ]
+        # argv[0] is the title a process shows in /proc/<pid>/cmdline; started as a real
+        # engine starts its processes: they are what `starting` sees this process start
+        with self.starting("TS_FAKE_HOST_PID", {}):
+            self.processes = [
+                subprocess.Popen(
+                    [f"FAKE::Worker_TP{tp}", "-c", MAPS_THE_SEGMENT], executable=sys.executable
+                )
+                for tp in range(2)
+            ]
         self.record_processes()
 
     def shutdown_engine(self) -> None:
@@ -115,6 +120,31 @@ def test_its_processes_and_their_segments_are_recorded_and_close_releases_everyt
     assert not record_of(engine).exists()
     assert not Path(f"/dev/shm/{SEGMENT}").exists()
     assert not scratch.exists()
+
+
+def test_its_processes_are_what_its_start_started_not_its_hosts_other_children(
+    tmp_path: Path,
+) -> None:
+    """A process may host two engines (the contract tests do), or children of its own: an
+    engine records, names and ends only what its own start made the host start."""
+    # another engine's, under the same title prefix (argv[0] a title: sys.executable runs)
+    title = "FAKE::Worker_TP9"
+    other = subprocess.Popen(
+        [title, "-c", "import time; time.sleep(60)"], executable=sys.executable
+    )
+    Path(f"/dev/shm/{SEGMENT}").write_bytes(bytes(4096))
+    engine = FakeEngine(tmp_path / "runtime")
+    try:
+        assert sorted(engine.own_processes()) == sorted(p.pid for p in engine.processes)
+        assert other.pid not in engine._titles and other.pid not in engine._children
+        owners = json.loads(record_of(engine).read_text())["owners"]
+        assert other.pid not in [pid for pid, _ in owners]
+        engine.close()
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait(timeout=30)
+        Path(f"/dev/shm/{SEGMENT}").unlink(missing_ok=True)
 
 
 def test_a_call_that_fails_because_a_worker_died_names_that_worker(engine: FakeEngine) -> None:
@@ -221,3 +251,33 @@ def test_what_its_processes_leave_in_tmpdir_goes_with_the_engine(tmp_path: Path)
             assert str(temp) in sweep_foreign_segments(runtime)
         assert not temp.exists()
         assert list(runtime.iterdir()) == []
+
+
+MAKES_A_TEMP_DIR = """
+from timeshare.runtime import foreign_temp_dir
+print(foreign_temp_dir("vllm-rank0"))
+"""
+
+
+def test_its_temporary_directory_goes_once_its_process_is_gone_record_or_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A runtime dir deleted after a SIGKILL takes the engine's record with it: the directory's
+    own name says whose it is (the pid and start time of the process that made it)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    live = foreign_temp_dir("sglang-rank0")  # this process's: alive
+    made = subprocess.run(
+        [sys.executable, "-c", MAKES_A_TEMP_DIR],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    gone = Path(made.stdout.strip())
+    assert gone.parent == tmp_path
+    (gone / "left.sock").touch()  # what libzmq leaves
+    unnamed = tmp_path / "timeshare-tmp-made-by-hand"  # no owner in its name: not ours to judge
+    unnamed.mkdir()
+    assert sweep_foreign_temp_dirs(tmp_path) == [str(gone)]
+    assert live.is_dir() and unnamed.is_dir() and not gone.exists()
