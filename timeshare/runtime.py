@@ -317,6 +317,7 @@ FOREIGN_SEGMENTS_SUFFIX = ".segments.json"
 # It goes with the record. A directory of the system's temporary one, not of the runtime dir:
 # a socket path holds 107 bytes, and vLLM adds 37 to it.
 FOREIGN_TEMP_PREFIX = "timeshare-tmp-"
+FOREIGN_TEMP_MAKER = "maker.json"  # in such a directory: the process that made it
 SHM_ROOT = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
 SEMAPHORE_PREFIX = "sem.mp-"  # Python's named semaphores (multiprocessing's), in /dev/shm
 
@@ -360,33 +361,40 @@ def sweep_foreign_segments(runtime_dir: Path) -> list[str]:
 
 def foreign_temp_dir(owner: str) -> Path:
     """A new directory for `owner`'s processes' temporary files (record it: its record's
-    release or sweep removes it). Its name holds this process's pid and start time, so that
+    release or sweep removes it). It names this process in a file of its own, so that
     `sweep_foreign_temp_dirs` removes it once this process is gone, should the record be lost
-    (a runtime dir deleted after a SIGKILL)."""
+    (a runtime dir deleted after a SIGKILL). (In the directory, not in its name: a socket's
+    path holds 107 bytes, and vLLM adds 37 to the directory's.)"""
+    temp = Path(tempfile.mkdtemp(prefix=f"{FOREIGN_TEMP_PREFIX}{owner}-"))
     me = os.getpid()
-    prefix = f"{FOREIGN_TEMP_PREFIX}{owner}-{me}-{process_start_time(me) or 0}-"
-    return Path(tempfile.mkdtemp(prefix=prefix))
-
-
-# foreign_temp_dir's names: the owner's own name may hold hyphens; mkdtemp's suffix holds none.
-_FOREIGN_TEMP_RE = re.compile(
-    rf"^{re.escape(FOREIGN_TEMP_PREFIX)}.+-(?P<pid>\d+)-(?P<start>\d+)-[^-]+$"
-)
+    maker = {"pid": me, "start": process_start_time(me), "pid_namespace": pid_namespace()}
+    (temp / FOREIGN_TEMP_MAKER).write_text(json.dumps(maker))
+    return temp
 
 
 def sweep_foreign_temp_dirs(root: Path | None = None) -> list[str]:
     """Remove the directories `foreign_temp_dir` made (in `root`, the system's temporary
-    directory by default) for processes that are gone; return their paths."""
+    directory by default) for processes that are gone; return their paths. One made in
+    another pid namespace (a container sharing /tmp) is not this one's to judge."""
     removed = []
     for path in (root or Path(tempfile.gettempdir())).glob(f"{FOREIGN_TEMP_PREFIX}*"):
-        named = _FOREIGN_TEMP_RE.match(path.name)
-        if named is None or running_since(int(named["pid"])) == int(named["start"]):
+        try:
+            maker = json.loads((path / FOREIGN_TEMP_MAKER).read_text())
+            pid, start, namespace = maker["pid"], maker["start"], maker["pid_namespace"]
+        except (OSError, ValueError, TypeError, KeyError):
+            continue  # not one it made, or not readable: left alone
+        if namespace != pid_namespace() or running_since(pid) == start:
             continue
         with contextlib.suppress(OSError):
-            if path.is_dir() and path.lstat().st_uid == os.getuid():
-                shutil.rmtree(path)
+            if path.lstat().st_uid == os.getuid():
+                shutil.rmtree(path)  # (refuses a symbolic link)
                 removed.append(str(path))
     return removed
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (its inode): where the pids it sees mean what they say."""
+    return os.stat("/proc/self/ns/pid").st_ino
 
 
 def _remove_record(path: Path) -> list[str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from timeshare.errors import EngineBroken, TimeshareError
 from timeshare.protocols.weights import TransferConfig
 from timeshare.runtime import (
     FOREIGN_SEGMENTS_SUFFIX,
+    FOREIGN_TEMP_MAKER,
     foreign_temp_dir,
     record_foreign_segments,
     running_since,
@@ -236,7 +238,7 @@ def test_what_its_processes_leave_in_tmpdir_goes_with_the_engine(tmp_path: Path)
             assert tempfile.gettempdir() == str(temp)
             subprocess.run([sys.executable, "-c", LEAVES_A_SOCKET], check=True, timeout=60)
         assert tempfile.gettempdir() != str(temp)
-        assert [p.suffix for p in temp.iterdir()] == [".sock"]
+        assert sorted(p.suffix for p in temp.iterdir()) == [".json", ".sock"]  # (its maker)
         if ending == "close":
             engine.close()
         else:  # its record names this process; a process that has exited stands in for it
@@ -259,11 +261,11 @@ print(foreign_temp_dir("vllm-rank0"))
 """
 
 
-def test_its_temporary_directory_goes_once_its_process_is_gone_record_or_not(
+def test_its_temporary_directory_goes_once_its_maker_is_gone_record_or_not(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A runtime dir deleted after a SIGKILL takes the engine's record with it: the directory's
-    own name says whose it is (the pid and start time of the process that made it)."""
+    """A runtime dir deleted after a SIGKILL takes the engine's record with it: the directory
+    says itself which process made it (pid, start time, pid namespace)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     live = foreign_temp_dir("sglang-rank0")  # this process's: alive
     made = subprocess.run(
@@ -277,7 +279,12 @@ def test_its_temporary_directory_goes_once_its_process_is_gone_record_or_not(
     gone = Path(made.stdout.strip())
     assert gone.parent == tmp_path
     (gone / "left.sock").touch()  # what libzmq leaves
-    unnamed = tmp_path / "timeshare-tmp-made-by-hand"  # no owner in its name: not ours to judge
+    unnamed = tmp_path / "timeshare-tmp-made-by-hand"  # names no maker: not ours to judge
     unnamed.mkdir()
+    elsewhere = tmp_path / "timeshare-tmp-of-another-container"
+    shutil.copytree(gone, elsewhere)  # its maker's pid means nothing in this pid namespace
+    maker = json.loads((elsewhere / FOREIGN_TEMP_MAKER).read_text())
+    maker["pid_namespace"] += 1
+    (elsewhere / FOREIGN_TEMP_MAKER).write_text(json.dumps(maker))
     assert sweep_foreign_temp_dirs(tmp_path) == [str(gone)]
-    assert live.is_dir() and unnamed.is_dir() and not gone.exists()
+    assert live.is_dir() and unnamed.is_dir() and elsewhere.is_dir() and not gone.exists()

@@ -37,7 +37,7 @@ from timeshare.protocols.commands.processes import describe_exit
 from timeshare.protocols.commands.results import ROLES
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights import sweep_stale, weight_endpoint
-from timeshare.runtime import end_groups, process_start_time, wait_gone
+from timeshare.runtime import end_groups, process_start_time, sweep_foreign_temp_dirs, wait_gone
 from timeshare.torch_quiet import as_the_user_had_it
 
 log = structlog.get_logger(__name__)
@@ -308,6 +308,11 @@ def prepare_runtime(runtime: Path) -> list[int]:
         end_groups(killed)
         record.unlink()
     sweep_stale(runtime)
+    # and what engines of any run left in the system's temporary directory, their records
+    # gone with a runtime dir deleted after a SIGKILL
+    gone = sweep_foreign_temp_dirs()
+    if gone:
+        log.info("driver.leftovers.swept", temporary_dirs=gone)
     if killed:
         log.warning("driver.leftovers.reaped", process_groups=killed)
     return killed

@@ -152,7 +152,8 @@ class ForeignRollout(RolloutEngine):
         self.weights_bytes = 0
         self.asleep: set[str] = set()
         self._scratch: Path | None = None  # a directory of its own (a config-only model, ...)
-        self._started: list[int] = []  # what its start made this process start
+        self._started: list[tuple[int, int | None]] = []  # what its start made this process
+        # start: pid and start time (a pid reused later is not its)
         self._children: list[int] = []  # its processes this one started, alive at record time
         self._titles: dict[int, str] = {}  # all its processes: pid -> title
         self._orphans: list[str] = []  # segments its start-up left that nobody maps
@@ -247,7 +248,7 @@ class ForeignRollout(RolloutEngine):
             # Its processes: what this process started meanwhile, but Python's resource
             # tracker (one per process, serving whatever it starts; it must outlive them).
             self._started = [
-                pid
+                (pid, running_since(pid))
                 for pid in children_of(os.getpid())
                 if pid not in children and not is_resource_tracker(pid)
             ]
@@ -281,7 +282,8 @@ class ForeignRollout(RolloutEngine):
         theirs. Not this process's other children: another engine's, its resource tracker."""
         return [
             pid
-            for child in self._started
+            for child, start in self._started
+            if start is not None and running_since(child) == start
             for pid in process_tree(child)
             if running_since(pid) is not None
         ]

@@ -367,9 +367,11 @@ class SglangRollout(ForeignRollout):
     def shutdown_engine(self) -> None:
         # own_shutdown.py: SGLang's shutdown kills this engine's processes, and no other child
         # of this one; the shutdown SGLang registered for interpreter exit has nothing left to do.
-        with ending(self.own_processes()):
-            self.sgl.shutdown()
-        atexit.unregister(self.sgl.shutdown)
+        try:
+            with ending(self.own_processes()):
+                self.sgl.shutdown()
+        finally:
+            atexit.unregister(self.sgl.shutdown)
 
 
 class SglangInlet:

@@ -8,8 +8,9 @@ good. In a process that hosts two engines (the contract tests' shared ones) it i
 other engine, whose watchdog then fails it.
 
 `OWN_PROCESSES_ONLY` narrows that one call, in the process that hosts the engine: it kills the
-processes of the engine shutting down (`ending`), or with none named (SGLang's own shutdown at
-interpreter exit) the host's descendants; never a resource tracker. SGLang's other calls of it (a
+processes of the engine shutting down (`ending`, in the thread that shuts it down), or with none
+named (SGLang's own shutdown at interpreter exit, of an engine never closed) the host's
+descendants; never a resource tracker. SGLang's other calls of it (a
 process that fails, killing itself and its tree) are left as they are. It changes what SGLang
 does, so it is a patch (engines/patches.py), written for the SGLang versions in `known`.
 """
@@ -20,6 +21,9 @@ import contextlib
 import importlib
 import os
 import signal
+import threading
+import time
+import types
 from collections.abc import Callable, Iterator
 
 from timeshare.engines.patches import Patch
@@ -27,17 +31,26 @@ from timeshare.errors import TimeshareError
 from timeshare.runtime import is_resource_tracker, parent_of, process_tree, reap, wait_gone
 
 ENGINE_MODULE = "sglang.srt.entrypoints.engine"  # whose `kill_process_tree` shutdown calls
-_ending: list[list[int]] = []  # the processes of the engine shutting down (`ending`)
+
+
+class _Ending(threading.local):
+    """The processes of the engines shutting down in this thread (`ending`), innermost last."""
+
+    def __init__(self) -> None:
+        self.stack: list[list[int]] = []
+
+
+_ending = _Ending()
 
 
 @contextlib.contextmanager
 def ending(processes: list[int]) -> Iterator[None]:
     """While an engine shuts down: SGLang's kill of its host's tree kills `processes` alone."""
-    _ending.append(processes)
+    _ending.stack.append(processes)
     try:
         yield
     finally:
-        _ending.pop()
+        _ending.stack.pop()
 
 
 def kill_own(skip_pid: int | None, timeout_s: float | None) -> None:
@@ -45,22 +58,24 @@ def kill_own(skip_pid: int | None, timeout_s: float | None) -> None:
     a resource tracker nor `skip_pid`; wait up to `timeout_s` for them to exit (this process's
     children reaped)."""
     me = os.getpid()
-    named = _ending[-1] if _ending else process_tree(me)[1:]
+    named = _ending.stack[-1] if _ending.stack else process_tree(me)[1:]
     doomed = [pid for pid in named if pid != skip_pid and not is_resource_tracker(pid)]
     for pid in doomed:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
     if timeout_s is None:
         return
+    deadline = time.monotonic() + timeout_s
     children = [pid for pid in doomed if parent_of(pid) == me]
-    others = [pid for pid in doomed if pid not in children]
-    left = reap(children, timeout_s) + wait_gone(others, timeout_s)
+    left = reap(children, timeout_s)
+    left += wait_gone([p for p in doomed if p not in children], deadline - time.monotonic())
     if left:
         raise TimeshareError(f"SGLang's processes {sorted(left)} outlived SIGKILL")
 
 
-def _narrow() -> None:
-    module = importlib.import_module(ENGINE_MODULE)
+def narrow(module: types.ModuleType) -> None:
+    """Replace `module`'s `kill_process_tree` (SGLang's signature) by one that, asked to kill
+    this process's descendants, kills those of the engine ending alone (`kill_own`)."""
     original: Callable[..., None] = module.kill_process_tree
 
     def kill_process_tree(
@@ -81,6 +96,6 @@ OWN_PROCESSES_ONLY = Patch(
     name="sglang.own_processes_only",
     version_of="sglang",
     known=frozenset({"0.5.23"}),
-    apply=_narrow,
+    apply=lambda: narrow(importlib.import_module(ENGINE_MODULE)),
     why="SGLang's shutdown SIGKILLs every child of its host: its resource tracker, other engines",
 )

@@ -44,12 +44,7 @@ from typing import TYPE_CHECKING
 
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
 from timeshare.protocols.weights.segments import SHM_DIR, staging_tag, sweep_stale_segments
-from timeshare.runtime import (
-    Endpoint,
-    sweep_foreign_segments,
-    sweep_foreign_temp_dirs,
-    sweep_stale_sockets,
-)
+from timeshare.runtime import Endpoint, sweep_foreign_segments, sweep_stale_sockets
 
 if TYPE_CHECKING:
     # mypy sees the real types through these imports; at run time `__getattr__` below imports
@@ -97,9 +92,8 @@ def check_weight_endpoints(runtime_dir: str | Path, ranks: int) -> None:
 
 
 def sweep_stale(runtime_dir: str | Path, *, owners_gone: bool = False) -> list[str]:
-    """Remove staging segments and socket files that dead processes left for `runtime_dir`, the
-    segments an engine's processes recorded there once they are all gone, and any engine's
-    temporary directory whose process is gone.
+    """Remove staging segments and socket files that dead processes left for `runtime_dir`, and
+    the segments an engine's processes recorded there once they are all gone.
 
     Segments whose owner process is alive, and sockets on which something listens, stay;
     `owners_gone` says every process of the directory has exited: all its sockets go.
@@ -109,5 +103,4 @@ def sweep_stale(runtime_dir: str | Path, *, owners_gone: bool = False) -> list[s
     removed = [str(SHM_DIR / name) for name in sweep_stale_segments(staging_tag(directory))]
     removed += [str(p) for p in sweep_stale_sockets(directory, owners_gone=owners_gone)]
     removed += sweep_foreign_segments(directory)
-    removed += sweep_foreign_temp_dirs()  # (those whose record went with their runtime dir)
     return removed
