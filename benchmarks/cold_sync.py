@@ -43,7 +43,7 @@ from weight_sync import model
 
 from timeshare.errors import PeerClosed
 from timeshare.protocols.weights import TransferConfig, WeightReceiver, WeightSender
-from timeshare.protocols.weights.segments import SHM_DIR
+from timeshare.runtime import SHM_ROOT
 
 structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
 MIB = 2**20
@@ -158,7 +158,7 @@ def verl_send(
     """One version through one shared buffer made now, as verl sends it; the seconds it took."""
     if any(tensor.nbytes > bucket_bytes for tensor in weights.values()):
         raise ValueError("verl-style sends whole tensors: each must fit in a bucket")
-    segment = str(SHM_DIR / f"ts-bench-verl-{os.getpid()}")
+    segment = str(SHM_ROOT / f"ts-bench-verl-{os.getpid()}")
     started = time.perf_counter()
     fd = os.open(segment, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:

@@ -87,8 +87,9 @@ import psutil
 from timeshare.config import load_config
 from timeshare.cycle.workers import prepare_runtime
 from timeshare.daemon.records import JOURNAL_MAX_BYTES, read_journal
-from timeshare.protocols.weights.segments import SEGMENT_PREFIX, SHM_DIR, staging_tag
+from timeshare.protocols.weights.segments import SEGMENT_PREFIX, staging_tag
 from timeshare.report.summary import read_summary
+from timeshare.runtime import SHM_ROOT
 
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -459,7 +460,7 @@ def peak_rss(pid: int) -> int:
 def shm_usage(tag: str) -> tuple[int, int]:
     """How many staging segments this job's runtime directory has, and their bytes."""
     count = size = 0
-    for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}{tag}-*"):
+    for path in SHM_ROOT.glob(f"{SEGMENT_PREFIX}{tag}-*"):
         with suppress(FileNotFoundError):
             size += path.stat().st_size
             count += 1

@@ -19,13 +19,8 @@ import psutil
 import pytest
 import structlog
 
-from timeshare.protocols.weights.segments import (
-    SEGMENT_PREFIX,
-    SHM_DIR,
-    parse_segment_name,
-    staging_tag,
-)
-from timeshare.runtime import process_start_time
+from timeshare.protocols.weights.segments import SEGMENT_PREFIX, parse_segment_name, staging_tag
+from timeshare.runtime import SHM_ROOT, process_start_time
 
 # torch's TCPStore resolves the peer's address back to a name on every connection (client and
 # server side, for its log lines). On a machine whose DNS server drops a query now and then,
@@ -42,7 +37,7 @@ DIRECTORY_FIXTURES = ("runtime_dir", "tmp_path")
 
 def staging_segments(runtime_dir: Path | None = None) -> set[str]:
     """Names of the staging segments in /dev/shm: all of them, or those of `runtime_dir`."""
-    names = {p.name for p in SHM_DIR.glob(f"{SEGMENT_PREFIX}*")}
+    names = {p.name for p in SHM_ROOT.glob(f"{SEGMENT_PREFIX}*")}
     if runtime_dir is None:
         return names
     tag = staging_tag(runtime_dir)

@@ -18,8 +18,8 @@ from tests.conftest import (
     segments_of_this_test,
     staging_segments,
 )
-from timeshare.protocols.weights.segments import SEGMENT_PREFIX, SHM_DIR, staging_tag
-from timeshare.runtime import process_start_time
+from timeshare.protocols.weights.segments import SEGMENT_PREFIX, staging_tag
+from timeshare.runtime import SHM_ROOT, process_start_time
 
 FOREIGN_PID = 1  # init: alive, and never a descendant of the test run
 
@@ -31,7 +31,7 @@ def segment_name(tag: str, pid: int, session: int) -> str:
 
 
 def make_segment(name: str) -> Path:
-    path = SHM_DIR / name
+    path = SHM_ROOT / name
     os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
     return path
 

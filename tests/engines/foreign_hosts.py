@@ -23,7 +23,7 @@ import psutil
 
 from tests.cycle.jobs import RESOURCE_TRACKER
 from timeshare.protocols.weights import sweep_stale
-from timeshare.protocols.weights.segments import SHM_DIR as SHM
+from timeshare.runtime import SHM_ROOT as SHM
 from timeshare.runtime import mapped_anywhere
 
 ROOT = Path(__file__).resolve().parents[2]

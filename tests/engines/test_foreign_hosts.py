@@ -9,8 +9,8 @@ import os
 import uuid
 
 from tests.engines.foreign_hosts import left_in_shm, shm_names
-from timeshare.protocols.weights.segments import SHM_DIR as SHM
 from timeshare.runtime import SEMAPHORE_PREFIX, mapped_anywhere, mapped_segments
+from timeshare.runtime import SHM_ROOT as SHM
 
 
 def test_a_file_nobody_maps_is_left_and_a_mapped_one_is_not() -> None:

@@ -90,16 +90,21 @@ class FakeEngine(ForeignRollout):
 
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[FakeEngine]:
-    Path(f"/dev/shm/{SEGMENT}").write_bytes(bytes(4096))
-    engine = FakeEngine(tmp_path / "runtime")
-    deadline = time.monotonic() + 30
-    while len(engine._titles) < 2 or not record_of(engine).exists():  # exec'd and mapped
-        assert time.monotonic() < deadline, "the fake engine's processes did not start"
-        time.sleep(0.05)
-        engine.record_processes()
-    yield engine
-    engine.close()
-    Path(f"/dev/shm/{SEGMENT}").unlink(missing_ok=True)
+    segment = Path(f"/dev/shm/{SEGMENT}")
+    segment.write_bytes(bytes(4096))
+    try:  # (a start that fails leaves neither the segment nor the processes)
+        engine = FakeEngine(tmp_path / "runtime")
+        try:
+            deadline = time.monotonic() + 30
+            while len(engine._titles) < 2 or not record_of(engine).exists():  # exec'd, mapped
+                assert time.monotonic() < deadline, "the fake engine's processes did not start"
+                time.sleep(0.05)
+                engine.record_processes()
+            yield engine
+        finally:
+            engine.close()
+    finally:
+        segment.unlink(missing_ok=True)
 
 
 def record_of(engine: FakeEngine) -> Path:

@@ -35,7 +35,7 @@ from tests.engines.foreign_hosts import (
 from tests.starving import cpu_starved
 from timeshare.protocols.weights import sweep_stale
 from timeshare.protocols.weights.segments import SEGMENT_PREFIX
-from timeshare.protocols.weights.segments import SHM_DIR as SHM
+from timeshare.runtime import SHM_ROOT as SHM
 from timeshare.runtime import mapped_segments, wait_gone
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 
 from tests.conftest import staging_segments
-from timeshare.protocols.weights.segments import SHM_DIR, staging_tag
+from timeshare.protocols.weights.segments import staging_tag
 from timeshare.protocols.weights.shm import SharedMemoryStaging, populate
+from timeshare.runtime import SHM_ROOT
 
 BUFFER_BYTES = 8 * 2**20
 
@@ -59,7 +60,7 @@ def test_buffers_are_resident_once_ready(runtime_dir: Path) -> None:
 
 
 def test_populate_faults_in_a_fresh_mapping() -> None:
-    path = SHM_DIR / f"ts-test-populate-{os.getpid()}"
+    path = SHM_ROOT / f"ts-test-populate-{os.getpid()}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, BUFFER_BYTES)

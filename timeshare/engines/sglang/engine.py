@@ -68,8 +68,7 @@ from timeshare.errors import (
 from timeshare.protocols.commands.results import WorkerLoad
 from timeshare.protocols.weights import TransferConfig, TransferReport
 from timeshare.protocols.weights.layout import DTYPES
-from timeshare.protocols.weights.segments import SHM_DIR
-from timeshare.runtime import SEMAPHORE_PREFIX, mapped_anywhere
+from timeshare.runtime import SEMAPHORE_PREFIX, SHM_ROOT, mapped_anywhere
 from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
@@ -459,7 +458,7 @@ def _cpu_binding(workers: int) -> dict[str, str]:
 
 
 def _semaphores() -> set[str]:
-    return {path.name for path in SHM_DIR.glob(f"{SEMAPHORE_PREFIX}*")}
+    return {path.name for path in SHM_ROOT.glob(f"{SEMAPHORE_PREFIX}*")}
 
 
 def _success_of(answer: object) -> tuple[bool, str]:

@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from timeshare.protocols.weights.config import TransferConfig, TransferReport
-from timeshare.protocols.weights.segments import SHM_DIR, staging_tag, sweep_stale_segments
-from timeshare.runtime import Endpoint, sweep_foreign_segments, sweep_stale_sockets
+from timeshare.protocols.weights.segments import staging_tag, sweep_stale_segments
+from timeshare.runtime import SHM_ROOT, Endpoint, sweep_foreign_segments, sweep_stale_sockets
 
 if TYPE_CHECKING:
     # mypy sees the real types through these imports; at run time `__getattr__` below imports
@@ -100,7 +100,7 @@ def sweep_stale(runtime_dir: str | Path, *, owners_gone: bool = False) -> list[s
     Returns the paths removed.
     """
     directory = Path(runtime_dir)
-    removed = [str(SHM_DIR / name) for name in sweep_stale_segments(staging_tag(directory))]
+    removed = [str(SHM_ROOT / name) for name in sweep_stale_segments(staging_tag(directory))]
     removed += [str(p) for p in sweep_stale_sockets(directory, owners_gone=owners_gone)]
     removed += sweep_foreign_segments(directory)
     return removed

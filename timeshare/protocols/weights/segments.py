@@ -16,9 +16,8 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
-from timeshare.runtime import process_start_time, running_since
+from timeshare.runtime import SHM_ROOT, process_start_time, running_since
 
-SHM_DIR = Path("/dev/shm")  # noqa: S108 - POSIX shared memory lives here on Linux
 SEGMENT_PREFIX = "ts-w-"
 _SEGMENT_RE = re.compile(r"^ts-w-(?P<tag>[0-9a-z]+)-(?P<pid>\d+)-(?P<start>\d+)-[0-9a-f]+-\d+$")
 
@@ -59,7 +58,7 @@ def sweep_stale_segments(tag: str | None = None) -> list[str]:
     With a `tag`, only that runtime directory's segments are considered.
     """
     removed: list[str] = []
-    for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}*"):
+    for path in SHM_ROOT.glob(f"{SEGMENT_PREFIX}*"):
         parsed = parse_segment_name(path.name)
         if parsed is None or (tag is not None and parsed.tag != tag):
             continue

@@ -19,8 +19,9 @@ import torch
 
 from timeshare.errors import TransferError
 from timeshare.protocols.weights.descriptions import ShmSegments
-from timeshare.protocols.weights.segments import SEGMENT_PREFIX, SHM_DIR, segment_names
+from timeshare.protocols.weights.segments import SEGMENT_PREFIX, segment_names
 from timeshare.protocols.weights.staging import Staging
+from timeshare.runtime import SHM_ROOT
 
 log = structlog.get_logger(__name__)
 
@@ -178,7 +179,7 @@ def populate(buffer: torch.Tensor) -> None:
 
 
 def _create_segment(name: str, nbytes: int) -> mmap.mmap:
-    path = SHM_DIR / name
+    path = SHM_ROOT / name
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as exc:
@@ -196,7 +197,7 @@ def _create_segment(name: str, nbytes: int) -> mmap.mmap:
 def _map_segment(name: str, nbytes: int) -> mmap.mmap:
     if "/" in name or not name.startswith(SEGMENT_PREFIX):
         raise TransferError(f"refusing to map staging segment with a foreign name: {name!r}")
-    path = SHM_DIR / name
+    path = SHM_ROOT / name
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError as exc:
@@ -212,4 +213,4 @@ def _map_segment(name: str, nbytes: int) -> mmap.mmap:
 
 def _unlink_quietly(name: str) -> None:
     with contextlib.suppress(FileNotFoundError):
-        (SHM_DIR / name).unlink()
+        (SHM_ROOT / name).unlink()
