@@ -365,10 +365,14 @@ def foreign_temp_dir(owner: str) -> Path:
     `sweep_foreign_temp_dirs` removes it once this process is gone, should the record be lost
     (a runtime dir deleted after a SIGKILL). (In the directory, not in its name: a socket's
     path holds 107 bytes, and vLLM adds 37 to the directory's.)"""
-    temp = Path(tempfile.mkdtemp(prefix=f"{FOREIGN_TEMP_PREFIX}{owner}-"))
     me = os.getpid()
     maker = {"pid": me, "start": process_start_time(me), "pid_namespace": pid_namespace()}
-    (temp / FOREIGN_TEMP_MAKER).write_text(json.dumps(maker))
+    temp = Path(tempfile.mkdtemp(prefix=f"{FOREIGN_TEMP_PREFIX}{owner}-"))
+    try:
+        (temp / FOREIGN_TEMP_MAKER).write_text(json.dumps(maker))
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)  # (no sweep could ever tell it was ours)
+        raise
     return temp
 
 
