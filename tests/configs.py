@@ -42,7 +42,7 @@ TINY: dict[str, Any] = {
     "engine": {
         "trainer": "torch_ref",
         "rollout": "torch_ref",
-        "task": {"prompts_per_rank": 2, "group_size": 4, "completion_tokens": 4},
+        "task": {"prompts_per_rank": 2, "group_size": 4, "max_completion_tokens": 4},
         "torch_ref": {
             "kv_cache_len": 16,
             "model": {"hidden_size": 32, "intermediate_size": 64, "max_position_embeddings": 16},

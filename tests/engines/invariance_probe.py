@@ -37,7 +37,7 @@ from timeshare.engines.torch_ref.trainer import TorchRefTrainer
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.layout import Weight
 
-TASK = {"prompts_per_rank": 2, "group_size": 4, "completion_tokens": 5, "temperature": 1.0}
+TASK = {"prompts_per_rank": 2, "group_size": 4, "max_completion_tokens": 5, "temperature": 1.0}
 MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
 SHAPE = ModelShape(hidden=64, intermediate=128, heads=4, kv_heads=4)  # MODEL, as a directory
 

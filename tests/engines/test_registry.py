@@ -39,7 +39,7 @@ ECHO = echo.ENTRY
 JOB = {
     "trainer": "torch_ref",
     "rollout": "echo",
-    "task": {"prompts_per_rank": 2, "group_size": 4, "completion_tokens": 4},
+    "task": {"prompts_per_rank": 2, "group_size": 4, "max_completion_tokens": 4},
     "echo": {"logprob": -0.25},
 }
 

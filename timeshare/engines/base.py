@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from timeshare.engines.inlet import WeightInlet
 from timeshare.errors import (
@@ -30,11 +31,17 @@ from timeshare.protocols.weights.layout import Weight
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How to sample one completion. `max_tokens` bounds it; it ends earlier at the first of
+    `stop_token_ids` it samples (kept in the completion, with its logprob). Every engine gets
+    the job's one stop set (the tokenizer's EOS, generation_config's, the job's own): none
+    adds stop tokens of its own, so that every engine stops where every other would."""
+
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
     logprobs: bool = True
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,9 +63,14 @@ class RolloutRequest:
         return used
 
 
+FinishReason = Literal["stop", "length"]
+
+
 @dataclass(frozen=True)
 class RolloutSample:
-    """One completion: its tokens and their logprobs, and the weight version that sampled it."""
+    """One completion: its tokens and their logprobs, and the weight version that sampled it.
+    `finish_reason`: "stop" when it ended at a stop token (its last token, kept), "length" when
+    it reached `max_tokens` without one."""
 
     request_id: str
     tokens: tuple[int, ...]
@@ -66,6 +78,21 @@ class RolloutSample:
     weight_version: int
     prompt_tokens: tuple[int, ...] = ()
     reward: float | None = None  # set by the task once the completion is scored
+    finish_reason: FinishReason = "length"
+
+
+def finish_reason(tokens: tuple[int, ...], stop_token_ids: tuple[int, ...]) -> FinishReason:
+    """How a completion of `tokens` ended, by its last token (an engine that says so itself
+    is checked against this: contract suite)."""
+    return "stop" if tokens and tokens[-1] in stop_token_ids else "length"
+
+
+def until_stop(tokens: list[int], stop_token_ids: tuple[int, ...]) -> int:
+    """How many of `tokens` a completion keeps: up to and including its first stop token."""
+    for index, token in enumerate(tokens):
+        if token in stop_token_ids:
+            return index + 1
+    return len(tokens)
 
 
 @dataclass(frozen=True)

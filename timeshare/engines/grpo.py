@@ -1,5 +1,6 @@
 """GRPO as every trainer computes it: the step (`GrpoTrainer.train_step`), and as pure functions
-the batch as tensors, the checks on it, group-normalised advantages and the clipped loss.
+the batch as tensors (sequences.py's layout), the checks on it, group-normalised advantages and
+the clipped loss over the completions' real tokens (padding is in no term and no figure).
 
 A trainer engine subclasses `GrpoTrainer` and says only how its model computes: the logprobs of
 a batch without gradients (the policy's and the reference model's), and how one minibatch
@@ -20,7 +21,8 @@ import torch
 from timeshare.engines.base import RolloutSample, TrainerEngine
 from timeshare.engines.context import EngineContext
 from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S, KEEP_CHECKPOINTS
-from timeshare.engines.spec import EngineChoice, GrpoSpec, TaskSpec
+from timeshare.engines.sequences import Sequences, completion_logits, pack, padded_values
+from timeshare.engines.spec import EngineChoice, GrpoSpec, LossAggregation, TaskSpec
 from timeshare.errors import OffPolicy, TimeshareError
 from timeshare.protocols.commands.results import TrainFigures
 from timeshare.protocols.store import JobStore
@@ -42,19 +44,15 @@ def check_batch(batch: list[RolloutSample], version: int, group_size: int, rank:
         raise TimeshareError(f"a batch of {len(batch)} samples is not whole groups of {group_size}")
 
 
-def batch_tensors(batch: list[RolloutSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Prompts, completions and the rollout's logprobs as [batch, tokens] tensors."""
-    if not batch:
-        raise TimeshareError("an empty batch: the rollout produced no samples")
-    shapes = {(len(s.prompt_tokens), len(s.tokens)) for s in batch}
-    if len(shapes) != 1:
-        raise TimeshareError(f"samples of differing lengths (prompt, completion): {sorted(shapes)}")
-    prompts = torch.tensor([s.prompt_tokens for s in batch], dtype=torch.long)
-    completions = torch.tensor([s.tokens for s in batch], dtype=torch.long)
-    sampled = torch.tensor([s.logprobs for s in batch], dtype=torch.float32)
+def sampled_logprobs(batch: list[RolloutSample], sequences: Sequences) -> torch.Tensor:
+    """The rollout's logprobs of each completion token, [rows, completion_width] (0.0 padded)."""
+    short = [s.request_id for s in batch if len(s.logprobs) != len(s.tokens)]
+    if short:
+        raise TimeshareError(f"samples without a logprob for each completion token: {short[:5]}")
+    sampled = padded_values([s.logprobs for s in batch], sequences.completions.shape[1])
     if not math.isfinite(float(sampled.sum())):
         raise TimeshareError("the rollout reported non-finite logprobs")
-    return prompts, completions, sampled
+    return sampled
 
 
 def rewards_of(batch: list[RolloutSample]) -> torch.Tensor:
@@ -70,6 +68,15 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     )
 
 
+def completion_logprobs(
+    logits: torch.Tensor, sequences: Sequences, temperature: float
+) -> torch.Tensor:
+    """[rows, completion_width]: each completion token's logprob, from the logits of
+    `sequences.tokens[:, :-1]` ([rows, width - 1, vocab]; padded positions are masked)."""
+    completions = sequences.completions.to(logits.device)
+    return token_logprobs(completion_logits(logits, sequences), completions, temperature)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(reward - group mean) / (group std + eps), per group of `group_size` consecutive samples.
 
@@ -82,45 +89,90 @@ def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (centred / (groups.std(dim=1, keepdim=True) + EPS)).view(-1)
 
 
+def token_weights(mask: torch.Tensor, aggregation: LossAggregation, chunk: int) -> torch.Tensor:
+    """Each token's weight in the loss of its minibatch (rows in consecutive chunks of `chunk`):
+    0.0 off the mask; "token-mean": 1 / the minibatch's tokens; "seq-mean-token-mean":
+    1 / (its sequence's tokens x the minibatch's sequences). A loss is then a weighted sum, so
+    micro-batches of a minibatch add up to its loss whatever their sizes."""
+    rows = mask.shape[0]
+    if rows % chunk:
+        raise ValueError(f"{rows} rows do not form minibatches of {chunk}")
+    weights = mask.float()
+    for start in range(0, rows, chunk):
+        part = weights[start : start + chunk]
+        if aggregation == "token-mean":
+            part /= max(float(part.sum()), 1.0)
+        else:
+            part /= part.sum(dim=1, keepdim=True).clamp(min=1.0) * chunk
+    return weights
+
+
 def clipped_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
+    weights: torch.Tensor,
     *,
     clip_low: float,
     clip_high: float,
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The PPO-clip objective with asymmetric clipping, over [batch, tokens] logprobs.
+    """The PPO-clip objective with asymmetric clipping, over [rows, tokens] logprobs, each
+    token weighted by `weights` (`token_weights`: 0.0 on padding, which is in no term).
 
     Ratios are clipped to [1 - clip_low, 1 + clip_high]. With `ref_logprobs` the k3 estimate of
-    KL(policy || reference) is added with weight `kl_coef`.
+    KL(policy || reference) is added with weight `kl_coef`. The figures (clip fraction, kl) are
+    means over the real tokens of these rows.
     """
-    ratio = torch.exp(logprobs - old_logprobs)
+    weights = weights.to(logprobs.device)
+    mask = weights > 0
+    tokens = max(int(mask.sum()), 1)
+    # padded positions leave every term before any arithmetic (whatever they hold)
+    ratio = torch.exp(torch.where(mask, logprobs - old_logprobs, 0.0))
     advantage = advantages.unsqueeze(-1)
     unclipped = ratio * advantage
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantage
-    loss = -torch.min(unclipped, clipped).mean()
-    metrics = {"clip_fraction": float((clipped < unclipped).float().mean())}  # clip in force
+    loss = -(torch.min(unclipped, clipped) * weights).sum()
+    in_force = (clipped < unclipped) & mask  # clip in force
+    metrics = {"clip_fraction": float(in_force.sum()) / tokens}
     if ref_logprobs is not None and kl_coef > 0:
-        log_ratio = ref_logprobs - logprobs
-        kl = (torch.exp(log_ratio) - log_ratio - 1.0).mean()
-        loss = loss + kl_coef * kl
-        metrics["kl"] = float(kl)
+        log_ratio = torch.where(mask, ref_logprobs - logprobs, 0.0)
+        kl = torch.exp(log_ratio) - log_ratio - 1.0
+        loss = loss + kl_coef * (kl * weights).sum()
+        metrics["kl"] = float(kl.detach().sum()) / tokens
     return loss, metrics
 
 
-class GrpoBatch(NamedTuple):
-    """One TRAIN's batch as tensors, and what is computed once for all its minibatches."""
+def masked_max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    """The largest |a - b| over the real tokens (`mask`)."""
+    difference = (a.cpu() - b.cpu()).abs().masked_fill(~mask.cpu(), 0.0)
+    return float(difference.max()) if difference.numel() else 0.0
 
-    prompts: torch.Tensor
-    completions: torch.Tensor
+
+def length_figures(batch: list[RolloutSample], sequences: Sequences) -> dict[str, float]:
+    """The completions' lengths (mean, max), the part that reached `max_completion_tokens`
+    without a stop token, and the padding share of the batch as laid out for TRAIN."""
+    lengths = [len(s.tokens) for s in batch]
+    return {
+        "completion_tokens_mean": sum(lengths) / len(lengths),
+        "completion_tokens_max": float(max(lengths)),
+        "truncated_fraction": sum(s.finish_reason == "length" for s in batch) / len(batch),
+        "padding_share": sequences.padding_share(),
+    }
+
+
+class GrpoBatch(NamedTuple):
+    """One TRAIN's batch as tensors (sequences.py's layout), and what is computed once for
+    all its minibatches. Per-token tensors are [rows, completion_width]."""
+
+    sequences: Sequences
     sampled: torch.Tensor  # the rollout's logprobs
     rewards: torch.Tensor
     old: torch.Tensor  # the policy's logprobs before this step's first update
     advantages: torch.Tensor
     ref: torch.Tensor | None  # the reference model's logprobs (a KL term only)
+    weights: torch.Tensor  # each token's weight in its minibatch's loss (token_weights)
 
 
 class GrpoTrainer(TrainerEngine):
@@ -175,45 +227,53 @@ class GrpoTrainer(TrainerEngine):
             samples=len(batch),
             committed=self.step,
             reward_mean=float(data.rewards.mean()),
-            logprob_max_abs_diff=float((data.old.cpu() - data.sampled).abs().max()),
+            logprob_max_abs_diff=masked_max_abs_diff(data.old, data.sampled, data.sequences.mask),
             loss=loss,
             train_s=time.perf_counter() - started,
-            extra=metrics,
+            extra=metrics | length_figures(batch, data.sequences),
         )
         self.commit()
         return self.last_train
 
     def prepare(self, batch: list[RolloutSample]) -> GrpoBatch:
         """The batch as tensors, with the logprobs and advantages all its minibatches use."""
-        prompts, completions, sampled = batch_tensors(batch)
+        sequences = pack(batch)
+        sampled = sampled_logprobs(batch, sequences)
         rewards = rewards_of(batch)
-        old = self.policy_logprobs(prompts, completions)
-        ref = self.reference_logprobs(prompts, completions)
+        old = self.policy_logprobs(sequences)
+        ref = self.reference_logprobs(sequences)
         advantages = group_advantages(rewards, self.task.group_size)
-        return GrpoBatch(prompts, completions, sampled, rewards, old, advantages, ref)
+        weights = self.token_weights(sequences.mask, len(batch) // self.grpo.minibatches)
+        return GrpoBatch(sequences, sampled, rewards, old, advantages, ref, weights)
+
+    def token_weights(self, mask: torch.Tensor, minibatch_rows: int) -> torch.Tensor:
+        """Each token's weight in its minibatch's loss, as `[engine.grpo] loss_aggregation`
+        says."""
+        return token_weights(mask, self.grpo.loss_aggregation, minibatch_rows)
 
     def loss(
         self, new: torch.Tensor, data: GrpoBatch, rows: slice
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """The clipped objective of `rows` of the batch, whose new logprobs are `new`."""
+        """The clipped objective's share of `rows` in their minibatch's loss, whose new
+        logprobs are `new` (the shares of a minibatch's micro-batches add up to its loss)."""
         return clipped_loss(
             new,
-            data.old[rows],
+            data.old[rows].to(new.device),
             data.advantages[rows].to(new.device),
+            data.weights[rows],
             clip_low=self.grpo.clip_ratio_low,
             clip_high=self.grpo.clip_ratio_high,
-            ref_logprobs=None if data.ref is None else data.ref[rows],
+            ref_logprobs=None if data.ref is None else data.ref[rows].to(new.device),
             kl_coef=self.grpo.kl_coef,
         )
 
     @abstractmethod
-    def policy_logprobs(self, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
-        """The trained model's logprobs of `completions`, without gradients."""
+    def policy_logprobs(self, sequences: Sequences) -> torch.Tensor:
+        """The trained model's logprobs of the completions, [rows, completion_width], without
+        gradients."""
 
     @abstractmethod
-    def reference_logprobs(
-        self, prompts: torch.Tensor, completions: torch.Tensor
-    ) -> torch.Tensor | None:
+    def reference_logprobs(self, sequences: Sequences) -> torch.Tensor | None:
         """The reference model's logprobs, without gradients (None: no KL term)."""
 
     @abstractmethod

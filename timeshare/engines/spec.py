@@ -23,7 +23,7 @@ from timeshare.engines import registry
 from timeshare.engines.footprint import HasRolloutFootprint, heads_problem
 from timeshare.engines.model_config import SplitsRanks, TrainedModel, TrainsModel
 from timeshare.engines.registry import Role
-from timeshare.engines.vocab import MIN_VOCAB, PROMPT_TOKENS
+from timeshare.engines.vocab import EOS, MIN_VOCAB, PROMPT_TOKENS
 from timeshare.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -37,14 +37,32 @@ S = TypeVar("S", bound=msgspec.Struct)
 class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The shipped task (say the digit back, task.py) and how the rollout samples it.
 
-    Simulated engines serve fixed requests instead and read none of it."""
+    A prompt holds at most `max_prompt_tokens`, a completion at most `max_completion_tokens`:
+    it ends earlier at a stop token (the model's EOS, and `stop_token_ids`). Simulated engines
+    serve fixed requests instead and read none of it."""
 
     seed: int = 0  # the prompts and the sampling seeds of every step follow from it
     prompts_per_rank: PositiveInt = 8
     group_size: Annotated[int, msgspec.Meta(ge=2)] = 8  # GRPO needs a group to compare within
-    completion_tokens: PositiveInt = 6
+    max_prompt_tokens: PositiveInt = 8
+    max_completion_tokens: PositiveInt = 6
+    stop_token_ids: tuple[Annotated[int, msgspec.Meta(ge=0)], ...] = ()  # beyond the EOS
     temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    # renamed: refused by name (a completion now ends at EOS; max_completion_tokens bounds it)
+    completion_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.completion_tokens is not None:
+            raise ValueError(
+                "engine.task.completion_tokens is now max_completion_tokens (a completion ends "
+                "at its EOS, or there): rename the key"
+            )
+        if self.max_prompt_tokens < PROMPT_TOKENS:
+            raise ValueError(
+                f"engine.task.max_prompt_tokens ({self.max_prompt_tokens}) is shorter than the "
+                f"task's longest prompt ({PROMPT_TOKENS} tokens)"
+            )
 
     @property
     def batch_size(self) -> int:
@@ -53,22 +71,35 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     @property
     def sequence_tokens(self) -> int:
-        """Tokens of one sampled sequence: a prompt and its completion."""
-        return PROMPT_TOKENS + self.completion_tokens
+        """Tokens of the longest sampled sequence: a prompt and its completion."""
+        return self.max_prompt_tokens + self.max_completion_tokens
+
+    def stop_set(self) -> tuple[int, ...]:
+        """Every token that ends a completion: the task's EOS and the job's own."""
+        return tuple(sorted({EOS, *self.stop_token_ids}))
 
     def check_model(self, model: ModelConfig, where: str) -> None:
         """A `ConfigError` if the task cannot run on `model` (`where`: the key naming it)."""
         if model.vocab_size < MIN_VOCAB:
             raise ConfigError(
                 f"{where}: vocab_size ({model.vocab_size}) must be at least {MIN_VOCAB}: the "
-                "task uses ten digits, BOS and SEP"
+                "task uses ten digits, BOS, SEP and EOS"
+            )
+        beyond = [t for t in self.stop_token_ids if t >= model.vocab_size]
+        if beyond:
+            raise ConfigError(
+                f"engine.task.stop_token_ids {beyond}: beyond the model's vocabulary "
+                f"({model.vocab_size}, {where})"
             )
         if self.sequence_tokens > model.max_position_embeddings:
             raise ConfigError(
                 f"{where}: max_position_embeddings ({model.max_position_embeddings}) is shorter "
-                f"than a prompt ({PROMPT_TOKENS}) plus engine.task.completion_tokens "
-                f"({self.completion_tokens})"
+                f"than engine.task.max_prompt_tokens ({self.max_prompt_tokens}) plus "
+                f"engine.task.max_completion_tokens ({self.max_completion_tokens})"
             )
+
+
+LossAggregation = Literal["token-mean", "seq-mean-token-mean"]
 
 
 class GrpoSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -80,6 +111,9 @@ class GrpoSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     clip_ratio_high: Annotated[float, msgspec.Meta(ge=0.0)] = 0.28
     kl_coef: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0  # 0: no reference model kept
     minibatches: PositiveInt = 2
+    # How a minibatch's per-token losses make its loss: the mean over its real tokens (verl's
+    # default), or the mean over sequences of each one's token mean. Padding is in neither.
+    loss_aggregation: LossAggregation = "token-mean"
 
 
 class EngineChoice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -1,10 +1,13 @@
 """What the rollout serves: the shipped task (say the digit back), or fixed requests.
 
-The task: a prompt is `BOS d SEP` for a digit d; the right completion is d, d, d, ... . The
-reward of a completion is the fraction of its tokens equal to d, so it lies in [0, 1]; a random
-model scores about 1/vocab and a few dozen GRPO steps of a small model bring it near 1. The
-prompts of a step are a function of (seed, rank, step) alone, which makes the data position a
-step number: a run resumed from step k sees exactly the prompts it would have seen.
+The task: a prompt is `BOS d.. SEP`, a digit d said one to three times (prompts of three
+lengths in every batch); the right completion is d three times, then EOS. The reward of a
+completion is the fraction of those four positions it got right (a completion that stops early
+misses the rest; one that goes on misses the EOS), so it lies in [0, 1]; a random model scores
+about 1/vocab and a few dozen GRPO steps of a small model bring it near 1, every completion then
+stopping at its EOS. The prompts of a step are a function of (seed, rank, step) alone, which
+makes the data position a step number: a run resumed from step k sees exactly the prompts it
+would have seen.
 
 Every engine of the `causal_lm` family serves the task (`TaskWorkload`); the simulated engines
 serve fixed requests with no reward (`FixedWorkload`).
@@ -20,7 +23,15 @@ import torch
 from timeshare.engines.base import RolloutRequest, RolloutSample, SamplingParams
 from timeshare.engines.registry import Family
 from timeshare.engines.spec import TaskSpec
-from timeshare.engines.vocab import BOS, DIGITS, PROMPT_TOKENS, SEP
+from timeshare.engines.vocab import (
+    ANSWER_DIGITS,
+    BOS,
+    DIGITS,
+    EOS,
+    PROMPT_DIGITS,
+    PROMPT_TOKENS,
+    SEP,
+)
 
 FIXED_REQUESTS = 4
 
@@ -33,17 +44,23 @@ class Workload(Protocol):
 
 @dataclass(frozen=True)
 class RepeatDigit:
-    completion_tokens: int = 6
-
     def prompts(self, seed: int, rank: int, step: int, count: int) -> list[tuple[int, ...]]:
         generator = torch.Generator().manual_seed(mix(seed, rank, step, 1))
         digits = torch.randint(0, DIGITS, (count,), generator=generator).tolist()
-        return [(BOS, d, SEP) for d in digits]
+        # every length in every batch (count >= PROMPT_DIGITS), in an order that varies
+        offset = int(torch.randint(0, PROMPT_DIGITS, (1,), generator=generator))
+        repeats = [1 + (offset + i) % PROMPT_DIGITS for i in range(count)]
+        return [(BOS, *[d] * n, SEP) for d, n in zip(digits, repeats, strict=True)]
+
+    def answer(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
+        """The right completion of `prompt`."""
+        return (*[prompt[1]] * ANSWER_DIGITS, EOS)
 
     def reward(self, prompt: tuple[int, ...], completion: tuple[int, ...]) -> float:
-        if len(prompt) != PROMPT_TOKENS or not completion:
+        if not 3 <= len(prompt) <= PROMPT_TOKENS or not completion:
             return 0.0
-        return sum(token == prompt[1] for token in completion) / len(completion)
+        answer = self.answer(prompt)
+        return sum(got == want for got, want in zip(completion, answer, strict=False)) / len(answer)
 
 
 def mix(*parts: int) -> int:
@@ -66,10 +83,11 @@ class TaskWorkload:
 
     def requests(self, rank: int, step: int) -> list[RolloutRequest]:
         sampling = SamplingParams(
-            max_tokens=self.spec.completion_tokens,
+            max_tokens=self.spec.max_completion_tokens,
             temperature=self.spec.temperature,
             top_p=self.spec.top_p,
             seed=sampling_seed(self.spec.seed, rank, step),
+            stop_token_ids=self.spec.stop_set(),
         )
         prompts = self.task.prompts(self.spec.seed, rank, step, self.spec.prompts_per_rank)
         return [
@@ -83,7 +101,7 @@ class TaskWorkload:
 
     @property
     def task(self) -> RepeatDigit:
-        return RepeatDigit(self.spec.completion_tokens)
+        return RepeatDigit()
 
 
 class FixedWorkload:

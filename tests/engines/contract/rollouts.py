@@ -46,7 +46,7 @@ MODEL: dict[str, Any] = {
     "max_position_embeddings": 64,
 }
 COMPLETION = 4
-TASK: dict[str, Any] = {"prompts_per_rank": 2, "group_size": 4, "completion_tokens": COMPLETION}
+TASK: dict[str, Any] = {"prompts_per_rank": 2, "group_size": 4, "max_completion_tokens": COMPLETION}
 BATCH = 8  # prompts_per_rank x group_size: what the reference rollout's KV cache holds
 KV_CACHE_LEN = 16  # the reference rollout's sequence (so that a long prompt is cheap to make)
 # The first generate warms vLLM up; every call into it may wait on two busy cores.

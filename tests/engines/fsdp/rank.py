@@ -35,7 +35,7 @@ from timeshare.protocols.weights.lent import LentTensor
 GROUP = 4
 PER_RANK = 8  # two groups of four
 PROMPT, COMPLETION = 3, 4
-TASK = TaskSpec(group_size=GROUP, prompts_per_rank=2, completion_tokens=COMPLETION)
+TASK = TaskSpec(group_size=GROUP, prompts_per_rank=2, max_completion_tokens=COMPLETION)
 GRPO = GrpoSpec(lr=1e-3, weight_decay=0.01, minibatches=1)
 SPEC_KEYS: dict[str, Any] = {"micro_batch_size": 2, "max_grad_norm": 0.5}
 MIB = 2**20

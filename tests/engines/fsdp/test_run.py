@@ -48,7 +48,7 @@ FSDP_JOB: dict[str, Any] = {
     "engine": {
         "trainer": "fsdp",
         "rollout": "torch_ref",
-        "task": {"prompts_per_rank": 16, "group_size": 16, "completion_tokens": 6},
+        "task": {"prompts_per_rank": 16, "group_size": 16, "max_completion_tokens": 6},
         "fsdp": {"micro_batch_size": 64},
     },
 }
@@ -198,7 +198,7 @@ def test_a_bad_model_dir_is_exit_2_before_any_worker(runtime_dir: Path) -> None:
 def greedy_reward(model_dir: Path, prompts: int = 32) -> float:
     """The mean reward of greedy completions of the digit task by the model in `model_dir`."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    task = RepeatDigit(completion_tokens=6)
+    task = RepeatDigit(max_completion_tokens=6)
     rewards = []
     with torch.no_grad():
         for prompt in task.prompts(seed=99, rank=0, step=0, count=prompts):

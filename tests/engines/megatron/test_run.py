@@ -46,7 +46,7 @@ MEGATRON_JOB: dict[str, Any] = {
     "engine": {
         "trainer": "megatron",
         "rollout": "torch_ref",
-        "task": {"prompts_per_rank": 16, "group_size": 16, "completion_tokens": 6},
+        "task": {"prompts_per_rank": 16, "group_size": 16, "max_completion_tokens": 6},
         "grpo": {"lr": 0.003, "minibatches": 2},
         "megatron": {"tensor_parallel_size": 2, "micro_batch_size": 64},
     },

@@ -12,7 +12,7 @@ import torch
 
 from timeshare.engines.base import RolloutRequest, RolloutSample, SamplingParams
 from timeshare.engines.digest import weights_digest
-from timeshare.engines.grpo import clipped_loss, figures_kept, group_advantages
+from timeshare.engines.grpo import clipped_loss, figures_kept, group_advantages, token_weights
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.spec import EngineChoice, check_engines, engine_spec
 from timeshare.engines.task import RepeatDigit, TaskWorkload
@@ -25,14 +25,14 @@ from timeshare.engines.torch_ref.model import (
 )
 from timeshare.engines.torch_ref.rollout import TorchRefRollout
 from timeshare.engines.torch_ref.trainer import TorchRefTrainer
-from timeshare.engines.vocab import BOS, SEP
+from timeshare.engines.vocab import BOS, EOS, SEP
 from timeshare.errors import ConfigError, EngineAsleep, OffPolicy, WeightsTorn
 from timeshare.protocols.commands.results import TrainFigures
 
 SPEC = engine_spec(
     trainer="torch_ref",
     rollout="torch_ref",
-    task={"prompts_per_rank": 2, "group_size": 4, "completion_tokens": 5},
+    task={"prompts_per_rank": 2, "group_size": 4, "max_completion_tokens": 5},
     torch_ref={"kv_cache_len": 16},
 )
 MODEL = ModelConfig()
@@ -60,16 +60,29 @@ def scored_batch(trainer: TorchRefTrainer, step: int = 0) -> list[RolloutSample]
     ]
 
 
-def test_the_kv_cache_decode_matches_the_full_forward() -> None:
+@pytest.mark.parametrize("invariant", [False, True], ids=["sdpa", "row-local"])
+def test_the_kv_cache_decode_of_prompts_of_differing_lengths_matches_each_row_alone(
+    invariant: bool,
+) -> None:
+    """Prompts of 2, 4 and 3 tokens prefilled right-padded, then decoded each at its own
+    position: every row's logits are those of its own full forward, alone (to the bit in the
+    batch-invariant mode, which needs strict GEMMs from the process's start: the spawned probes
+    of tests/engines/test_batch_invariance.py)."""
     config = ModelConfig(num_key_value_heads=2)  # grouped-query attention too
     model = init_model(config, seed=3)
+    model.set_batch_invariant(invariant)
     tokens = torch.randint(0, config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(1))
+    lengths = torch.tensor([2, 4, 3])
     with torch.no_grad():
-        full = model(tokens)
         cache = KVCache(config, batch=3, max_len=16)
-        steps = [model(tokens[:, :4], cache)]
-        steps += [model(tokens[:, i : i + 1], cache) for i in range(4, 9)]
-    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
+        steps = [model.prefill(tokens[:, :4], lengths, cache)]
+        for i in range(4):  # row r's next token is tokens[r, lengths[r] + i]
+            steps.append(model.decode(tokens[torch.arange(3), lengths + i], cache))
+        for row in range(3):
+            alone = model(tokens[row : row + 1, : int(lengths[row]) + 4])[0]
+            got = torch.stack([step[row] for step in steps])
+            want = alone[int(lengths[row]) - 1 :]
+            assert torch.allclose(got, want, atol=1e-5), row
 
 
 def test_init_is_a_function_of_the_seed_and_checkpoints_round_trip(tmp_path: Path) -> None:
@@ -91,7 +104,7 @@ def test_bad_engine_settings_are_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match=r"engine\.torch_ref\.model: vocab_size \(8\)"):
         check_engines(reference(torch_ref={"model": {"vocab_size": 8}}))
     with pytest.raises(ConfigError, match=r"engine\.torch_ref\.kv_cache_len \(16\) is shorter"):
-        check_engines(reference(task={"completion_tokens": 20}, torch_ref={"kv_cache_len": 16}))
+        check_engines(reference(task={"max_completion_tokens": 20}, torch_ref={"kv_cache_len": 16}))
     with pytest.raises(ConfigError, match=r"kv_cache_len \(128\) exceeds max_position_embeddings"):
         check_engines(reference(torch_ref={"kv_cache_len": 128}))
     with pytest.raises(ConfigError, match="num_attention_heads"):
@@ -99,16 +112,22 @@ def test_bad_engine_settings_are_refused_naming_the_key() -> None:
 
 
 def test_task_reward_and_advantages() -> None:
-    task = RepeatDigit(4)
-    assert task.reward((BOS, 7, SEP), (7, 7, 1, 7)) == 0.75
-    assert task.prompts(0, 1, 5, 3) == task.prompts(0, 1, 5, 3)
-    assert task.prompts(0, 1, 5, 3) != task.prompts(0, 1, 6, 3)
+    task = RepeatDigit()
+    assert task.reward((BOS, 7, SEP), (7, 7, 7, EOS)) == 1.0
+    assert task.reward((BOS, 7, 7, 7, SEP), (7, 7, 1, EOS)) == 0.75
+    assert task.reward((BOS, 7, 7, SEP), (7, EOS)) == 0.25  # stopped early: the rest missed
+    assert task.reward((BOS, 7, SEP), (7, 7, 7, 7, 7, 7)) == 0.75  # no EOS where it belongs
+    prompts = task.prompts(0, 1, 5, 6)
+    assert prompts == task.prompts(0, 1, 5, 6)
+    assert prompts != task.prompts(0, 1, 6, 6)
+    assert {len(p) for p in prompts} == {3, 4, 5}  # every batch: prompts of three lengths
     advantages = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5, 0.2, 0.2]), 2)
     assert advantages[0] > 0 > advantages[1]
     assert torch.equal(advantages[2:], torch.zeros(4))  # equal rewards teach nothing
     logprobs = torch.zeros(2, 3)
+    weights = token_weights(torch.ones(2, 3, dtype=torch.bool), "token-mean", 2)
     loss, metrics = clipped_loss(
-        logprobs + 1.0, logprobs, torch.tensor([1.0, -1.0]), clip_low=0.2, clip_high=0.28
+        logprobs + 1.0, logprobs, torch.tensor([1.0, -1.0]), weights, clip_low=0.2, clip_high=0.28
     )
     assert metrics["clip_fraction"] == 0.5  # the positive advantage's ratio e is clipped at 1.28
     assert loss.item() == pytest.approx(-(1.28 - math.e) / 2, rel=1e-5)
@@ -128,7 +147,14 @@ def test_trainer_and_rollout_logprobs_agree_and_training_raises_the_reward() -> 
     figures = trainer.train_step(batch)
     assert figures.step == 1 and figures.committed == 1
     assert figures.logprob_max_abs_diff is not None and figures.logprob_max_abs_diff < 1e-4
-    assert figures.samples == len(batch) and set(figures.extra) == {"clip_fraction"}
+    assert figures.samples == len(batch)
+    assert set(figures.extra) == {
+        "clip_fraction",
+        "completion_tokens_mean",
+        "completion_tokens_max",
+        "truncated_fraction",
+        "padding_share",
+    }
     with pytest.raises(OffPolicy, match=r"trains from weight version 1 .* versions \[0\]"):
         trainer.train_step(batch)
 

@@ -3,8 +3,11 @@ a local checkpoint directory (`config.json` in the transformers layout plus a st
 
 Parameter names follow transformers' Llama (`model.layers.0.self_attn.q_proj.weight`, ...), so a
 checkpoint written by one loads in the other. The same module serves the trainer (a full causal
-forward) and the rollout engine (prefill, then one token at a time against a preallocated KV
-cache the engine owns).
+forward) and the rollout engine (`prefill`, then one token at a time with `decode`, against a
+preallocated KV cache the engine owns). Prompts of a batch may differ in length: the prefill
+reads them right-padded, and each row then decodes at its own position (`KVCache.next`), its
+keys past that position masked, so that every token sits where the trainer's right-padded
+forward puts it (engines/sequences.py).
 """
 
 from __future__ import annotations
@@ -49,23 +52,25 @@ class RMSNorm(nn.Module):
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of `x` [batch, heads, seq, head_dim] at `positions` [seq]."""
+    """Rotary embedding of `x` [batch, heads, seq, head_dim] at `positions` [seq] (every row
+    alike) or [batch, 1, seq] (each row its own)."""
     half = x.shape[-1] // 2
     inv_freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    angles = positions.to(torch.float32)[..., None] * inv_freq
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     first, second = x[..., :half], x[..., half:]
     return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
 
 
 class KVCache:
-    """Preallocated keys and values per layer: [layers, batch, kv_heads, max_len, head_dim]."""
+    """Preallocated keys and values per layer: [layers, batch, kv_heads, max_len, head_dim].
+    `next` [batch]: the position each row's next token takes (set by a prefill)."""
 
     def __init__(self, config: ModelConfig, batch: int, max_len: int) -> None:
         shape = (config.num_hidden_layers, batch, config.num_key_value_heads, max_len)
         self.keys = torch.zeros(*shape, config.head_dim)
         self.values = torch.zeros(*shape, config.head_dim)
-        self.length = 0
+        self.next = torch.zeros(batch, dtype=torch.long)
 
     @property
     def nbytes(self) -> int:
@@ -91,30 +96,55 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
     ) -> torch.Tensor:
+        """`x` [batch, seq, hidden] at `positions`: [seq] from 0 (a whole sequence, or a
+        prefill written into `cache`), or [batch, 1, 1] (one token per row, decoded at each
+        row's own position against `cache`)."""
         batch, seq, _ = x.shape
         c = self.config
         q = self.q_proj(x).view(batch, seq, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         q, k = rope(q, positions, c.rope_theta), rope(k, positions, c.rope_theta)
-        if cache is not None:
-            start = cache.length
-            cache.keys[self.layer, :batch, :, start : start + seq] = k
-            cache.values[self.layer, :batch, :, start : start + seq] = v
-            k = cache.keys[self.layer, :batch, :, : start + seq]
-            v = cache.values[self.layer, :batch, :, : start + seq]
-        groups = c.num_attention_heads // c.num_key_value_heads
+        if positions.dim() > 1:
+            assert cache is not None
+            out = self._decode(q, k, v, positions.view(batch), cache)
+        else:
+            if cache is not None:
+                cache.keys[self.layer, :batch, :, :seq] = k
+                cache.values[self.layer, :batch, :, :seq] = v
+            out = self._attend(q, k, v)
+        projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+        return projected
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of queries at the last positions of the keys' span."""
+        seq, kv_len = q.shape[2], k.shape[2]
+        if self.batch_invariant:
+            return row_local_attention(q, k, v, kv_len - seq, self.config.head_dim**-0.5)
+        groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         # Query i sits at position (kv_len - seq + i) and sees keys up to there.
-        kv_len = k.shape[2]
-        if self.batch_invariant:
-            out = row_local_attention(q, k, v, kv_len - seq, c.head_dim**-0.5)
-        else:
-            visible = torch.ones(seq, kv_len, dtype=torch.bool).tril(diagonal=kv_len - seq)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
-        projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-        return projected
+        visible = torch.ones(seq, kv_len, dtype=torch.bool).tril(diagonal=kv_len - seq)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+
+    def _decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, at: torch.Tensor, cache: KVCache
+    ) -> torch.Tensor:
+        """One token per row, row r at position `at[r]`: its key and value written there, its
+        query over the row's keys up to there."""
+        rows = torch.arange(q.shape[0])
+        cache.keys[self.layer, rows, :, at] = k[:, :, 0]
+        cache.values[self.layer, rows, :, at] = v[:, :, 0]
+        out = torch.empty_like(q)
+        # Rows at one position attend together: over exactly their visible keys, so that in
+        # the batch-invariant mode each row's sums are those of the trainer's forward.
+        for position in sorted(set(at.tolist())):
+            same = (at == position).nonzero().squeeze(1)
+            keys = cache.keys[self.layer, same, :, : position + 1]
+            values = cache.values[self.layer, same, :, : position + 1]
+            out[same] = self._attend(q[same], keys, values)
+        return out
 
 
 class MLP(nn.Module):
@@ -175,15 +205,36 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear | Attention):
                 module.batch_invariant = on
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """Logits [batch, seq, vocab] of `tokens` [batch, seq] (continuing `cache` if given)."""
-        start = cache.length if cache is not None else 0
-        positions = torch.arange(start, start + tokens.shape[1])
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab] of `tokens` [batch, seq] (right-padded rows: a row's
+        logits are those it has alone)."""
+        return self._run(tokens, torch.arange(tokens.shape[1]), None)
+
+    def prefill(self, prompts: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The next token's logits [batch, vocab] after each prompt of `prompts` [batch, len]
+        (right-padded; row r's prompt is its first `lengths[r]` tokens), written into `cache`."""
+        logits = self._run(prompts, torch.arange(prompts.shape[1]), cache)
+        cache.next[: len(lengths)] = lengths
+        rows = torch.arange(len(lengths))
+        last: torch.Tensor = logits[rows, lengths - 1]
+        return last
+
+    def decode(self, token: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The next token's logits [batch, vocab] after one more token per row, `token`
+        [batch], each at its row's next position."""
+        batch = token.shape[0]
+        at = cache.next[:batch]
+        logits = self._run(token.unsqueeze(1), at.view(batch, 1, 1), cache)
+        cache.next[:batch] += 1
+        last: torch.Tensor = logits[:, -1]
+        return last
+
+    def _run(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None
+    ) -> torch.Tensor:
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
             x = layer(x, positions, cache)
-        if cache is not None:
-            cache.length += tokens.shape[1]
         logits: torch.Tensor = self.lm_head(self.model.norm(x))
         return logits
 

@@ -4,7 +4,9 @@
 `wake({"kv_cache"})` allocates the cache for `batch_size` sequences of `kv_cache_len` tokens,
 `sleep()` frees both. Generation refuses torn weights (no whole transfer since the last began)
 and a sleeping cache. Logprobs are those of softmax(logits / temperature), before top-p, which
-is what the trainer recomputes.
+is what the trainer recomputes. Prompts of a batch may differ in length (each row decodes at its
+own position: model.py); a row ends at its first stop token, kept, and the batch ends when every
+row has.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from timeshare.engines.base import (
     RolloutRequest,
     RolloutSample,
     RolloutTraits,
+    SamplingParams,
+    finish_reason,
     refuse_unsupported,
+    until_stop,
 )
 from timeshare.engines.context import EngineContext
 from timeshare.engines.digest import weights_digest
@@ -26,6 +31,7 @@ from timeshare.engines.grpo import token_logprobs
 from timeshare.engines.inlet import LocalInlet
 from timeshare.engines.invariance import enable_strict_gemm
 from timeshare.engines.model_config import ModelConfig
+from timeshare.engines.sequences import PAD, pack, unpadded
 from timeshare.engines.spec import EngineChoice
 from timeshare.engines.torch_ref.model import CausalLM, KVCache
 from timeshare.engines.torch_ref.spec import TorchRefSpec
@@ -141,30 +147,25 @@ class TorchRefRollout(RolloutEngine):
         sampling = requests[0].sampling
         if any(r.sampling != sampling for r in requests):
             raise TimeshareError("torch_ref rollout: one batch must share its sampling parameters")
-        lengths = {len(r.prompt_tokens) for r in requests}
-        total = max(lengths) + sampling.max_tokens
-        if len(lengths) != 1:
-            raise TimeshareError(
-                f"torch_ref rollout: prompts of differing lengths {sorted(lengths)}"
-            )
-        if len(requests) > self.batch_size or total > self.spec.kv_cache_len:
-            raise TimeshareError(
-                f"torch_ref rollout: {len(requests)} sequences of {total} tokens exceed the KV "
-                f"cache ({self.batch_size} x {self.spec.kv_cache_len})"
-            )
-        tokens, logprobs = self._sample(
-            requests, sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.seed
+        self._check_fits(
+            len(requests), max(len(r.prompt_tokens) for r in requests) + sampling.max_tokens
         )
-        return [
-            RolloutSample(
-                request.request_id,
-                tuple(tokens[i]),
-                tuple(logprobs[i]),
-                version,
-                prompt_tokens=request.prompt_tokens,
+        tokens, logprobs = self._sample([r.prompt_tokens for r in requests], sampling)
+        samples = []
+        for request, row_tokens, row_logprobs in zip(requests, tokens, logprobs, strict=True):
+            kept = until_stop(row_tokens, sampling.stop_token_ids)
+            completion = tuple(row_tokens[:kept])
+            samples.append(
+                RolloutSample(
+                    request.request_id,
+                    completion,
+                    tuple(row_logprobs[:kept]),
+                    version,
+                    prompt_tokens=request.prompt_tokens,
+                    finish_reason=finish_reason(completion, sampling.stop_token_ids),
+                )
             )
-            for i, request in enumerate(requests)
-        ]
+        return samples
 
     def score(self, samples: list[RolloutSample], temperature: float) -> list[tuple[float, ...]]:
         """The logprobs of each sample's completion under the loaded weights, computed as
@@ -176,68 +177,71 @@ class TorchRefRollout(RolloutEngine):
             raise EngineAsleep("score: wake weights and kv_cache first")
         if not samples:
             return []
-        shapes = {(len(s.prompt_tokens), len(s.tokens)) for s in samples}
-        (prompt_len, completion_len), *others = sorted(shapes)
-        if others or len(samples) > self.batch_size or completion_len == 0:
-            raise TimeshareError(
-                f"torch_ref rollout: score takes up to {self.batch_size} samples of one prompt "
-                f"and completion length, not {len(samples)} of {sorted(shapes)}"
-            )
-        if prompt_len + completion_len > self.spec.kv_cache_len:
-            raise TimeshareError(
-                f"torch_ref rollout: {prompt_len + completion_len} tokens exceed the KV cache "
-                f"({self.spec.kv_cache_len})"
-            )
-        completions = torch.tensor([s.tokens for s in samples], dtype=torch.long)
+        if any(not s.tokens for s in samples):
+            raise TimeshareError("torch_ref rollout: score takes samples with a completion")
+        longest = max(len(s.prompt_tokens) + len(s.tokens) for s in samples)
+        self._check_fits(len(samples), longest)
+        sequences = pack(samples)
+        completions = sequences.completions
         logprobs = []
         with torch.no_grad():
-            logits = self._prefill(torch.tensor([s.prompt_tokens for s in samples]))
-            for position in range(completion_len):
+            logits = self._prefill([s.prompt_tokens for s in samples])
+            for position in range(completions.shape[1]):
                 token = completions[:, position]
                 logprobs.append(token_logprobs(logits, token, temperature))
-                if position + 1 < completion_len:
+                if position + 1 < completions.shape[1]:
                     logits = self._decode(token)
-        return [tuple(row) for row in torch.stack(logprobs, dim=1).tolist()]
+        return unpadded(torch.stack(logprobs, dim=1), sequences)
 
-    def _prefill(self, prompts: torch.Tensor) -> torch.Tensor:
-        """The next token's logits after `prompts` [batch, len], the cache emptied first."""
+    def _check_fits(self, rows: int, tokens: int) -> None:
+        """`rows` sequences of up to `tokens` tokens fit the KV cache."""
+        if rows > self.batch_size or tokens > self.spec.kv_cache_len:
+            raise TimeshareError(
+                f"torch_ref rollout: {rows} sequences of {tokens} tokens exceed the KV "
+                f"cache ({self.batch_size} x {self.spec.kv_cache_len})"
+            )
+
+    def _prefill(self, prompts: list[tuple[int, ...]]) -> torch.Tensor:
+        """The next token's logits after each of `prompts` (of any lengths), in the cache."""
         assert self.model is not None and self.cache is not None
-        self.cache.length = 0
-        logits: torch.Tensor = self.model(prompts, self.cache)[:, -1]
-        return logits
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        padded = torch.full((len(prompts), int(lengths.max())), PAD, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            padded[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        return self.model.prefill(padded, lengths, self.cache)
 
     def _decode(self, token: torch.Tensor) -> torch.Tensor:
         """The next token's logits after one more token per sequence, `token` [batch]."""
         assert self.model is not None and self.cache is not None
-        logits: torch.Tensor = self.model(token.unsqueeze(1), self.cache)[:, -1]
-        return logits
+        return self.model.decode(token, self.cache)
 
     def _sample(
-        self,
-        requests: list[RolloutRequest],
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int | None,
+        self, prompts: list[tuple[int, ...]], sampling: SamplingParams
     ) -> tuple[list[list[int]], list[list[float]]]:
+        """Up to `max_tokens` tokens after each prompt, and their logprobs; every row goes on
+        until every row has sampled a stop token (what a row samples after its own is cut by
+        the caller), so that a row's draws do not depend on when the others stop."""
         assert self.model is not None and self.cache is not None
         deadline = self.generate_deadline()
         generator = torch.Generator()
-        if seed is not None:
-            generator.manual_seed(seed)
-        prompts = torch.tensor([r.prompt_tokens for r in requests], dtype=torch.long)
+        if sampling.seed is not None:
+            generator.manual_seed(sampling.seed)
+        stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long)
+        done = torch.zeros(len(prompts), dtype=torch.bool)
         chosen: list[torch.Tensor] = []
         chosen_logprobs: list[torch.Tensor] = []
         with torch.no_grad():
             logits = self._prefill(prompts)
-            for position in range(max_tokens):
-                token = _sample_top_p(logits / temperature, top_p, generator)
+            for position in range(sampling.max_tokens):
+                token = _sample_top_p(logits / sampling.temperature, sampling.top_p, generator)
                 chosen.append(token)
-                chosen_logprobs.append(token_logprobs(logits, token, temperature))
+                chosen_logprobs.append(token_logprobs(logits, token, sampling.temperature))
+                done |= torch.isin(token, stops)
                 self.progress()
-                self.check_deadline(deadline, len(requests))
-                if position + 1 < max_tokens:
-                    logits = self._decode(token)
+                self.check_deadline(deadline, len(prompts))
+                if bool(done.all()) or position + 1 == sampling.max_tokens:
+                    break
+                logits = self._decode(token)
         return (
             torch.stack(chosen, dim=1).tolist(),
             torch.stack(chosen_logprobs, dim=1).tolist(),

@@ -83,9 +83,10 @@ def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
         return
     if spec.task.sequence_tokens > own.kv_cache_len:
         raise ConfigError(
-            f"engine.torch_ref.kv_cache_len ({own.kv_cache_len}) is shorter than a prompt and "
-            f"its completion ({spec.task.sequence_tokens} tokens: engine.task.completion_tokens "
-            f"= {spec.task.completion_tokens})"
+            f"engine.torch_ref.kv_cache_len ({own.kv_cache_len}) is shorter than the longest "
+            f"prompt and completion ({spec.task.sequence_tokens} tokens: "
+            f"engine.task.max_prompt_tokens = {spec.task.max_prompt_tokens} plus "
+            f"engine.task.max_completion_tokens = {spec.task.max_completion_tokens})"
         )
     trained = spec.served_model()
     if own.kv_cache_len > trained.config.max_position_embeddings:

@@ -23,13 +23,13 @@ from timeshare.engines.digest import weights_digest
 from timeshare.engines.grpo import (
     GrpoBatch,
     GrpoTrainer,
-    batch_tensors,
+    completion_logprobs,
     figures_kept,
-    token_logprobs,
 )
 from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
 from timeshare.engines.host_memory import return_free_heap
 from timeshare.engines.invariance import enable_strict_gemm
+from timeshare.engines.sequences import Sequences, pack, unpadded
 from timeshare.engines.spec import EngineChoice
 from timeshare.engines.torch_ref import checkpoint
 from timeshare.engines.torch_ref.model import CausalLM, init_model, load_pretrained
@@ -175,26 +175,24 @@ class TorchRefTrainer(GrpoTrainer):
     # -- training ------------------------------------------------------------------------------
 
     def logprobs(self, batch: list[RolloutSample]) -> list[tuple[float, ...]]:
+        sequences = pack(batch)
         with torch.no_grad():
-            prompts, completions, _ = batch_tensors(batch)
-            values = self._logprobs(self.model, prompts, completions)
-        return [tuple(row) for row in values.tolist()]
+            values = self._logprobs(self.model, sequences)
+        return unpadded(values, sequences)
 
-    def policy_logprobs(self, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
+    def policy_logprobs(self, sequences: Sequences) -> torch.Tensor:
         with torch.no_grad():
-            return self._logprobs(self.model, prompts, completions)
+            return self._logprobs(self.model, sequences)
 
-    def reference_logprobs(
-        self, prompts: torch.Tensor, completions: torch.Tensor
-    ) -> torch.Tensor | None:
+    def reference_logprobs(self, sequences: Sequences) -> torch.Tensor | None:
         if self.reference is None:
             return None
         with torch.no_grad():
-            return self._logprobs(self.reference, prompts, completions)
+            return self._logprobs(self.reference, sequences)
 
     def update(self, data: GrpoBatch, rows: range) -> tuple[float, dict[str, float]]:
         part = slice(rows.start, rows.stop)
-        new = self._logprobs(self.model, data.prompts[part], data.completions[part])
+        new = self._logprobs(self.model, data.sequences.select(part))
         loss, metrics = self.loss(new, data, part)
         self.optimizer.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)
@@ -207,12 +205,10 @@ class TorchRefTrainer(GrpoTrainer):
         if self.checkpoint_dir is not None:
             self.save_checkpoint(self.checkpoint_dir)
 
-    def _logprobs(
-        self, model: CausalLM, prompts: torch.Tensor, completions: torch.Tensor
-    ) -> torch.Tensor:
-        tokens = torch.cat((prompts, completions), dim=1)
-        logits = model(tokens[:, :-1])[:, prompts.shape[1] - 1 :]
-        return token_logprobs(logits, completions, self.task.temperature)
+    def _logprobs(self, model: CausalLM, sequences: Sequences) -> torch.Tensor:
+        """[rows, completion_width]: the completions' logprobs (sequences.py's layout)."""
+        logits = model(sequences.tokens[:, :-1])
+        return completion_logprobs(logits, sequences, self.task.temperature)
 
     def _average_gradients(self) -> None:
         if self.world_size == 1:
