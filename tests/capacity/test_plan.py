@@ -106,12 +106,14 @@ def test_a_phase_larger_than_the_device_is_refused_naming_its_parts(
         "[memory] ROLLOUT needs 94.7 GiB on each rank, more than cluster.device_gib (80 GiB)" in err
     )
     assert "rollout weights (1/8) 54.7, KV cache 40.0 GiB" in err
-    assert "TRAIN" not in err  # 72.9 GiB: fits
+    # activations of the longest sequence: max_prompt_tokens + max_completion_tokens
+    assert "[memory] TRAIN needs 84.8 GiB on each rank" in err
+    assert "activations (1 x 5120 tokens) 59.5" in err
 
 
 def test_fewer_nodes_than_the_model_needs_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     err = plan_errors(capsys, str(MOE), "--nodes", "4")
-    assert "[memory] TRAIN needs 168.7 GiB on each rank" in err
+    assert "[memory] TRAIN needs 180.6 GiB on each rank" in err
     assert "AdamW moments (2 x float32, 1/32) 54.7" in err
 
 

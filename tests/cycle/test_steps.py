@@ -3,6 +3,8 @@ tensor-parallel worker of a rollout holds the trainer's weights."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 
@@ -10,6 +12,7 @@ from timeshare.cycle.hooks import PhaseReport
 from timeshare.cycle.steps import step_figures
 from timeshare.protocols.commands.results import (
     CommandResult,
+    LengthFigures,
     RolloutResult,
     SyncResult,
     TrainFigures,
@@ -85,3 +88,36 @@ def test_a_rank_served_by_its_groups_engine_holds_what_that_engine_holds() -> No
     # The group's engine holds other weights than the follower's trainer produced.
     odd = [WorkerLoad(0, SENT, "d1"), WorkerLoad(1, SENT, "x")]
     assert not step_figures(4, reports(0, odd) + served(1, leader=0), [0, 1]).weights_match
+
+
+def test_the_completions_figures_combine_every_ranks_weighted_by_samples() -> None:
+    def lengths(
+        mean: float, longest: int, truncated: float, padding: float, samples: int
+    ) -> LengthFigures:
+        return LengthFigures(
+            completion_tokens_mean=mean,
+            completion_tokens_max=longest,
+            truncated_fraction=truncated,
+            padding_share=padding,
+            samples=samples,
+        )
+
+    step = []
+    for rank, part in enumerate([lengths(2.0, 4, 0.0, 0.2, 8), lengths(5.0, 6, 1.0, 0.6, 24)]):
+        train = TrainResult(figures=TrainFigures(step=4, samples=part.samples, lengths=part))
+        for report in reports(rank, []):
+            step.append(
+                dataclasses.replace(report, trainer=train)
+                if report.phase is Phase.TRAIN
+                else report
+            )
+    combined = step_figures(4, step, [0, 1]).lengths
+    assert combined is not None
+    assert combined.completion_tokens_mean == (2.0 * 8 + 5.0 * 24) / 32
+    assert combined.completion_tokens_max == 6
+    assert combined.truncated_fraction == 0.75
+    assert combined.padding_share == pytest.approx((0.2 * 8 + 0.6 * 24) / 32)
+    assert combined.samples == 32
+    assert (
+        step_figures(4, [r for rank in (0, 1) for r in reports(rank, [])], [0, 1]).lengths is None
+    )

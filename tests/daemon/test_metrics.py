@@ -3,11 +3,13 @@ and the drift probe's, as a scrape reads them (prometheus_client's own text form
 
 from __future__ import annotations
 
+import msgspec
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from timeshare.cycle.steps import StepFigures, SyncFigures
 from timeshare.daemon.metrics import Metrics
+from timeshare.protocols.commands.results import LengthFigures
 
 
 def figures(step: int, logprob: float | None, drift: float | None) -> StepFigures:
@@ -53,3 +55,24 @@ def test_each_step_sets_the_logprob_difference_and_a_probed_step_the_drift() -> 
         "timeshare_logprob_max_abs_diff": 0.0,
         "timeshare_invariance_max_abs_diff": 1.2e-6,
     }
+
+
+def test_each_step_sets_its_completions_lengths_truncation_and_padding() -> None:
+    metrics = Metrics(node=1)
+    lengths = LengthFigures(
+        completion_tokens_mean=3.5,
+        completion_tokens_max=6,
+        truncated_fraction=0.25,
+        padding_share=0.4,
+        samples=8,
+    )
+    metrics.stepped(msgspec.structs.replace(figures(1, 0.0, None), lengths=lengths))
+    text = generate_latest(metrics.registry).decode()
+    found = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert found["timeshare_completion_tokens_mean"] == 3.5
+    assert found["timeshare_truncated_fraction"] == 0.25
+    assert found["timeshare_padding_share"] == 0.4

@@ -238,7 +238,18 @@ def test_the_text_report_is_the_runs_per_phase_table(run: FinishedRun) -> None:
     bubble = 100 * sum(s.bubble_s for s in steps) / sum(s.step_s for s in steps)
     assert lines[10] == f"bubble   {bubble:.1f} % of the step time"
     largest = max(s.logprob_max_abs_diff for s in steps if s.logprob_max_abs_diff is not None)
-    assert lines[11:] == [f"logprobs trainer/rollout differ by {largest:.1e} at most"]
+    lengths = [s.lengths for s in steps if s.lengths is not None]
+    assert len(lengths) == STEPS
+    means = [m.completion_tokens_mean for m in lengths]
+    truncated = [m.truncated_fraction for m in lengths]
+    padding = [m.padding_share for m in lengths]
+    assert lines[11:] == [
+        f"logprobs trainer/rollout differ by {largest:.1e} at most",
+        f"completion {statistics.median(means):.1f} tokens median of the steps' means, "
+        f"{max(means):.1f} max",
+        f"truncated {statistics.median(truncated):.0%} median, {max(truncated):.0%} max; "
+        f"padding {statistics.median(padding):.0%} of TRAIN's tokens median",
+    ]
 
 
 @pytest.mark.slow
@@ -285,6 +296,8 @@ def test_tensorboard_holds_every_scalar_of_every_step(run: FinishedRun) -> None:
     tags = set(accumulator.Tags()["scalars"])
     assert tags == set(expected[1]), tags
     assert {"reward", "phase_s/sync", "sync/gbps", "memory/held_at_barrier_mb"} <= tags
+    lengths = {"completion/tokens_mean", "completion/truncated_fraction", "train/padding_share"}
+    assert lengths <= tags
     for tag in tags:
         points = {event.step: event.value for event in accumulator.Scalars(tag)}
         assert sorted(points) == list(range(1, STEPS + 1)), tag

@@ -16,6 +16,9 @@ has run all six of its phases. For each step:
   where they differ), for comparing nodes.
 - `logprob_max_abs_diff`: the largest difference between the trainer's and the rollout's
   logprobs of the sampled tokens (None: the engine does not measure it).
+- `lengths`: the completions TRAIN n learned from, over ranks: their length in tokens (mean,
+  max), the part truncated at `max_completion_tokens` (no stop token), the padding share of
+  TRAIN's tokens (None: the trainer does not measure it).
 - `invariance_max_abs_diff`: the drift probe's ([checks] invariance_every): the largest
   difference between a sequence's logprobs re-scored alone and those its batch sampled, over
   ranks (None: not a probed step).
@@ -41,6 +44,7 @@ from timeshare.cycle.hooks import BootstrapReport, PhaseReport
 from timeshare.protocols.commands.results import (
     CommandResult,
     HeldResult,
+    LengthFigures,
     RolloutResult,
     SyncResult,
     TrainResult,
@@ -90,6 +94,7 @@ class StepFigures(msgspec.Struct, frozen=True, kw_only=True):
     # device memory the trainers said they held at BARRIER, all ranks (the rule: none)
     held_at_barrier_mb: float = 0.0
     invariance_max_abs_diff: float | None = None
+    lengths: LengthFigures | None = None
 
 
 class StepLog:
@@ -190,6 +195,7 @@ def step_figures(
         logprob_max_abs_diff=max(logprob_diffs) if logprob_diffs else None,
         rollout_resident_mb=sum(r.resident_mb for r in rollouts),
         invariance_max_abs_diff=max(drifts) if drifts else None,
+        lengths=LengthFigures.combined([t.lengths for t in trains if t.lengths is not None]),
         committed_step=None if None in committed else min(c for c in committed if c is not None),
         resumed=resumed,
     )

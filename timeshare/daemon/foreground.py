@@ -28,8 +28,20 @@ from timeshare.cycle.hooks import (
 from timeshare.cycle.runner import run_cycle
 from timeshare.cycle.steps import StepFigures, StepLog
 from timeshare.errors import Interrupted, first_error
+from timeshare.protocols.commands.results import LengthFigures
 from timeshare.report.summary import SummaryFile
 from timeshare.report.writers import RunWriters, open_writers
+
+
+def _lengths(lengths: LengthFigures | None) -> str:
+    """The completions' lengths on the step line ("" where not measured)."""
+    if lengths is None:
+        return ""
+    return (
+        f"  completion {lengths.completion_tokens_mean:.1f}/{lengths.completion_tokens_max} "
+        f"tokens (mean/max)  truncated {lengths.truncated_fraction:.0%}  "
+        f"padding {lengths.padding_share:.0%}"
+    )
 
 
 @dataclass
@@ -62,6 +74,7 @@ class Progress:
                 if figures.invariance_max_abs_diff is not None
                 else ""
             )
+            + _lengths(figures.lengths)
             + (
                 f"  resident {figures.rollout_resident_mb:.0f} MiB"
                 if figures.rollout_resident_mb

@@ -123,6 +123,21 @@ class Metrics:
             "The last drift probe: a sequence's logprobs alone against those its batch sampled",
             registry=r,
         )
+        self.completion_tokens = Gauge(
+            "timeshare_completion_tokens_mean",
+            "The last step's mean completion length in tokens (each ends at its EOS or the limit)",
+            registry=r,
+        )
+        self.truncated = Gauge(
+            "timeshare_truncated_fraction",
+            "The last step's share of completions cut at max_completion_tokens (no stop token)",
+            registry=r,
+        )
+        self.padding_share = Gauge(
+            "timeshare_padding_share",
+            "The last step's share of TRAIN's laid-out tokens that were padding",
+            registry=r,
+        )
         self.loop_lag = Gauge(
             "timeshare_event_loop_lag_max_seconds",
             "The daemon's event loop: the longest a ready task waited",
@@ -149,6 +164,10 @@ class Metrics:
             self.logprob_diff.set(figures.logprob_max_abs_diff)
         if figures.invariance_max_abs_diff is not None:
             self.invariance_drift.set(figures.invariance_max_abs_diff)
+        if (lengths := figures.lengths) is not None:
+            self.completion_tokens.set(lengths.completion_tokens_mean)
+            self.truncated.set(lengths.truncated_fraction)
+            self.padding_share.set(lengths.padding_share)
 
     def failed(self, kind: str) -> None:
         self.failures.labels(kind).inc()

@@ -24,7 +24,7 @@ from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S, KEEP_CHECKPOINTS
 from timeshare.engines.sequences import Sequences, completion_logits, pack, padded_values
 from timeshare.engines.spec import EngineChoice, GrpoSpec, LossAggregation, TaskSpec
 from timeshare.errors import OffPolicy, TimeshareError
-from timeshare.protocols.commands.results import TrainFigures
+from timeshare.protocols.commands.results import LengthFigures, TrainFigures
 from timeshare.protocols.store import JobStore
 
 log = structlog.get_logger(__name__)
@@ -150,16 +150,17 @@ def masked_max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) ->
     return float(difference.max()) if difference.numel() else 0.0
 
 
-def length_figures(batch: list[RolloutSample], sequences: Sequences) -> dict[str, float]:
+def length_figures(batch: list[RolloutSample], sequences: Sequences) -> LengthFigures:
     """The completions' lengths (mean, max), the part that reached `max_completion_tokens`
     without a stop token, and the padding share of the batch as laid out for TRAIN."""
     lengths = [len(s.tokens) for s in batch]
-    return {
-        "completion_tokens_mean": sum(lengths) / len(lengths),
-        "completion_tokens_max": float(max(lengths)),
-        "truncated_fraction": sum(s.finish_reason == "length" for s in batch) / len(batch),
-        "padding_share": sequences.padding_share(),
-    }
+    return LengthFigures(
+        completion_tokens_mean=sum(lengths) / len(lengths),
+        completion_tokens_max=max(lengths),
+        truncated_fraction=sum(s.finish_reason == "length" for s in batch) / len(batch),
+        padding_share=sequences.padding_share(),
+        samples=len(batch),
+    )
 
 
 class GrpoBatch(NamedTuple):
@@ -230,7 +231,8 @@ class GrpoTrainer(TrainerEngine):
             logprob_max_abs_diff=masked_max_abs_diff(data.old, data.sampled, data.sequences.mask),
             loss=loss,
             train_s=time.perf_counter() - started,
-            extra=metrics | length_figures(batch, data.sequences),
+            extra=metrics,
+            lengths=length_figures(batch, data.sequences),
         )
         self.commit()
         return self.last_train

@@ -35,6 +35,13 @@ def scalars_of(figures: StepFigures) -> dict[str, float]:
         scalars["logprob_max_abs_diff"] = figures.logprob_max_abs_diff
     if figures.invariance_max_abs_diff is not None:
         scalars["invariance_max_abs_diff"] = figures.invariance_max_abs_diff
+    if (lengths := figures.lengths) is not None:
+        scalars |= {
+            "completion/tokens_mean": lengths.completion_tokens_mean,
+            "completion/tokens_max": float(lengths.completion_tokens_max),
+            "completion/truncated_fraction": lengths.truncated_fraction,
+            "train/padding_share": lengths.padding_share,
+        }
     return scalars
 
 

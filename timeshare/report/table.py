@@ -40,6 +40,11 @@ class PhaseTable:
     # not measured)
     logprob_diff: float | None = None
     drift: float | None = None
+    # the completions' mean length (tokens), truncated share and TRAIN's padding share, each
+    # over the run's steps (None: not measured)
+    completion_tokens: Spread | None = None
+    truncated: Spread | None = None
+    padding: Spread | None = None
 
 
 def phase_table(steps: Sequence[StepFigures], ranks: int) -> PhaseTable:
@@ -54,7 +59,19 @@ def phase_table(steps: Sequence[StepFigures], ranks: int) -> PhaseTable:
         bubble_share=sum(s.bubble_s for s in steps) / total if total > 0 else 0.0,
         logprob_diff=_largest([s.logprob_max_abs_diff for s in steps]),
         drift=_largest([s.invariance_max_abs_diff for s in steps]),
+        **_length_spreads(steps),
     )
+
+
+def _length_spreads(steps: Sequence[StepFigures]) -> dict[str, Spread]:
+    measured = [s.lengths for s in steps if s.lengths is not None]
+    if not measured:
+        return {}
+    return {
+        "completion_tokens": Spread.of([m.completion_tokens_mean for m in measured]),
+        "truncated": Spread.of([m.truncated_fraction for m in measured]),
+        "padding": Spread.of([m.padding_share for m in measured]),
+    }
 
 
 def _largest(values: Sequence[float | None]) -> float | None:
@@ -80,4 +97,15 @@ def render(table: PhaseTable, title: str) -> str:
         lines.append(f"logprobs trainer/rollout differ by {table.logprob_diff:.1e} at most")
     if table.drift is not None:
         lines.append(f"drift    a sequence alone / in its batch: {table.drift:.1e} at most")
+    if table.completion_tokens is not None:
+        tokens = table.completion_tokens
+        lines.append(
+            f"completion {tokens.median:.1f} tokens median of the steps' means, "
+            f"{tokens.max:.1f} max"
+        )
+    if table.truncated is not None and table.padding is not None:
+        lines.append(
+            f"truncated {table.truncated.median:.0%} median, {table.truncated.max:.0%} max; "
+            f"padding {table.padding.median:.0%} of TRAIN's tokens median"
+        )
     return "\n".join(lines) + "\n"

@@ -147,14 +147,14 @@ def test_trainer_and_rollout_logprobs_agree_and_training_raises_the_reward() -> 
     figures = trainer.train_step(batch)
     assert figures.step == 1 and figures.committed == 1
     assert figures.logprob_max_abs_diff is not None and figures.logprob_max_abs_diff < 1e-4
-    assert figures.samples == len(batch)
-    assert set(figures.extra) == {
-        "clip_fraction",
-        "completion_tokens_mean",
-        "completion_tokens_max",
-        "truncated_fraction",
-        "padding_share",
-    }
+    assert figures.samples == len(batch) and set(figures.extra) == {"clip_fraction"}
+    lengths = figures.lengths
+    assert lengths is not None and lengths.samples == len(batch)
+    assert lengths.completion_tokens_mean == sum(len(s.tokens) for s in batch) / len(batch)
+    assert lengths.completion_tokens_max == max(len(s.tokens) for s in batch)
+    truncated = [s.finish_reason == "length" for s in batch]
+    assert lengths.truncated_fraction == sum(truncated) / len(batch)
+    assert 0.0 < lengths.padding_share < 1.0  # prompts of two lengths at least
     with pytest.raises(OffPolicy, match=r"trains from weight version 1 .* versions \[0\]"):
         trainer.train_step(batch)
 

@@ -30,12 +30,45 @@ class CommandResult(msgspec.Struct, frozen=True, kw_only=True):
     spans: tuple[Span, ...] = ()
 
 
+class LengthFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """The completions one TRAIN learned from: their length in tokens (mean, max), the part
+    that reached `max_completion_tokens` without a stop token (truncated), and the part of the
+    tokens TRAIN's forward laid out that were padding (sequences.py's layout)."""
+
+    completion_tokens_mean: float
+    completion_tokens_max: int
+    truncated_fraction: float
+    padding_share: float
+    samples: int = 0  # how many completions (to combine ranks)
+
+    @classmethod
+    def combined(cls, parts: list[LengthFigures]) -> LengthFigures | None:
+        """Several ranks' figures as one (means weighted by their samples)."""
+        if not parts:
+            return None
+        total = sum(p.samples for p in parts)
+
+        def mean(values: list[float]) -> float:
+            if total == 0:
+                return sum(values) / len(values)
+            return sum(v * p.samples for v, p in zip(values, parts, strict=True)) / total
+
+        return cls(
+            completion_tokens_mean=mean([p.completion_tokens_mean for p in parts]),
+            completion_tokens_max=max(p.completion_tokens_max for p in parts),
+            truncated_fraction=mean([p.truncated_fraction for p in parts]),
+            padding_share=mean([p.padding_share for p in parts]),
+            samples=total,
+        )
+
+
 class TrainFigures(msgspec.Struct, frozen=True, kw_only=True):
     """What one optimisation step did, as the trainer engine returns it (and its checkpoint
     keeps it). `committed` is the step made durable before the answer (None: this engine keeps
     no checkpoints); `reward_mean` is the mean reward of the samples trained on;
-    `logprob_max_abs_diff` compares the trainer's logprobs with the rollout's; `extra` holds
-    the engine's other figures (clip_fraction, kl, grad_norm, ...)."""
+    `logprob_max_abs_diff` compares the trainer's logprobs with the rollout's (over the
+    completions' tokens); `lengths` says how long the completions were (None: not measured);
+    `extra` holds the engine's other figures (clip_fraction, kl, grad_norm, ...)."""
 
     step: int
     samples: int
@@ -45,6 +78,7 @@ class TrainFigures(msgspec.Struct, frozen=True, kw_only=True):
     loss: float | None = None
     train_s: float = 0.0
     extra: dict[str, float] = {}
+    lengths: LengthFigures | None = None
 
 
 class TrainResult(CommandResult, frozen=True, kw_only=True):
