@@ -15,6 +15,8 @@ from tests.configs import TINY, merged, toml_file
 from timeshare.config import Config, effective_lines, load_config
 from timeshare.engines.simulated.spec import SimulatedSpec
 from timeshare.errors import ConfigError
+from timeshare.task import digit_tokenizer
+from timeshare.task.files import TokenizerSource
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "simulated.toml"
@@ -295,3 +297,101 @@ def test_a_rollout_tp_size_the_engine_cannot_take_is_refused_naming_the_key(
     job = merged(base, sections)
     with pytest.raises(ConfigError, match=message):
         load_config(toml_file(tmp_path, job), probe=False)
+
+
+def torch_ref_job(tmp_path: Path, *, model: str = "", task: str = "", stop: str = "") -> Path:
+    """A torch_ref job: its model from `model` (a directory) or inline, `[engine.task]` keys."""
+    lines = ['[engine]\ntrainer = "torch_ref"\nrollout = "torch_ref"\n']
+    lines.append(f"[engine.task]\n{task}{stop}\n")
+    lines.append(f'[engine.torch_ref]\nmodel_dir = "{model}"\n' if model else "")
+    return write(tmp_path, "".join(lines))
+
+
+def checkpoint_dir(root: Path, vocab_size: int = 16, **generation: object) -> Path:
+    """A torch_ref model directory's config.json (no tokenizer), and a generation config."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(f'{{"vocab_size": {vocab_size}}}')
+    if generation:
+        (root / "generation_config.json").write_text(msgspec.json.encode(generation).decode())
+    return root
+
+
+def test_a_model_directory_without_a_tokenizer_exits_2_naming_the_key(tmp_path: Path) -> None:
+    model = checkpoint_dir(tmp_path / "model")
+    show = [sys.executable, "-m", "timeshare", "config", "show"]
+    bad = subprocess.run(
+        [*show, str(torch_ref_job(tmp_path, model=str(model)))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.startswith(f"timeshare: engine.torch_ref.model_dir {model}/config.json")
+    assert "holds no tokenizer" in bad.stderr and "set engine.task.tokenizer" in bad.stderr
+    digit_tokenizer.save(tmp_path / "tokenizer")  # the `tokenizer` key mends it
+    job = torch_ref_job(tmp_path, model=str(model), task=f'tokenizer = "{tmp_path}/tokenizer"\n')
+    good = subprocess.run(
+        [*show, str(job)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert good.returncode == 0, good.stderr
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        (
+            "empty tokenizer dir",
+            r"^engine\.task\.tokenizer \(.*, from file .*\) holds no tokenizer",
+        ),
+        ("inline vocab 14", r"^engine\.torch_ref\.model: vocab_size \(14\) is smaller than the "),
+        ("tokenizer key, vocab 14", r"vocab_size \(14\) .* 15 tokens \(engine\.task\.tokenizer"),
+        ("stop id beyond", r"^engine\.task\.stop_token_ids \[16\] \(from file .*\): beyond"),
+        ("generation eos beyond", r"EOS \[40\] \(the tokenizer's and generation_config"),
+        ("no chat template", r"the tokenizer has no chat template"),
+    ],
+)
+def test_a_tokenizer_the_model_cannot_take_is_refused_at_load(
+    tmp_path: Path, case: str, message: str
+) -> None:
+    tokenizer = tmp_path / "tokenizer"
+    digit_tokenizer.save(tokenizer)
+    key = f'tokenizer = "{tokenizer}"\n'
+    if case == "empty tokenizer dir":
+        (tmp_path / "empty").mkdir()
+        job = torch_ref_job(tmp_path, task=f'tokenizer = "{tmp_path}/empty"\n')
+    elif case == "inline vocab 14":
+        job = write(tmp_path, f"{TORCH_REF}[engine.torch_ref.model]\nvocab_size = 14\n")
+    elif case == "tokenizer key, vocab 14":
+        model = checkpoint_dir(tmp_path / "model", vocab_size=14)
+        job = torch_ref_job(tmp_path, model=str(model), task=key)
+    elif case == "stop id beyond":
+        job = torch_ref_job(tmp_path, stop="stop_token_ids = [3, 16]\n")
+    elif case == "generation eos beyond":
+        model = checkpoint_dir(tmp_path / "model", eos_token_id=[12, 40])
+        job = torch_ref_job(tmp_path, model=str(model), task=key)
+    else:
+        config = tokenizer / "tokenizer_config.json"
+        config.write_text(config.read_text().replace('"chat_template"', '"no_template"'))
+        job = torch_ref_job(tmp_path, task=key)
+    with pytest.raises(ConfigError, match=message):
+        load_config(job, environ={})
+
+
+TORCH_REF = '[engine]\ntrainer = "torch_ref"\nrollout = "torch_ref"\n'
+
+
+def test_a_model_directory_with_its_tokenizer_loads_without_transformers(tmp_path: Path) -> None:
+    model = checkpoint_dir(tmp_path / "model", eos_token_id=12)
+    digit_tokenizer.save(model)
+    job = torch_ref_job(tmp_path, model=str(model))
+    loaded = load_config(job, environ={})
+    assert loaded.config.engine.tokenizer_source() == TokenizerSource(
+        str(model), f"engine.torch_ref.model_dir {model}/config.json", str(model)
+    )
+    load = (
+        "from pathlib import Path\n"
+        "from timeshare.config import load_config\n"
+        f"load_config(Path({str(job)!r}), environ={{}})"
+    )
+    assert heavy_modules_imported_by(load) == []

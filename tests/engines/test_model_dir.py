@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from timeshare.engines.model_dir import ModelShape, init_model_dir
 from timeshare.errors import ConfigError
+from timeshare.task.vocab import BOS, EOS, PAD, SEP
 
 SMALL = ModelShape(layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, vocab=32)
 
@@ -87,3 +88,21 @@ def test_the_command_writes_a_model_and_refuses_bad_input_with_exit_2(tmp_path: 
     unknown = init("--arch", "gpt9", str(tmp_path / "x"))
     assert unknown.returncode == 2 and "--arch" in unknown.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_the_directory_holds_the_digit_tokenizer_and_its_ids_everywhere(tmp_path: Path) -> None:
+    model_dir = init_model_dir(tmp_path / "m", SMALL, seed=0)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    special = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert special == (BOS, EOS, PAD)
+    for name in ("config.json", "generation_config.json"):
+        values = json.loads((model_dir / name).read_text())
+        assert (values["bos_token_id"], values["eos_token_id"], values["pad_token_id"]) == special
+    generation = transformers.GenerationConfig.from_pretrained(model_dir, local_files_only=True)
+    assert generation.eos_token_id == EOS  # not transformers' Llama default (2: a digit)
+    chat = [{"role": "user", "content": "7 7"}]
+    text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tokenizer.encode(text, add_special_tokens=False) == [BOS, 7, 7, SEP]
+    assert len(tokenizer) <= SMALL.vocab
+    with pytest.raises(ConfigError, match=r"--vocab \(14\) is smaller than the digit task's"):
+        init_model_dir(tmp_path / "v", ModelShape(**{**SMALL.__dict__, "vocab": 14}), 0)

@@ -12,7 +12,9 @@
                                     the job's phase machine, or the service's lifecycle,
                                     as a Mermaid diagram
     timeshare model init --arch llama|qwen2 --layers N --hidden H ... DIR
-                                    a random-initialised transformers model from a seed
+                                    a random-initialised transformers model from a seed, with
+                                    the digit task's tokenizer (its chat template; config.json
+                                    and generation_config.json name its BOS, EOS and PAD)
     timeshare export CHECKPOINT DIR a trainer's checkpoint (a step's directory, or the job's:
                                     its newest committed step) as a transformers model; the
                                     trainers that export are the registry's (fsdp, megatron)
@@ -278,7 +280,9 @@ def _parser() -> argparse.ArgumentParser:
     diagram.add_argument("table", nargs="?", choices=sorted(DIAGRAMS), default="job")
     model = commands.add_parser("model", help="transformers model directories")
     model_commands = model.add_subparsers(dest="model_command", required=True)
-    init = model_commands.add_parser("init", help="write a random-initialised model from a seed")
+    init = model_commands.add_parser(
+        "init", help="write a random-initialised model from a seed, with the digit task's tokenizer"
+    )
     init.add_argument("directory", type=Path, help="a new or empty directory")
     init.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
     shape = ModelShape()

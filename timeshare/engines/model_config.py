@@ -81,6 +81,14 @@ class TrainedModel(msgspec.Struct, frozen=True, kw_only=True):
     config: ModelConfig
     directory: str = ""
     where: str = ""  # the key that names it, for errors ("engine.fsdp.model_dir runs/model")
+    # The model's own directory when `directory` is none (torch_ref's checkpoint: config.json
+    # and a state dict): its tokenizer and generation_config.json are there too
+    files: str = ""
+
+    @property
+    def home(self) -> str:
+        """The directory of the model's files (tokenizer, generation config); "": inline."""
+        return self.directory or self.files
 
 
 @runtime_checkable

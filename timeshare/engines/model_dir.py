@@ -18,7 +18,11 @@ from typing import Literal
 import msgspec
 
 from timeshare.engines.model_config import ModelConfig
+from timeshare.engines.vocab import BOS, EOS, MIN_VOCAB
 from timeshare.errors import ConfigError
+from timeshare.task import digit_tokenizer
+from timeshare.task.files import GENERATION_CONFIG
+from timeshare.task.vocab import TOKENIZER_SIZE
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -51,6 +55,11 @@ class ModelShape:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
         if self.max_positions < 2:
             raise ConfigError("--max-positions must be at least 2")
+        if self.vocab < TOKENIZER_SIZE:
+            raise ConfigError(
+                f"--vocab ({self.vocab}) is smaller than the digit task's tokenizer "
+                f"({TOKENIZER_SIZE} tokens), which the directory holds"
+            )
         if self.hidden % self.heads:
             raise ConfigError(
                 f"--hidden ({self.hidden}) is not a multiple of --heads ({self.heads})"
@@ -75,7 +84,10 @@ class ModelShape:
 
 
 def init_model_dir(directory: Path, shape: ModelShape, seed: int) -> Path:
-    """Write a random-initialised model of `shape` from `seed` into `directory` (new or empty)."""
+    """Write a random-initialised model of `shape` from `seed` into `directory` (new or empty),
+    with the digit task's tokenizer (timeshare/task/digit_tokenizer.py: tokenizer.json and
+    tokenizer_config.json with its chat template); config.json and generation_config.json name
+    the tokenizer's BOS, EOS and PAD (transformers' Llama defaults would put EOS on a digit)."""
     shape.check()
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise ConfigError(f"{directory}: exists and is not an empty directory")
@@ -84,19 +96,36 @@ def init_model_dir(directory: Path, shape: ModelShape, seed: int) -> Path:
     import transformers  # noqa: PLC0415
 
     config_class, model_class = (getattr(transformers, name) for name in ARCHITECTURES[shape.arch])
-    config = config_class(**shape.transformers_config(), torch_dtype="float32")
+    config = config_class(
+        **shape.transformers_config(), **digit_tokenizer.SPECIAL_IDS, torch_dtype="float32"
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = model_class(config)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
+    generation = directory / GENERATION_CONFIG  # (save_pretrained's, when it wrote one)
+    values = json.loads(generation.read_text()) if generation.exists() else {}
+    generation.write_text(json.dumps({**values, **digit_tokenizer.SPECIAL_IDS}, indent=2) + "\n")
+    digit_tokenizer.save(directory)
     return directory
 
 
 def write_config_dir(config: ModelConfig, directory: Path) -> Path:
     """A transformers config.json for the trainer's model and no weights: an engine reads the
-    architecture from it and starts from dummy weights, which the first SYNC replaces."""
+    architecture from it and starts from dummy weights, which the first SYNC replaces.
+
+    It names the task's special tokens (vocab.py), and generation_config.json the same: an
+    engine that reads the model's EOS from either (vLLM's generation config, SGLang's
+    `hf_eos_token_id`) finds the job's EOS, never transformers' Llama defaults (BOS 1, EOS 2:
+    digits of the task). The pad token is no digit: the first id past the task's, where the
+    vocabulary has one, else EOS."""
     directory.mkdir(parents=True, exist_ok=True)
+    special = {
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "pad_token_id": MIN_VOCAB if config.vocab_size > MIN_VOCAB else EOS,
+    }
     values = msgspec.to_builtins(config)
     values.update(
         architectures=["LlamaForCausalLM"],
@@ -106,8 +135,10 @@ def write_config_dir(config: ModelConfig, directory: Path) -> Path:
         torch_dtype="float32",
         attention_bias=False,
         mlp_bias=False,
+        **special,
     )
     (directory / "config.json").write_text(json.dumps(values, indent=2))
+    (directory / "generation_config.json").write_text(json.dumps(special, indent=2))
     return directory
 
 

@@ -32,7 +32,7 @@ def build_rollout(context: EngineContext) -> RolloutEngine:
 def workload_of(context: EngineContext) -> Workload:
     """What the rank's rollout serves: the task, or (simulated engines) fixed requests."""
     spec = context.spec
-    return workload(registry.find(spec.rollout, "rollout").family, spec.task)
+    return workload(registry.find(spec.rollout, "rollout").family, spec)
 
 
 def _built(context: EngineContext, name: str, role: registry.Role) -> object:

@@ -15,6 +15,7 @@ one that fails to import fails every config load, whichever engines the job runs
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal, TypeVar, cast
 
 import msgspec
@@ -23,8 +24,18 @@ from timeshare.engines import registry
 from timeshare.engines.footprint import HasRolloutFootprint, heads_problem
 from timeshare.engines.model_config import SplitsRanks, TrainedModel, TrainsModel
 from timeshare.engines.registry import Role
-from timeshare.engines.vocab import EOS, MIN_VOCAB, PROMPT_TOKENS
 from timeshare.errors import ConfigError
+from timeshare.task.files import (
+    TOKENIZER_MODELS,
+    TokenizerFacts,
+    TokenizerSource,
+    generation_eos,
+    has_chat_template,
+    has_tokenizer,
+    stop_set,
+    tokenizer_facts,
+)
+from timeshare.task.vocab import EOS, PROMPT_TOKENS, TOKENIZER_SIZE
 
 if TYPE_CHECKING:
     from timeshare.engines.model_config import ModelConfig
@@ -38,8 +49,10 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """The shipped task (say the digit back, task.py) and how the rollout samples it.
 
     A prompt holds at most `max_prompt_tokens`, a completion at most `max_completion_tokens`:
-    it ends earlier at a stop token (the model's EOS, and `stop_token_ids`). Simulated engines
-    serve fixed requests instead and read none of it."""
+    it ends earlier at a stop token (the stop set: the tokenizer's EOS, generation_config.json's
+    EOS and `stop_token_ids`). The prompts are read through the tokenizer of `tokenizer` (a
+    directory), else of the trained model's directory; a model given inline has the digit
+    task's own. Simulated engines serve fixed requests instead and read none of it."""
 
     seed: int = 0  # the prompts and the sampling seeds of every step follow from it
     prompts_per_rank: PositiveInt = 8
@@ -47,6 +60,7 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     max_prompt_tokens: PositiveInt = 8
     max_completion_tokens: PositiveInt = 6
     stop_token_ids: tuple[Annotated[int, msgspec.Meta(ge=0)], ...] = ()  # beyond the EOS
+    tokenizer: str = ""  # a directory of tokenizer files; "": the model directory's
     temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     # renamed: refused by name (a completion now ends at EOS; max_completion_tokens bounds it)
@@ -74,23 +88,9 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         """Tokens of the longest sampled sequence: a prompt and its completion."""
         return self.max_prompt_tokens + self.max_completion_tokens
 
-    def stop_set(self) -> tuple[int, ...]:
-        """Every token that ends a completion: the task's EOS and the job's own."""
-        return tuple(sorted({EOS, *self.stop_token_ids}))
-
     def check_model(self, model: ModelConfig, where: str) -> None:
-        """A `ConfigError` if the task cannot run on `model` (`where`: the key naming it)."""
-        if model.vocab_size < MIN_VOCAB:
-            raise ConfigError(
-                f"{where}: vocab_size ({model.vocab_size}) must be at least {MIN_VOCAB}: the "
-                "task uses ten digits, BOS, SEP and EOS"
-            )
-        beyond = [t for t in self.stop_token_ids if t >= model.vocab_size]
-        if beyond:
-            raise ConfigError(
-                f"engine.task.stop_token_ids {beyond}: beyond the model's vocabulary "
-                f"({model.vocab_size}, {where})"
-            )
+        """A `ConfigError` if the task cannot run on `model` (`where`: the key naming it); the
+        tokenizer's checks are `check_tokenizer`'s."""
         if self.sequence_tokens > model.max_position_embeddings:
             raise ConfigError(
                 f"{where}: max_position_embeddings ({model.max_position_embeddings}) is shorter "
@@ -157,6 +157,20 @@ class EngineChoice(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         settings = self.section(self.trainer)
         return settings.trained_model() if isinstance(settings, TrainsModel) else None
 
+    def tokenizer_source(self) -> TokenizerSource | None:
+        """Where the job's tokenizer is (None: a simulated trainer, no model): `[engine.task]
+        tokenizer`, else the trained model's directory, else (a model given inline) the digit
+        task's own. Its stop set takes the EOS of the model directory's generation config."""
+        trained = self.trained_model()
+        if trained is None:
+            return None
+        if self.task.tokenizer:
+            where = f"engine.task.tokenizer {self.task.tokenizer}"
+            return TokenizerSource(self.task.tokenizer, where, trained.home)
+        if trained.home:
+            return TokenizerSource(trained.home, trained.where, trained.home)
+        return TokenizerSource("", f"{trained.where} (the digit task's tokenizer)")
+
     def served_model(self) -> TrainedModel:
         """The trained model, for a rollout engine that serves a copy of it."""
         trained = self.trained_model()
@@ -195,11 +209,12 @@ def check_engines(
 ) -> None:
     """What the job's engines must accept, before any worker starts, quickest first: the
     choice itself, the trainer's split of the job's `ranks` (when given), each engine's own
-    check, the task against the model, and last each engine's probe (what needs its library,
-    in a child process, or the model's files), the trainer's first: its library names a
-    directory it cannot read more precisely than a rollout would. `source_of` names where a
-    key's value came from, for the error. `probe=False` leaves the probes out (`timeshare
-    plan`: a model's config.json alone, no weights, no engine library asked)."""
+    check, the task against the model, the job's tokenizer (its JSON files: check_tokenizer),
+    and last each engine's probe (what needs its library, in a child process, or the model's
+    files), the trainer's first: its library names a directory it cannot read more precisely
+    than a rollout would. `source_of` names where a key's value came from, for the error.
+    `probe=False` leaves the tokenizer and the probes out (`timeshare plan`: a model's
+    config.json alone, no tokenizer, no weights, no engine library asked)."""
     check_choice(spec, source_of)
     trainer = spec.section(spec.trainer)
     if ranks is not None and isinstance(trainer, SplitsRanks):
@@ -214,9 +229,68 @@ def check_engines(
     trained = spec.trained_model()
     if trained is not None:
         spec.task.check_model(trained.config, trained.where)
+        if probe:  # (the tokenizer's files: `timeshare plan` reads a config.json alone)
+            check_tokenizer(spec, trained, source_of)
     for name, roles in spec.roles().items():
         if probe and (probed := registry.ENGINES[name].probe):
             registry.load_function(probed)(spec, roles)
+
+
+def check_tokenizer(spec: EngineChoice, trained: TrainedModel, source_of: Sources) -> None:
+    """The job's tokenizer, read from its JSON files (transformers reads it in the rollout
+    worker): there is one, with a chat template (the task's prompts are chats), no larger than
+    the model's vocabulary, and a stop set within it."""
+    source = spec.tokenizer_source()
+    assert source is not None, "a trained model has a tokenizer source"
+    where = source.where
+    if spec.task.tokenizer:
+        key = "engine.task.tokenizer"
+        where = f"{key} ({spec.task.tokenizer}, from {source_of(key)})"
+    vocab = trained.config.vocab_size
+    if source.is_digit_task:
+        facts = TokenizerFacts(size=TOKENIZER_SIZE, eos=(EOS,))
+    else:
+        directory = Path(source.directory)
+        if not directory.is_dir():
+            raise ConfigError(f"{where}: not a directory")
+        if not has_tokenizer(directory):
+            if spec.task.tokenizer:
+                raise ConfigError(f"{where} holds no tokenizer ({', '.join(TOKENIZER_MODELS)})")
+            raise ConfigError(
+                f"{where} holds no tokenizer ({', '.join(TOKENIZER_MODELS)}): set "
+                "engine.task.tokenizer to a directory holding one (`timeshare model init` "
+                "writes the digit task's)"
+            )
+        if not has_chat_template(directory):
+            raise ConfigError(
+                f"{where}: the tokenizer has no chat template (the task's prompts are chats)"
+            )
+        facts = tokenizer_facts(directory)
+    if facts.size is not None and facts.size > vocab:
+        raise ConfigError(
+            f"{trained.where}: vocab_size ({vocab}) is smaller than the tokenizer's "
+            f"{facts.size} tokens ({where})"
+        )
+    key = "engine.task.stop_token_ids"
+    beyond = [t for t in spec.task.stop_token_ids if t >= vocab]
+    if beyond:
+        raise ConfigError(
+            f"{key} {beyond} (from {source_of(key)}): beyond the model's vocabulary "
+            f"({vocab}, {trained.where})"
+        )
+    model_dir = Path(source.model_dir) if source.model_dir else None
+    eos = stop_set(facts.eos, generation_eos(model_dir))
+    if not eos and facts.size is not None:  # (the JSON holds the whole vocabulary)
+        raise ConfigError(
+            f"{where}: neither the tokenizer nor generation_config.json names an EOS token: "
+            "a right completion ends with one"
+        )
+    beyond = [t for t in eos if t >= vocab]
+    if beyond:
+        raise ConfigError(
+            f"{where}: EOS {beyond} (the tokenizer's and generation_config.json's) beyond the "
+            f"model's vocabulary ({vocab}, {trained.where})"
+        )
 
 
 # The project's own mode is row-invariant with one intra-op thread: with two, a trainer's and a

@@ -1,13 +1,11 @@
 """What the rollout serves: the shipped task (say the digit back), or fixed requests.
 
-The task: a prompt is `BOS d.. SEP`, a digit d said one to three times (prompts of three
-lengths in every batch); the right completion is d three times, then EOS. The reward of a
-completion is the fraction of those four positions it got right (a completion that stops early
-misses the rest; one that goes on misses the EOS), so it lies in [0, 1]; a random model scores
-about 1/vocab and a few dozen GRPO steps of a small model bring it near 1, every completion then
-stopping at its EOS. The prompts of a step are a function of (seed, rank, step) alone, which
-makes the data position a step number: a run resumed from step k sees exactly the prompts it
-would have seen.
+The task (timeshare/task/digits.py) is data: chat prompts and the answers they want, read
+through the job's tokenizer (timeshare/task/tokenizer.py), which this worker alone holds: a
+request carries the prompt's token ids only, and every engine stops at the job's one stop set
+(the tokenizer's EOS, the generation config's, `[engine.task] stop_token_ids`). The prompts of a
+step are a function of (seed, rank, step) alone, which makes the data position a step number: a
+run resumed from step k sees exactly the prompts it would have seen.
 
 Every engine of the `causal_lm` family serves the task (`TaskWorkload`); the simulated engines
 serve fixed requests with no reward (`FixedWorkload`).
@@ -15,23 +13,30 @@ serve fixed requests with no reward (`FixedWorkload`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
-
-import torch
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from timeshare.engines.base import RolloutRequest, RolloutSample, SamplingParams
 from timeshare.engines.registry import Family
 from timeshare.engines.spec import TaskSpec
-from timeshare.engines.vocab import (
-    ANSWER_DIGITS,
-    BOS,
-    DIGITS,
-    EOS,
-    PROMPT_DIGITS,
-    PROMPT_TOKENS,
-    SEP,
-)
+from timeshare.errors import ConfigError
+from timeshare.task import tokenizer as tokenizers
+from timeshare.task.digits import RepeatDigit
+from timeshare.task.seeds import mix
+from timeshare.task.tokenizer import TaskTokenizer
+
+if TYPE_CHECKING:
+    from timeshare.engines.spec import EngineChoice
+
+__all__ = [
+    "FixedWorkload",
+    "RepeatDigit",
+    "TaskWorkload",
+    "Workload",
+    "mix",
+    "sampling_seed",
+    "workload",
+]
 
 FIXED_REQUESTS = 4
 
@@ -42,44 +47,28 @@ class Workload(Protocol):
     def score(self, request: RolloutRequest, sample: RolloutSample) -> float | None: ...
 
 
-@dataclass(frozen=True)
-class RepeatDigit:
-    def prompts(self, seed: int, rank: int, step: int, count: int) -> list[tuple[int, ...]]:
-        generator = torch.Generator().manual_seed(mix(seed, rank, step, 1))
-        digits = torch.randint(0, DIGITS, (count,), generator=generator).tolist()
-        # every length in every batch (count >= PROMPT_DIGITS), in an order that varies
-        offset = int(torch.randint(0, PROMPT_DIGITS, (1,), generator=generator))
-        repeats = [1 + (offset + i) % PROMPT_DIGITS for i in range(count)]
-        return [(BOS, *[d] * n, SEP) for d, n in zip(digits, repeats, strict=True)]
-
-    def answer(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
-        """The right completion of `prompt`."""
-        return (*[prompt[1]] * ANSWER_DIGITS, EOS)
-
-    def reward(self, prompt: tuple[int, ...], completion: tuple[int, ...]) -> float:
-        if not 3 <= len(prompt) <= PROMPT_TOKENS or not completion:
-            return 0.0
-        answer = self.answer(prompt)
-        return sum(got == want for got, want in zip(completion, answer, strict=False)) / len(answer)
-
-
-def mix(*parts: int) -> int:
-    """One 63-bit seed from several integers (distinct tuples give unrelated streams)."""
-    value = 0x9E3779B97F4A7C15
-    for part in parts:
-        value = (value ^ (part + 0x632BE59BD9B4E019 + (value << 6) + (value >> 2))) & (2**63 - 1)
-    return value
-
-
 def sampling_seed(seed: int, rank: int, step: int) -> int:
     return mix(seed, rank, step, 2)
 
 
 @dataclass(frozen=True)
 class TaskWorkload:
-    """The shipped task: each prompt `group_size` times, seeded by (seed, rank, step)."""
+    """The shipped task: each prompt `group_size` times, seeded by (seed, rank, step), its
+    prompts through `tokenizer` (the digit task's own unless given)."""
 
     spec: TaskSpec
+    tokenizer: TaskTokenizer = field(default_factory=tokenizers.digit_task_tokenizer)
+    task: RepeatDigit = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        task = RepeatDigit(self.tokenizer)
+        longest = task.longest_prompt()
+        if longest > self.spec.max_prompt_tokens:
+            raise ConfigError(
+                f"engine.task.max_prompt_tokens ({self.spec.max_prompt_tokens}) is shorter than "
+                f"the task's longest prompt ({longest} tokens through {self.tokenizer.where})"
+            )
+        object.__setattr__(self, "task", task)
 
     def requests(self, rank: int, step: int) -> list[RolloutRequest]:
         sampling = SamplingParams(
@@ -87,7 +76,7 @@ class TaskWorkload:
             temperature=self.spec.temperature,
             top_p=self.spec.top_p,
             seed=sampling_seed(self.spec.seed, rank, step),
-            stop_token_ids=self.spec.stop_set(),
+            stop_token_ids=self.tokenizer.stop_set(self.spec.stop_token_ids),
         )
         prompts = self.task.prompts(self.spec.seed, rank, step, self.spec.prompts_per_rank)
         return [
@@ -98,10 +87,6 @@ class TaskWorkload:
 
     def score(self, request: RolloutRequest, sample: RolloutSample) -> float | None:
         return self.task.reward(request.prompt_tokens, sample.tokens)
-
-    @property
-    def task(self) -> RepeatDigit:
-        return RepeatDigit()
 
 
 class FixedWorkload:
@@ -115,6 +100,15 @@ class FixedWorkload:
         return None
 
 
-def workload(family: Family, spec: TaskSpec) -> Workload:
-    """What a rollout engine of `family` serves."""
-    return FixedWorkload() if family == "simulated" else TaskWorkload(spec)
+def workload(family: Family, spec: EngineChoice) -> Workload:
+    """What a rollout engine of `family` serves: the task through the job's tokenizer (loaded
+    once, here: the rollout worker is the one place that tokenizes), or fixed requests."""
+    if family == "simulated":
+        return FixedWorkload()
+    source = spec.tokenizer_source()
+    if source is None:
+        raise ConfigError(
+            f"engine.rollout = {spec.rollout!r} serves the trainer's model, but "
+            f"engine.trainer = {spec.trainer!r} trains none"
+        )
+    return TaskWorkload(spec.task, tokenizers.load(source))

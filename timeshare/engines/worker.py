@@ -413,10 +413,14 @@ def run(spec: WorkerSpec) -> None:
         elif leader != spec.rank:
             worker = ServedRollout(spec, leader)
         else:
+            # The job's tokenizer is loaded here, once, before the engine starts: the rollout
+            # worker is the one place that tokenizes (engines take and give tokens; trainers
+            # train on the tokens sampled)
+            workload = workload_of(context)
             rollout = build_rollout(context)
             stack.callback(rollout.close)  # the engine's processes stop even if the worker fails
             ranks = group_ranks(leader, group)
-            worker = RolloutWorker(spec, rollout, workload_of(context), server, ranks)
+            worker = RolloutWorker(spec, rollout, workload, server, ranks)
         stack.callback(worker.close)
         for name, handler in worker.handlers().items():
             handlers[name] = _phase_handler(spec, name, handler, worker.spans)

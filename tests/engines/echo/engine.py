@@ -1,4 +1,5 @@
-"""The echo rollout engine: a `WeightLoader` receiving in its worker, a digit echoed back."""
+"""The echo rollout engine: a `WeightLoader` receiving in its worker, a digit echoed back three
+times, then the first of the request's stop tokens (the digit task's right answer)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from timeshare.engines.base import (
     RolloutRequest,
     RolloutSample,
     RolloutTraits,
+    finish_reason,
     refuse_unsupported,
 )
 from timeshare.engines.context import EngineContext
 from timeshare.engines.digest import weights_digest
 from timeshare.engines.inlet import LocalInlet
 from timeshare.protocols.weights import TransferConfig
+
+ECHOED = 3  # times the prompt's digit is said back
 
 
 def build(context: EngineContext) -> EchoRollout:
@@ -50,9 +54,18 @@ class EchoRollout(RolloutEngine):
         return [self._echo(request, version) for request in requests]
 
     def _echo(self, request: RolloutRequest, version: int) -> RolloutSample:
-        tokens = (request.prompt_tokens[1],) * request.sampling.max_tokens
+        stops = request.sampling.stop_token_ids
+        answer = (request.prompt_tokens[1],) * ECHOED + stops[:1]
+        tokens = answer[: request.sampling.max_tokens]
         logprobs = (self.spec.logprob,) * len(tokens)
-        return RolloutSample(request.request_id, tokens, logprobs, version, request.prompt_tokens)
+        return RolloutSample(
+            request.request_id,
+            tokens,
+            logprobs,
+            version,
+            request.prompt_tokens,
+            finish_reason=finish_reason(tokens, stops),
+        )
 
     def sleep(self) -> None:
         pass

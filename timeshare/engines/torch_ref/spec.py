@@ -66,7 +66,9 @@ class TorchRefSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.model_dir:
             path = Path(self.model_dir) / "config.json"
             return TrainedModel(
-                config=ModelConfig.from_json(path), where=f"engine.torch_ref.model_dir {path}"
+                config=ModelConfig.from_json(path),
+                where=f"engine.torch_ref.model_dir {path}",
+                files=self.model_dir,
             )
         return TrainedModel(config=self.model, where="engine.torch_ref.model")
 

@@ -1,0 +1,85 @@
+"""The digit task, as data read through the job's tokenizer: say the digit back.
+
+An example is a chat of one user turn, a digit said one to `PROMPT_DIGITS` times ("7 7"), and
+its answer, the digit `ANSWER_DIGITS` times ("7 7 7"); the right completion is the answer's
+tokens, then EOS. Token ids come from the tokenizer alone (tokenizer.py): through the digit
+task's own (digit_tokenizer.py) a prompt is `BOS d.. SEP` and the answer `d d d EOS`, the ids the
+models have always learnt; through a user's tokenizer they are its own.
+
+The reward of a completion is the fraction of the right completion's positions it got right (a
+completion that stops early misses the rest; one that goes on misses the EOS), so it lies in
+[0, 1]; a random model scores about 1/vocab and a few dozen GRPO steps of a small model bring it
+near 1, every completion then stopping at its EOS. The examples of a step are a function of
+(seed, rank, step) alone: a run resumed from step k sees exactly the prompts it would have seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from timeshare.task.seeds import mix
+from timeshare.task.tokenizer import Message, TaskTokenizer, digit_task_tokenizer
+from timeshare.task.vocab import ANSWER_DIGITS, DIGITS, PROMPT_DIGITS
+
+
+@dataclass(frozen=True)
+class Example:
+    messages: tuple[Message, ...]  # the prompt, as a chat
+    answer: str  # the right completion's text (then EOS)
+
+
+def example(digit: int, repeats: int) -> Example:
+    said = " ".join([str(digit)] * repeats)
+    return Example(({"role": "user", "content": said},), " ".join([str(digit)] * ANSWER_DIGITS))
+
+
+def every_example() -> list[Example]:
+    return [example(d, n) for d in range(DIGITS) for n in range(1, PROMPT_DIGITS + 1)]
+
+
+def examples(seed: int, rank: int, step: int, count: int) -> list[Example]:
+    """Rank `rank`'s `count` examples of step `step`: random digits, every length in every
+    batch (count >= PROMPT_DIGITS), in an order that varies."""
+    generator = torch.Generator().manual_seed(mix(seed, rank, step, 1))
+    digits = torch.randint(0, DIGITS, (count,), generator=generator).tolist()
+    offset = int(torch.randint(0, PROMPT_DIGITS, (1,), generator=generator))
+    repeats = [1 + (offset + i) % PROMPT_DIGITS for i in range(count)]
+    return [example(d, n) for d, n in zip(digits, repeats, strict=True)]
+
+
+@dataclass(frozen=True)
+class RepeatDigit:
+    """The digit task in the ids of `tokenizer` (the digit task's own unless given)."""
+
+    tokenizer: TaskTokenizer = field(default_factory=digit_task_tokenizer)
+    # each prompt's right completion, both as the tokenizer gives them
+    answers: dict[tuple[int, ...], tuple[int, ...]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        answers = {
+            self.tokenizer.prompt_ids(e.messages): (
+                *self.tokenizer.text_ids(e.answer),
+                self.tokenizer.eos_id,
+            )
+            for e in every_example()
+        }
+        object.__setattr__(self, "answers", answers)
+
+    def prompts(self, seed: int, rank: int, step: int, count: int) -> list[tuple[int, ...]]:
+        """The prompt ids of `examples(seed, rank, step, count)`."""
+        return [self.tokenizer.prompt_ids(e.messages) for e in examples(seed, rank, step, count)]
+
+    def answer(self, prompt: tuple[int, ...]) -> tuple[int, ...]:
+        """The right completion of `prompt` (() for a prompt not of the task)."""
+        return self.answers.get(tuple(prompt), ())
+
+    def reward(self, prompt: tuple[int, ...], completion: tuple[int, ...]) -> float:
+        answer = self.answer(prompt)
+        if not answer or not completion:
+            return 0.0
+        return sum(got == want for got, want in zip(completion, answer, strict=False)) / len(answer)
+
+    def longest_prompt(self) -> int:
+        return max(len(prompt) for prompt in self.answers)
