@@ -1,16 +1,19 @@
 """One case of the batch-invariance switch, in a process of its own (the switch changes MKL for
-the whole process, once): `python -m tests.engines.invariance_probe on|off torch_ref|fsdp`.
+the whole process, once): `python -m tests.engines.invariance_probe on|off TRAINER` (torch_ref,
+fsdp or megatron).
 
 It builds the trainer (torch_ref, or FSDP over a transformers directory of the same model) and
 the reference rollout through the registry, as a worker does, with `[engine] batch_invariant`
 on or off; says what the switch installed (MKL's setting, which of the models' linear layers
 and attentions run the mode); samples a batch, and compares the logprobs the rollout sampled
 with the trainer's and with the rollout's own re-scoring of a sequence alone and beside other
-neighbours. Its last line on stdout is a JSON object.
+neighbours; then the trainer's logprobs of rows of differing lengths (right-padded) as one
+batch and each alone, and the rollout's of them. Its last line on stdout is a JSON object.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -34,10 +37,17 @@ from timeshare.engines.task import TaskWorkload
 from timeshare.engines.torch_ref.model import Attention, CausalLM
 from timeshare.engines.torch_ref.rollout import TorchRefRollout
 from timeshare.engines.torch_ref.trainer import TorchRefTrainer
+from timeshare.engines.vocab import BOS, DIGITS, EOS, PROMPT_DIGITS, SEP
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.layout import Weight
 
-TASK = {"prompts_per_rank": 2, "group_size": 4, "max_completion_tokens": 5, "temperature": 1.0}
+COMPLETION = 5  # the longest completion
+TASK = {
+    "prompts_per_rank": 2,
+    "group_size": 4,
+    "max_completion_tokens": COMPLETION,
+    "temperature": 1.0,
+}
 MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
 SHAPE = ModelShape(hidden=64, intermediate=128, heads=4, kv_heads=4)  # MODEL, as a directory
 
@@ -101,6 +111,9 @@ def probe(on: bool, trainer_kind: str, scratch: Path) -> dict[str, Any]:
 
     alone = [rescored([samples[i]])[0] for i in range(len(samples))]
     beside = rescored([samples[7], samples[3], samples[0]])  # other neighbours, another size
+    uneven = uneven_batch(samples)
+    uneven_together = trainer.logprobs(uneven)
+    uneven_alone = [trainer.logprobs([sample])[0] for sample in uneven]
     return {
         "cbwr": os.environ.get(CBWR_ENV),
         "gemm_row_invariant": gemm_is_row_invariant(),
@@ -112,7 +125,32 @@ def probe(on: bool, trainer_kind: str, scratch: Path) -> dict[str, Any]:
         "trainer_vs_rollout": largest_difference(trainer.logprobs(samples), sampled),
         "alone_vs_batch": largest_difference(alone, sampled),
         "beside_vs_batch": largest_difference(beside, [sampled[7], sampled[3], sampled[0]]),
+        # The trainer on rows of differing lengths, right-padded: as one batch, each row alone
+        # (a batch of 1), and the rollout's re-scoring of them as one batch.
+        "uneven_lengths": sorted({(len(s.prompt_tokens), len(s.tokens)) for s in uneven}),
+        "trainer_uneven_alone_vs_batch": largest_difference(uneven_alone, uneven_together),
+        "trainer_vs_rollout_uneven": largest_difference(uneven_together, rescored(uneven)),
     }
+
+
+def uneven_batch(samples: list[RolloutSample]) -> list[RolloutSample]:
+    """The samples' completions cut to 1 to TASK's max_completion_tokens tokens (the even
+    lengths stopped at EOS), after prompts of 3, 4 and 5 tokens: rows of every length, the
+    shortest (3 + 1 tokens) fewer than a GEMM's MIN_GEMM_ROWS when alone."""
+    uneven = []
+    for index, sample in enumerate(samples):
+        length = 1 + (index * 3) % COMPLETION
+        # (a completion that stopped early at EOS is made as long with its first token)
+        tokens = list(sample.tokens[:length]) + [sample.tokens[0]] * (length - len(sample.tokens))
+        if length % 2 == 0:
+            tokens[-1] = EOS
+        prompt = (BOS, *[index % DIGITS] * (1 + index % PROMPT_DIGITS), SEP)
+        uneven.append(
+            dataclasses.replace(
+                sample, prompt_tokens=prompt, tokens=tuple(tokens), logprobs=(0.0,) * length
+            )
+        )
+    return uneven
 
 
 def whole(weight: Weight) -> torch.Tensor:

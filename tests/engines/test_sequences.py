@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from timeshare.engines.base import RolloutSample
+from timeshare.engines.base import FinishReason, RolloutSample
 from timeshare.engines.grpo import clipped_loss, masked_max_abs_diff, token_weights
 from timeshare.engines.sequences import PAD, pack, unpadded
 from timeshare.engines.spec import engine_spec
@@ -15,7 +15,7 @@ from timeshare.engines.vocab import BOS, EOS, SEP
 
 
 def sample(prompt: tuple[int, ...], tokens: tuple[int, ...], reward: float = 0.0) -> RolloutSample:
-    finish = "stop" if tokens[-1] == EOS else "length"
+    finish: FinishReason = "stop" if tokens[-1] == EOS else "length"
     logprobs = tuple(-0.5 - i for i in range(len(tokens)))
     return RolloutSample(
         f"s{len(prompt)}-{len(tokens)}-{reward}",
@@ -80,7 +80,7 @@ def test_a_completion_that_stops_at_eos_is_trained_on_its_tokens_through_the_eos
     new = trainer._logprobs(trainer.model, data.sequences)
     new.retain_grad()
     loss, _ = trainer.loss(new, data, slice(0, 4))
-    loss.backward()
+    torch.autograd.backward(loss)
     assert new.grad is not None
     reached = new.grad != 0
     assert torch.equal(reached, data.sequences.mask), reached

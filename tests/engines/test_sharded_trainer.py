@@ -13,6 +13,7 @@ import torch
 
 from timeshare.engines.base import RolloutSample
 from timeshare.engines.grpo import GrpoBatch
+from timeshare.engines.sequences import Sequences
 from timeshare.engines.sharded_trainer import ShardedTrainer, pick_device
 from timeshare.engines.spec import EngineChoice
 from timeshare.errors import ConfigError
@@ -55,12 +56,10 @@ class LinearTrainer(ShardedTrainer):
     def logprobs(self, batch: list[RolloutSample]) -> list[tuple[float, ...]]:
         raise NotImplementedError
 
-    def policy_logprobs(self, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
+    def policy_logprobs(self, sequences: Sequences) -> torch.Tensor:
         raise NotImplementedError
 
-    def reference_logprobs(
-        self, prompts: torch.Tensor, completions: torch.Tensor
-    ) -> torch.Tensor | None:
+    def reference_logprobs(self, sequences: Sequences) -> torch.Tensor | None:
         raise NotImplementedError
 
     def update(self, data: GrpoBatch, rows: range) -> tuple[float, dict[str, float]]:

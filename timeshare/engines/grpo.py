@@ -258,14 +258,17 @@ class GrpoTrainer(TrainerEngine):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The clipped objective's share of `rows` in their minibatch's loss, whose new
         logprobs are `new` (the shares of a minibatch's micro-batches add up to its loss)."""
+        # A part may be computed trimmed to its own widths (Sequences.select): the columns
+        # past them are padding in each of its rows, of weight 0.
+        width = new.shape[1]
         return clipped_loss(
             new,
-            data.old[rows].to(new.device),
+            data.old[rows, :width].to(new.device),
             data.advantages[rows].to(new.device),
-            data.weights[rows],
+            data.weights[rows, :width],
             clip_low=self.grpo.clip_ratio_low,
             clip_high=self.grpo.clip_ratio_high,
-            ref_logprobs=None if data.ref is None else data.ref[rows].to(new.device),
+            ref_logprobs=None if data.ref is None else data.ref[rows, :width].to(new.device),
             kl_coef=self.grpo.kl_coef,
         )
 

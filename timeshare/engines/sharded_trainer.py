@@ -29,6 +29,13 @@ from timeshare.units import MIB
 log = structlog.get_logger(__name__)
 
 
+def widened(values: torch.Tensor, completion_width: int) -> torch.Tensor:
+    """A part's per-token values [rows, its completion width] padded with 0.0 to the batch's
+    `completion_width`: a part is computed trimmed to its own widths (`Sequences.select`), the
+    batch's tensors (old logprobs, weights) keep the batch's; the weights are 0.0 there."""
+    return torch.nn.functional.pad(values, (0, completion_width - values.shape[1]))
+
+
 def pick_device(name: str, key: str) -> torch.device:
     """The device `name` ("auto", "cpu", "cuda") means in this process; `key` names the setting
     for an error (`engine.fsdp.device`)."""

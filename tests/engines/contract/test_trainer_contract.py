@@ -12,12 +12,17 @@ import math
 import pytest
 
 from tests.engines.contract.conftest import TRAINERS, kinds
-from tests.engines.contract.trainers import TrainerHarness, same_bytes
+from tests.engines.contract.rollouts import COMPLETION
+from tests.engines.contract.trainers import TrainerHarness, same_bytes, uneven_batch
 from timeshare.engines import registry
 from timeshare.engines.base import TrainerEngine
 from timeshare.engines.digest import weights_digest
 from timeshare.errors import OffPolicy
 from timeshare.protocols.commands.results import TrainFigures
+
+PADDING_ATOL = 1e-5  # fp32: a row's GEMMs and reductions in a batch of another shape
+# Completion lengths whose first minibatch (of two) is narrower than the batch
+NARROW_FIRST = (2, 1, 3, 2, 4, 3, 1, 4)
 
 
 def test_the_suite_holds_every_registered_trainer_but_the_simulated_one() -> None:
@@ -98,6 +103,42 @@ def test_a_train_step_returns_its_figures_and_refuses_an_off_policy_batch(
         engine.train_step(batch)  # sampled by version 0's weights; the trainer holds 1's
     assert engine.step == 1
     assert weights_digest(trainer_engine.parameters(engine).items()) == digest
+
+
+def test_logprobs_of_a_padded_batch_are_those_of_each_row_alone(
+    trainer_engine: TrainerHarness,
+) -> None:
+    """Rows of differing prompt and completion lengths, right-padded into one batch: each
+    row's logprobs are those it has alone (no padding reaches a real token), one for each of
+    its completion's tokens."""
+    engine = trainer_engine.engine
+    samples = uneven_batch(engine.step)
+    assert len({len(s.prompt_tokens) for s in samples}) == 3
+    assert len({len(s.tokens) for s in samples}) == COMPLETION
+    engine.onload()
+    together = engine.logprobs(samples)
+    alone = [engine.logprobs([sample])[0] for sample in samples]
+    assert [len(row) for row in together] == [len(s.tokens) for s in samples]
+    assert [len(row) for row in alone] == [len(s.tokens) for s in samples]
+    rows = zip(together, alone, strict=True)
+    differences = [abs(a - b) for x, y in rows for a, b in zip(x, y, strict=True)]
+    assert max(differences) <= PADDING_ATOL
+    assert all(math.isfinite(v) and v < 0.0 for row in together for v in row)
+
+
+def test_a_step_trains_minibatches_narrower_than_their_batch(
+    trainer_engine: TrainerHarness,
+) -> None:
+    """The first minibatch's completions are shorter than the batch's longest: it is computed
+    trimmed to its own widths, against the batch's old logprobs and weights (padded wider)."""
+    engine = trainer_engine.engine
+    before = weights_digest(trainer_engine.parameters(engine).items())
+    batch = trainer_engine.batch(engine, NARROW_FIRST)
+    figures = engine.train_step(batch)
+    assert figures.step == 1 and figures.loss is not None and math.isfinite(figures.loss)
+    assert figures.logprob_max_abs_diff is not None and figures.logprob_max_abs_diff < 1e-4
+    assert figures.lengths is not None and figures.lengths.completion_tokens_max == COMPLETION
+    assert weights_digest(trainer_engine.parameters(engine).items()) != before
 
 
 def test_a_new_trainer_resumes_from_the_committed_step(trainer_engine: TrainerHarness) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from timeshare.engines.spec import EngineSpec, engine_spec
 from timeshare.engines.task import TaskWorkload
 from timeshare.engines.torch_ref.model import init_model
 from timeshare.engines.torch_ref.trainer import TorchRefTrainer
-from timeshare.engines.vocab import DIGITS
+from timeshare.engines.vocab import BOS, DIGITS, EOS, PROMPT_DIGITS, SEP
 from timeshare.protocols.store import JobStore
 
 # MODEL as `timeshare model init` writes it (the FSDP trainer's model directory).
@@ -103,21 +103,21 @@ class TrainerHarness:
 
     # -- a batch ------------------------------------------------------------------------------
 
-    def batch(self, trainer: TrainerEngine) -> list[RolloutSample]:
-        """Whole groups of the task at the trainer's version, scored, with the trainer's own
-        logprobs of their tokens (as a rollout of its weights reports them)."""
+    def batch(
+        self, trainer: TrainerEngine, lengths: Sequence[int] | None = None
+    ) -> list[RolloutSample]:
+        """Whole groups of the task at the trainer's version (prompts of differing lengths),
+        completions of `lengths` tokens (by default 1 to COMPLETION, in a varying order: every
+        minibatch as wide as the batch), every other one stopped at EOS, scored, with the
+        trainer's own logprobs of their tokens (as a rollout of its weights reports them)."""
         workload = TaskWorkload(self.spec.task)
         requests = workload.requests(0, trainer.step)
         generator = torch.Generator().manual_seed(trainer.step)
+        if lengths is None:
+            lengths = [1 + (index * 3) % COMPLETION for index in range(len(requests))]
         drafts = [
-            RolloutSample(
-                request.request_id,
-                tuple(torch.randint(0, DIGITS, (COMPLETION,), generator=generator).tolist()),
-                (0.0,) * COMPLETION,
-                trainer.step,
-                request.prompt_tokens,
-            )
-            for request in requests
+            varied(request.request_id, request.prompt_tokens, length, trainer.step, generator)
+            for request, length in zip(requests, lengths, strict=True)
         ]
         trainer.onload()  # (the reference trainer computes logprobs only with its parameters)
         logprobs = trainer.logprobs(drafts)
@@ -273,6 +273,32 @@ class MegatronHarness(TrainerHarness):
     def held_tensors(self, trainer: TrainerEngine) -> list[torch.Tensor]:
         trainer = megatron(trainer)
         return held(trainer.model, trainer.optimizer, lambda tensor: tensor)
+
+
+def varied(
+    request_id: str,
+    prompt: tuple[int, ...],
+    length: int,
+    version: int,
+    generator: torch.Generator,
+) -> RolloutSample:
+    """A draft sample (logprobs 0.0) of `prompt`: `length` random digits, the last one EOS
+    when the length is even (completions that stopped, and completions that ran out)."""
+    tokens = torch.randint(0, DIGITS, (length,), generator=generator).tolist()
+    if length % 2 == 0:
+        tokens[-1] = EOS
+    return RolloutSample(request_id, tuple(tokens), (0.0,) * length, version, prompt)
+
+
+def uneven_batch(version: int) -> list[RolloutSample]:
+    """Samples whose prompts (3 to 5 tokens) and completions (1 to COMPLETION, some ending at
+    EOS) differ in length, in an order where neither is sorted: as a batch, right-padded."""
+    generator = torch.Generator().manual_seed(11)
+    prompts = [(BOS, *[digit] * (1 + digit % PROMPT_DIGITS), SEP) for digit in (4, 2, 9, 0, 7, 5)]
+    return [
+        varied(f"u{index}", prompt, 1 + (index * 3) % COMPLETION, version, generator)
+        for index, prompt in enumerate(prompts)
+    ]
 
 
 def megatron(trainer: TrainerEngine) -> MegatronTrainer:

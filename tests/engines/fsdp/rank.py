@@ -29,12 +29,13 @@ from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
 from timeshare.engines.fsdp.trainer import FsdpTrainer
 from timeshare.engines.host_memory import local
 from timeshare.engines.spec import EngineSpec, GrpoSpec, TaskSpec, engine_spec
+from timeshare.engines.vocab import EOS
 from timeshare.protocols.weights.layout import BucketPlanner, pack
 from timeshare.protocols.weights.lent import LentTensor
 
 GROUP = 4
 PER_RANK = 8  # two groups of four
-PROMPT, COMPLETION = 3, 4
+COMPLETION = 4  # the longest completion; prompts of 3 to 5 tokens, completions of 1 to 4
 TASK = TaskSpec(group_size=GROUP, prompts_per_rank=2, max_completion_tokens=COMPLETION)
 GRPO = GrpoSpec(lr=1e-3, weight_decay=0.01, minibatches=1)
 SPEC_KEYS: dict[str, Any] = {"micro_batch_size": 2, "max_grad_norm": 0.5}
@@ -58,17 +59,20 @@ def engine(model_dir: Path, **fsdp: Any) -> EngineSpec:
 
 
 def global_batch(seed: int, ranks: int) -> list[RolloutSample]:
-    """`ranks` x PER_RANK samples of weight version 0, rewards varied within every group."""
+    """`ranks` x PER_RANK samples of weight version 0, rewards varied within every group;
+    prompts of 3, 4 and 5 tokens, completions of 1 to COMPLETION tokens, every other one
+    ending at EOS (each rank's batch right-padded, rows of every length)."""
     generator = torch.Generator().manual_seed(seed)
     samples = []
     for index in range(ranks * PER_RANK):
-        prompt = torch.randint(0, 16, (PROMPT,), generator=generator).tolist()
-        tokens = torch.randint(0, 16, (COMPLETION,), generator=generator).tolist()
+        prompt = torch.randint(0, 16, (3 + index % 3,), generator=generator).tolist()
+        length = 1 + (index * 3) % COMPLETION
+        tokens = torch.randint(0, 16, (length,), generator=generator).tolist()
+        if index % 2:
+            tokens[-1] = EOS
         reward = float(index % GROUP == 0) + 0.25 * float(torch.rand(1, generator=generator))
         samples.append(
-            RolloutSample(
-                f"s{index}", tuple(tokens), (-1.0,) * COMPLETION, 0, tuple(prompt), reward
-            )
+            RolloutSample(f"s{index}", tuple(tokens), (-1.0,) * length, 0, tuple(prompt), reward)
         )
     return samples
 

@@ -33,6 +33,7 @@ from timeshare.config import load_config
 from timeshare.engines.model_dir import ModelShape, init_model_dir
 from timeshare.engines.task import RepeatDigit
 from timeshare.errors import ConfigError
+from timeshare.task import digit_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -186,6 +187,7 @@ def test_a_job_on_fewer_ranks_resumes_resharded_where_min_nodes_allows(
 def test_a_bad_model_dir_is_exit_2_before_any_worker(runtime_dir: Path) -> None:
     model_dir = runtime_dir / "model"
     model_dir.mkdir()
+    digit_tokenizer.save(model_dir)  # (a tokenizer: the check reaches the config)
     (model_dir / "config.json").write_text('{"model_type": "frobnicator"}')
     done = timeshare_run(write_config(runtime_dir, model_dir, 2), runtime_dir / "s.json", 120)
     assert done.returncode == 2, done.stderr
@@ -198,7 +200,7 @@ def test_a_bad_model_dir_is_exit_2_before_any_worker(runtime_dir: Path) -> None:
 def greedy_reward(model_dir: Path, prompts: int = 32) -> float:
     """The mean reward of greedy completions of the digit task by the model in `model_dir`."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    task = RepeatDigit(max_completion_tokens=6)
+    task = RepeatDigit()
     rewards = []
     with torch.no_grad():
         for prompt in task.prompts(seed=99, rank=0, step=0, count=prompts):

@@ -16,10 +16,16 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.engines.fsdp.rank import GROUP, GRPO, SPEC_KEYS, TASK, global_batch
+from tests.engines.fsdp.rank import GROUP, GRPO, PER_RANK, SPEC_KEYS, TASK, global_batch
 from tests.ports import free_port
-from timeshare.engines.grpo import batch_tensors, clipped_loss, group_advantages, token_logprobs
+from timeshare.engines.grpo import (
+    clipped_loss,
+    completion_logprobs,
+    group_advantages,
+    token_weights,
+)
 from timeshare.engines.model_dir import ModelShape, init_model_dir
+from timeshare.engines.sequences import pack
 
 WORLD = 2
 RANK_TIMEOUT_S = 240.0
@@ -67,16 +73,18 @@ def trained(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[d
 
 @pytest.fixture(scope="module")
 def unsharded(model_dir: Path) -> Iterator[dict[str, Any]]:
-    """The same step in one process, no FSDP: the whole batch at once, clipped, AdamW."""
+    """The same step in one process, no FSDP: the whole batch at once (both ranks' rows,
+    padded to the widest of all), clipped, AdamW. Each rank's loss is the token mean over its
+    own rows, and FSDP averages the ranks' gradients: the job's loss is the mean of the two."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batch = global_batch(1, WORLD)
-    prompts, completions, _ = batch_tensors(batch)
+    sequences = pack(batch)
     rewards = torch.tensor([s.reward or 0.0 for s in batch])
+    weights = token_weights(sequences.mask, GRPO.loss_aggregation, PER_RANK) / WORLD
 
     def logprobs() -> torch.Tensor:
-        tokens = torch.cat((prompts, completions), dim=1)
-        logits = model(input_ids=tokens[:, :-1]).logits[:, prompts.shape[1] - 1 :]
-        return token_logprobs(logits, completions, TASK.temperature)
+        logits = model(input_ids=sequences.tokens[:, :-1]).logits
+        return completion_logprobs(logits, sequences, TASK.temperature)
 
     with torch.no_grad():
         old = logprobs()
@@ -84,6 +92,7 @@ def unsharded(model_dir: Path) -> Iterator[dict[str, Any]]:
         logprobs(),
         old,
         group_advantages(rewards, GROUP),
+        weights,
         clip_low=GRPO.clip_ratio_low,
         clip_high=GRPO.clip_ratio_high,
     )
@@ -102,8 +111,8 @@ def unsharded(model_dir: Path) -> Iterator[dict[str, Any]]:
 def test_two_ranks_give_the_loss_gradients_and_step_of_one_process(
     trained: list[dict[str, Any]], unsharded: dict[str, Any]
 ) -> None:
-    # Each rank's loss is the mean over its half; the halves are equal, so their mean is the
-    # whole batch's.
+    # Each rank's loss is the token mean over its half (padded to its own widths); their mean
+    # is the job's, computed here over both halves padded to the widest row of all.
     assert sum(r["loss"] for r in trained) / WORLD == pytest.approx(unsharded["loss"], abs=1e-6)
     for rank in trained:
         assert rank["grads"].keys() == unsharded["grads"].keys()

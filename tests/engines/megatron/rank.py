@@ -23,12 +23,19 @@ import torch.distributed as dist
 
 from timeshare.engines.base import RolloutSample
 from timeshare.engines.megatron.trainer import MegatronTrainer
+from timeshare.engines.sharded_trainer import widened
 from timeshare.engines.spec import EngineSpec, GrpoSpec, TaskSpec, engine_spec
+from timeshare.engines.vocab import EOS
 from timeshare.protocols.weights.lent import LentTensor
 
 GROUP = 4
 PER_RANK = 8  # two groups of four
-PROMPT, COMPLETION = 3, 4
+COMPLETION = 4  # the longest completion
+# Each rank's completions' lengths, row by row: the ranks' batches have different widths (the
+# TP group pads them to its widest before it gathers them), but each rank's minibatch (four
+# rows) holds ten tokens, so that the token-mean loss of a TP=2 group's minibatch (over both
+# ranks' rows) is the mean of two replicas' (each over its own rows).
+LENGTHS = ([3, 3, 2, 2, 3, 2, 3, 2], [4, 1, 3, 2, 1, 4, 2, 3])
 STEPS = 3
 TASK = TaskSpec(group_size=GROUP, prompts_per_rank=2, max_completion_tokens=COMPLETION)
 GRPO = GrpoSpec(lr=1e-3, weight_decay=0.01, minibatches=2)
@@ -47,13 +54,20 @@ def engine(model_dir: Path, tp: int) -> EngineSpec:
 
 
 def global_batch(seed: int, ranks: int, version: int) -> list[RolloutSample]:
-    """`ranks` x PER_RANK samples of weight `version`, rewards varied within every group."""
+    """`ranks` x PER_RANK samples of weight `version`, rewards varied within every group;
+    completions of LENGTHS (every other one ending at EOS), prompts of 3 and 4 tokens on even
+    ranks, 3 to 5 on odd ones."""
     generator = torch.Generator().manual_seed(seed)
     samples = []
     for index in range(ranks * PER_RANK):
-        prompt = torch.randint(0, 16, (PROMPT,), generator=generator).tolist()
-        tokens = torch.randint(0, 16, (COMPLETION,), generator=generator).tolist()
-        logprobs = (-torch.rand(COMPLETION, generator=generator) - 1.0).tolist()
+        rank, row = divmod(index, PER_RANK)
+        prompt_length = 3 + row % (2 + rank % 2)
+        prompt = torch.randint(0, 16, (prompt_length,), generator=generator).tolist()
+        length = LENGTHS[rank % 2][row]
+        tokens = torch.randint(0, 16, (length,), generator=generator).tolist()
+        if row % 2:
+            tokens[-1] = EOS
+        logprobs = (-torch.rand(length, generator=generator) - 1.0).tolist()
         reward = float(index % GROUP == 0) + 0.25 * float(torch.rand(1, generator=generator))
         samples.append(
             RolloutSample(
@@ -115,6 +129,11 @@ def train(rank: int, world: int, tp: int, model_dir: Path, out_dir: Path) -> dic
     trainer = MegatronTrainer(rank, world, engine(model_dir, tp))
     assert trainer.bootstrap(checkpoints / f"rank{rank}") == 0
     out: dict[str, Any] = {"logits": full_logits(trainer), "initial": weights_out(trainer)}
+    # This rank's batch (its own widths, the other rank's differ) and each of its rows alone
+    # (every call a collective of the TP group, whose ranks pad to the group's widths).
+    batch = rank_batch(0, rank, world, version=0)
+    out["batch_logprobs"] = trainer.logprobs(batch)
+    out["alone_logprobs"] = [trainer.logprobs([sample])[0] for sample in batch]
     out["losses"], out["weights"] = [], []
     for step in range(STEPS):
         figures = trainer.train_step(rank_batch(step + 1, rank, world, version=step))
@@ -124,7 +143,8 @@ def train(rank: int, world: int, tp: int, model_dir: Path, out_dir: Path) -> dic
     trainer.onload()
     data = trainer.prepare(rank_batch(9, rank, world, version=STEPS))
     trainer.optimizer.zero_grad()
-    new = trainer._logprobs(trainer.model, data.prompts[:2], data.completions[:2])
+    new = trainer._logprobs(trainer.model, data.sequences.select(slice(0, 2)))
+    new = widened(new, data.sequences.widths[1])
     trainer.loss(new, data, slice(0, 2))[0].backward()  # type: ignore[no-untyped-call]
     before = snapshot(trainer)
     out["held_mb"] = [trainer.held_mb()]

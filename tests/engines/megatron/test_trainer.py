@@ -17,7 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.engines.megatron.rank import PROBE, STEPS
+from tests.engines.megatron.rank import LENGTHS, PROBE, STEPS
 from tests.ports import free_port
 from timeshare.engines.model_dir import ModelShape, init_model_dir
 
@@ -115,6 +115,26 @@ def test_a_qwen2_model_computes_the_logits_of_transformers_at_tp2(tmp_path: Path
     expected = transformers_logits(model_dir)
     for rank in run_ranks("logits", 2, model_dir, tmp_path):
         assert float((rank["logits"] - expected).abs().max()) <= LOGITS_ATOL
+
+
+def test_logprobs_of_a_padded_batch_are_each_row_alone_at_either_layout(
+    tp2: tuple[Path, list[Any]], tp1: tuple[Path, list[Any]]
+) -> None:
+    """Each rank's batch has rows of differing lengths and widths of its own; at TP=2 the
+    group pads both to its widest before it gathers them: every row's logprobs are its own,
+    as one length per row (no padding reaches them) and as TP=1 computes them."""
+    for rank, (tp2_rank, tp1_rank) in enumerate(zip(tp2[1], tp1[1], strict=True)):
+        batch, alone = tp2_rank["batch_logprobs"], tp2_rank["alone_logprobs"]
+        assert [len(row) for row in batch] == LENGTHS[rank]
+        assert rows_diff(batch, alone) <= LOGITS_ATOL
+        assert rows_diff(batch, tp1_rank["batch_logprobs"]) <= LOGITS_ATOL
+        assert rows_diff(tp1_rank["batch_logprobs"], tp1_rank["alone_logprobs"]) <= LOGITS_ATOL
+
+
+def rows_diff(a: list[tuple[float, ...]], b: list[tuple[float, ...]]) -> float:
+    assert [len(row) for row in a] == [len(row) for row in b]
+    rows = zip(a, b, strict=True)
+    return max(abs(x - y) for one, other in rows for x, y in zip(one, other, strict=True))
 
 
 def test_sync_sends_the_model_directory_under_its_names_bit_for_bit(

@@ -35,11 +35,14 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from timeshare.durable import fsync_directory, write_atomically
 from timeshare.engines import step_dirs
 from timeshare.errors import CheckpointError
+from timeshare.task.files import GENERATION_CONFIG, TOKENIZER_FILES
 
 SUBDIR = "fsdp"
 METADATA = ".metadata"
 RANKS_FILE = "ranks.json"
-MODEL_FILES = ("config.json", "generation_config.json")
+# What a step keeps of the model directory beside its weights, so that an export of it is a
+# whole model directory again: its config and its tokenizer (a job reads both from there)
+MODEL_FILES = ("config.json", GENERATION_CONFIG, *TOKENIZER_FILES)
 
 
 def step_dir(root: Path, step: int) -> Path:

@@ -26,8 +26,9 @@ def row_local_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: `query` [batch, heads, seq, dim], `key` and `value`
-    [batch, kv_heads, keys, dim]; the output [batch, seq, heads, dim]. Causal, over whole
-    sequences of one length (GRPO's batches pad nothing): the mask adds nothing to that."""
+    [batch, kv_heads, keys, dim]; the output [batch, seq, heads, dim]. Causal, and nothing
+    more: the trainer's rows are right-padded (sequences.py), so no real token's visible keys
+    hold a pad, and the mask (of padding, if any) adds nothing to that."""
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     first = key.shape[2] - query.shape[2]
     out = row_local_attention(query, key, value, first, scale)

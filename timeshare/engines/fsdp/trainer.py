@@ -31,15 +31,11 @@ from timeshare.engines.base import RolloutSample
 from timeshare.engines.fsdp import checkpoint
 from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
 from timeshare.engines.fsdp.spec import FsdpSpec
-from timeshare.engines.grpo import (
-    GrpoBatch,
-    batch_tensors,
-    figures_kept,
-    token_logprobs,
-)
+from timeshare.engines.grpo import GrpoBatch, completion_logprobs, figures_kept
 from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
 from timeshare.engines.invariance import enable_strict_gemm, pad_linears
-from timeshare.engines.sharded_trainer import ShardedTrainer, pick_device
+from timeshare.engines.sequences import Sequences, pack, unpadded
+from timeshare.engines.sharded_trainer import ShardedTrainer, pick_device, widened
 from timeshare.engines.spec import EngineChoice
 from timeshare.errors import ConfigError
 from timeshare.protocols.store import JobStore
@@ -209,39 +205,38 @@ class FsdpTrainer(ShardedTrainer):
 
     def logprobs(self, batch: list[RolloutSample]) -> list[tuple[float, ...]]:
         self.param_store.bring_back()
-        prompts, completions, _ = batch_tensors(batch)
-        values = self._logprobs_without_grad(self.module, prompts, completions)
-        return [tuple(row) for row in values.tolist()]
+        sequences = pack(batch)
+        return unpadded(self._logprobs_without_grad(self.module, sequences), sequences)
 
-    def policy_logprobs(self, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
-        return self._logprobs_without_grad(self.module, prompts, completions)
+    def policy_logprobs(self, sequences: Sequences) -> torch.Tensor:
+        return self._logprobs_without_grad(self.module, sequences)
 
-    def reference_logprobs(
-        self, prompts: torch.Tensor, completions: torch.Tensor
-    ) -> torch.Tensor | None:
+    def reference_logprobs(self, sequences: Sequences) -> torch.Tensor | None:
         if self._reference is None:
             return None
-        return self._logprobs_without_grad(self._reference, prompts, completions)
+        return self._logprobs_without_grad(self._reference, sequences)
 
     def update(self, data: GrpoBatch, rows: range) -> tuple[float, dict[str, float]]:
         loss, metrics = self.accumulate_gradients(data, rows)
         return loss, metrics | self.apply_gradients()
 
     def accumulate_gradients(self, data: GrpoBatch, rows: range) -> tuple[float, dict[str, float]]:
-        """The gradients of the minibatch `rows`, micro-batch by micro-batch; its mean loss."""
+        """The gradients of the minibatch `rows`, micro-batch by micro-batch; its loss. Each
+        micro-batch's loss is its share of the minibatch's (the token weights say it), so the
+        shares add up: no scaling by the micro-batch's size."""
         micro = self.spec.micro_batch_size or len(rows)
+        width = data.sequences.widths[1]
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0
         metrics: dict[str, float] = {}
         for first in range(rows.start, rows.stop, micro):
-            piece = slice(first, first + micro)
+            piece = slice(first, min(first + micro, rows.stop))
             # Gradients are reduced across ranks once, with the minibatch's last micro-batch.
-            self.fsdp.set_requires_gradient_sync(first + micro >= rows.stop)
-            new = self._logprobs(self.module, data.prompts[piece], data.completions[piece])
-            loss, metrics = self.loss(new, data, piece)
-            scaled = loss * (len(new) / len(rows))  # the minibatch's mean, not the sum
-            torch.autograd.backward(scaled)
-            loss_sum += float(scaled.detach())
+            self.fsdp.set_requires_gradient_sync(piece.stop >= rows.stop)
+            new = self._logprobs(self.module, data.sequences.select(piece))
+            loss, metrics = self.loss(widened(new, width), data, piece)
+            torch.autograd.backward(loss)
+            loss_sum += float(loss.detach())
         return loss_sum, metrics
 
     def apply_gradients(self) -> dict[str, float]:
@@ -260,16 +255,16 @@ class FsdpTrainer(ShardedTrainer):
             norm = norm.full_tensor()
         return float(norm)
 
-    def _logprobs_without_grad(
-        self, model: torch.nn.Module, prompts: torch.Tensor, completions: torch.Tensor
-    ) -> torch.Tensor:
+    def _logprobs_without_grad(self, model: torch.nn.Module, sequences: Sequences) -> torch.Tensor:
         """Logprobs of a whole batch, micro-batch by micro-batch (the memory a forward takes is
-        bounded by `micro_batch_size`, as in training), every gathered parameter freed after."""
-        micro = self.spec.micro_batch_size or len(prompts)
+        bounded by `micro_batch_size`, as in training; each trimmed to its own widths), every
+        gathered parameter freed after."""
+        micro = self.spec.micro_batch_size or sequences.rows
+        width = sequences.widths[1]
         with torch.no_grad():
             parts = [
-                self._logprobs(model, prompts[i : i + micro], completions[i : i + micro])
-                for i in range(0, len(prompts), micro)
+                widened(self._logprobs(model, sequences.select(slice(i, i + micro))), width)
+                for i in range(0, sequences.rows, micro)
             ]
         # FSDP2 keeps the root's parameters gathered after a forward (a backward would free
         # them); with no backward coming, free them now.
@@ -278,12 +273,13 @@ class FsdpTrainer(ShardedTrainer):
                 module.reshard()
         return torch.cat(parts)
 
-    def _logprobs(
-        self, model: torch.nn.Module, prompts: torch.Tensor, completions: torch.Tensor
-    ) -> torch.Tensor:
-        tokens = torch.cat((prompts, completions), dim=1).to(self.device)
-        logits = model(input_ids=tokens[:, :-1]).logits[:, prompts.shape[1] - 1 :]
-        return token_logprobs(logits, completions.to(self.device), self.task.temperature)
+    def _logprobs(self, model: torch.nn.Module, sequences: Sequences) -> torch.Tensor:
+        """[rows, completion_width]: the completions' logprobs (sequences.py's layout). No
+        attention mask: the rows are right-padded, and in causal attention no real token sees
+        a pad; the position ids transformers defaults to (0, 1, ...) are each token's own."""
+        tokens = sequences.tokens[:, :-1].to(self.device)
+        logits = model(input_ids=tokens).logits
+        return completion_logprobs(logits, sequences, self.task.temperature)
 
     # -- checkpoints ---------------------------------------------------------------------------
 

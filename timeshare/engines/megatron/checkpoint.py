@@ -35,6 +35,7 @@ import torch.distributed as dist
 from timeshare.durable import fsync_directory, write_atomically
 from timeshare.engines import step_dirs
 from timeshare.errors import CheckpointError
+from timeshare.task.files import GENERATION_CONFIG, TOKENIZER_FILES
 
 if TYPE_CHECKING:  # (parallel.py imports megatron-core; an export needs none of it)
     from timeshare.engines.megatron.parallel import Layout
@@ -43,7 +44,9 @@ log = structlog.get_logger(__name__)
 
 SUBDIR = "megatron"
 LAYOUT_FILE = "layout.json"
-MODEL_FILES = ("config.json", "generation_config.json")
+# What a step keeps of the model directory beside its weights, so that an export of it is a
+# whole model directory again: its config and its tokenizer (a job reads both from there)
+MODEL_FILES = ("config.json", GENERATION_CONFIG, *TOKENIZER_FILES)
 
 
 def step_dir(root: Path, step: int) -> Path:

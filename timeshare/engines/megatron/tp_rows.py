@@ -9,6 +9,10 @@ step m on both ranks' minibatch m).
 
     rank 0: [a0 a1 | a2 a3]      group rows: [a0 a1 b0 b1 | a2 a3 b2 b3]
     rank 1: [b0 b1 | b2 b3]      (two minibatches)
+
+Samples differ in length, and so do the ranks' batches (sequences.py's layout: each as wide as
+its longest row): before a gather every rank pads its batch to the widths of the group's widest
+(`padded`), which padding cannot change (right padding, causal attention).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from timeshare.engines.megatron.parallel import Layout
+from timeshare.engines.sequences import Sequences
 from timeshare.errors import TimeshareError
 
 SHAPE_SLOTS = 32  # numbers describing a batch's shapes (more when it takes more)
@@ -40,6 +45,21 @@ class TpRows:
             per_minibatch = rank_major.view(tp, self.minibatches, rows // self.minibatches, -1)
             out.append(per_minibatch.transpose(0, 1).reshape(tp * rows, *rank_major.shape[2:]))
         return out
+
+    def padded(self, sequences: Sequences, device: torch.device) -> Sequences:
+        """`sequences` padded to the widths of the group's widest batch (a collective: every
+        rank of the group calls it with its own batch)."""
+        if self.tp == 1:
+            return sequences
+        widths = torch.tensor(sequences.widths, dtype=torch.int64, device=device)
+        dist.all_reduce(widths, op=dist.ReduceOp.MAX, group=self.layout.tp_group)
+        width, completion_width = (int(w) for w in widths.tolist())
+        return sequences.padded(width, completion_width)
+
+    def minibatch_rows(self, rank_rows: int) -> int:
+        """The rows of one of the group's minibatches when each rank has `rank_rows`: each
+        rank's minibatch, side by side."""
+        return self.tp * (rank_rows // self.minibatches)
 
     def minibatch(self, rows: range) -> range:
         """The group's rows of the minibatch whose rows of this rank are `rows`."""

@@ -5,7 +5,10 @@ The job's trainer ranks form tensor-parallel groups of `tensor_parallel_size` co
 compute on the same rows: so a TP group trains on the batches of all its ranks at once (their
 rows all-gathered, each rank's minibatch m beside the others', `TpRows`), and the data-parallel
 replicas average their gradients. TP=2 over two ranks and TP=1 over the same two ranks (two
-data-parallel replicas) then take the same optimiser steps on the same rows.
+data-parallel replicas) then take the same optimiser steps on the same rows (with the
+token-mean loss, when the ranks' minibatches hold as many tokens: a replica's minibatch loss is
+the mean over its own tokens, as every trainer's). Samples differ in length: before the gather
+each rank pads its batch to the widths of the group's widest.
 
 Logprobs come from megatron's forward with the logits left split over the vocabulary
 (`parallel_output`), through the vocab-parallel cross entropy: no rank ever holds a whole row of
@@ -32,14 +35,14 @@ from megatron.core.models.gpt import GPTModel
 from timeshare.engines.base import RolloutSample
 from timeshare.engines.grpo import (
     GrpoBatch,
-    batch_tensors,
     figures_kept,
     group_advantages,
     rewards_of,
+    sampled_logprobs,
     token_logprobs,
 )
 from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
-from timeshare.engines.invariance import enable_strict_gemm
+from timeshare.engines.invariance import MIN_GEMM_ROWS, enable_strict_gemm
 from timeshare.engines.megatron import checkpoint, parallel
 from timeshare.engines.megatron.gather import lent_weights
 from timeshare.engines.megatron.hf_config import HfShape
@@ -48,13 +51,27 @@ from timeshare.engines.megatron.optimizers import DistributedAdam, HostAdamW, Op
 from timeshare.engines.megatron.parallel import Layout
 from timeshare.engines.megatron.spec import MegatronSpec
 from timeshare.engines.megatron.tp_rows import TpRows
-from timeshare.engines.sharded_trainer import ShardedTrainer, pick_device
+from timeshare.engines.sequences import PAD, Sequences, completion_logits, pack, unpadded
+from timeshare.engines.sharded_trainer import ShardedTrainer, pick_device, widened
 from timeshare.engines.spec import EngineChoice
 from timeshare.errors import ConfigError
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.layout import DTYPES, Weight
 
 log = structlog.get_logger(__name__)
+
+
+def tensors_of(sequences: Sequences) -> list[torch.Tensor]:
+    """A batch's tensors as the TP group's gathers move them (the mask as bytes: gloo gathers
+    no bools)."""
+    tokens, prompt_lengths, completions, mask = sequences
+    return [tokens, prompt_lengths, completions, mask.to(torch.uint8)]
+
+
+def sequences_of(tensors: list[torch.Tensor]) -> Sequences:
+    """The batch whose tensors (`tensors_of`'s) are `tensors`."""
+    tokens, prompt_lengths, completions, mask = tensors
+    return Sequences(tokens, prompt_lengths, completions, mask.bool())
 
 
 class MegatronTrainer(ShardedTrainer):
@@ -178,53 +195,62 @@ class MegatronTrainer(ShardedTrainer):
 
     def logprobs(self, batch: list[RolloutSample]) -> list[tuple[float, ...]]:
         """This rank's samples' logprobs; a collective over the TP group (its ranks compute
-        on the rows of all of them)."""
+        on the rows of all of them, each rank's batch padded to the group's widths)."""
         self.param_store.bring_back()
-        prompts, completions, _ = batch_tensors(batch)
-        together = self.rows.gather_plain([prompts.to(self.device), completions.to(self.device)])
-        values = self._logprobs_without_grad(self.model, together[0], together[1])
-        return [tuple(row) for row in self.rows.own_plain(values).tolist()]
+        own = pack(batch)
+        padded = self.rows.padded(own.to(self.device), self.device)
+        together = sequences_of(self.rows.gather_plain(tensors_of(padded)))
+        values = self._logprobs_without_grad(self.model, together)
+        return unpadded(self.rows.own_plain(values), own)
 
     def prepare(self, batch: list[RolloutSample]) -> GrpoBatch:
-        """The TP group's rows (every rank's batch, minibatch by minibatch), with the logprobs
-        and advantages all its minibatches use. Advantages are computed on each rank's own
-        batch first: a group of samples never spans two ranks."""
-        prompts, completions, sampled = batch_tensors(batch)
+        """The TP group's rows (every rank's batch, padded to the group's widths, minibatch by
+        minibatch), with the logprobs, advantages and token weights all its minibatches use.
+        Advantages are computed on each rank's own batch first: a group of samples never spans
+        two ranks."""
+        own = pack(batch)
         rewards = rewards_of(batch)
         advantages = group_advantages(rewards, self.task.group_size)
         # (collectives move device tensors: NCCL's on CUDA)
-        together = [t.to(self.device) for t in (prompts, completions, sampled, rewards, advantages)]
-        prompts, completions, sampled, rewards, advantages = self.rows.gather(together)
+        padded = self.rows.padded(own.to(self.device), self.device)
+        sampled = widened(sampled_logprobs(batch, own), padded.widths[1])
+        per_row = [t.to(self.device) for t in (sampled, rewards, advantages)]
+        gathered = self.rows.gather([*tensors_of(padded), *per_row])
+        sequences = sequences_of(gathered[:4])
+        sampled, rewards, advantages = gathered[4:]
         sampled, rewards = sampled.cpu(), rewards.cpu()  # the step's figures are read there
-        old = self.policy_logprobs(prompts, completions)
-        ref = self.reference_logprobs(prompts, completions)
-        return GrpoBatch(prompts, completions, sampled, rewards, old, advantages, ref)
+        old = self.policy_logprobs(sequences)
+        ref = self.reference_logprobs(sequences)
+        # A minibatch is one optimiser step of the group: its rows are every rank's rows of
+        # that minibatch (consecutive, minibatch-major), and its loss is their weighted sum.
+        chunk = self.rows.minibatch_rows(len(batch))
+        weights = self.token_weights(sequences.mask, chunk)
+        return GrpoBatch(sequences, sampled, rewards, old, advantages, ref, weights)
 
-    def policy_logprobs(self, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
-        return self._logprobs_without_grad(self.model, prompts, completions)
+    def policy_logprobs(self, sequences: Sequences) -> torch.Tensor:
+        return self._logprobs_without_grad(self.model, sequences)
 
-    def reference_logprobs(
-        self, prompts: torch.Tensor, completions: torch.Tensor
-    ) -> torch.Tensor | None:
+    def reference_logprobs(self, sequences: Sequences) -> torch.Tensor | None:
         if self._reference is None:
             return None
-        return self._logprobs_without_grad(self._reference, prompts, completions)
+        return self._logprobs_without_grad(self._reference, sequences)
 
     def update(self, data: GrpoBatch, rows: range) -> tuple[float, dict[str, float]]:
-        """One optimiser step on the TP group's minibatch that holds this rank's `rows`."""
+        """One optimiser step on the TP group's minibatch that holds this rank's `rows`. Each
+        micro-batch's loss is its share of the minibatch's (the token weights say it): the
+        shares add up, no scaling."""
         group_rows = self.rows.minibatch(rows)
         micro = self.spec.micro_batch_size or len(group_rows)
+        width = data.sequences.widths[1]
         self.optimizing.zero_grad()
         loss_sum = 0.0
         metrics: dict[str, float] = {}
         for first in range(group_rows.start, group_rows.stop, micro):
             piece = slice(first, min(first + micro, group_rows.stop))
-            module = self.optimizing.module
-            new = self._logprobs(module, data.prompts[piece], data.completions[piece])
-            loss, metrics = self.loss(new, data, piece)
-            scaled = loss * (len(new) / len(group_rows))  # the minibatch's mean
-            torch.autograd.backward(scaled)
-            loss_sum += float(scaled.detach())
+            new = self._logprobs(self.optimizing.module, data.sequences.select(piece))
+            loss, metrics = self.loss(widened(new, width), data, piece)
+            torch.autograd.backward(loss)
+            loss_sum += float(loss.detach())
         metrics |= self.optimizing.step()
         return self._job_mean(loss_sum), metrics
 
@@ -236,33 +262,46 @@ class MegatronTrainer(ShardedTrainer):
         dist.all_reduce(total, group=self.layout.dp_group)
         return float(total) / self.layout.dp
 
-    def _logprobs_without_grad(
-        self, model: GPTModel, prompts: torch.Tensor, completions: torch.Tensor
-    ) -> torch.Tensor:
-        micro = self.spec.micro_batch_size or len(prompts)
+    def _logprobs_without_grad(self, model: GPTModel, sequences: Sequences) -> torch.Tensor:
+        """Logprobs of a whole batch, micro-batch by micro-batch (each trimmed to its own
+        widths: the same on every rank of the group, whose rows are the same)."""
+        micro = self.spec.micro_batch_size or sequences.rows
+        width = sequences.widths[1]
         with torch.no_grad():
             parts = [
-                self._logprobs(model, prompts[i : i + micro], completions[i : i + micro])
-                for i in range(0, len(prompts), micro)
+                widened(self._logprobs(model, sequences.select(slice(i, i + micro))), width)
+                for i in range(0, sequences.rows, micro)
             ]
         return torch.cat(parts)
 
-    def _logprobs(
-        self, model: torch.nn.Module, prompts: torch.Tensor, completions: torch.Tensor
-    ) -> torch.Tensor:
-        """Logprobs of `completions` after `prompts` at the task's temperature: the logits
-        stay split over the vocabulary, the vocab-parallel cross entropy reduces over it."""
-        tokens = torch.cat((prompts, completions), dim=1)[:, :-1].to(self.device)
+    def _logprobs(self, model: torch.nn.Module, sequences: Sequences) -> torch.Tensor:
+        """[rows, completion_width]: the completions' logprobs (sequences.py's layout) at the
+        task's temperature. No attention mask (right padding, causal attention) and positions
+        0, 1, ...: each token's own. The logits stay split over the vocabulary; the
+        vocab-parallel cross entropy reduces over it."""
+        tokens = self._model_input(sequences)
         positions = torch.arange(tokens.shape[1], device=self.device).expand_as(tokens)
-        logits = model(tokens, positions, None)[:, prompts.shape[1] - 1 :]
+        logits = completion_logits(model(tokens, positions, None), sequences)
+        completions = sequences.completions.to(self.device)
         if self.batch_invariant:  # (one TP rank: its logits are whole) as the rollout does it
-            return token_logprobs(logits, completions.to(self.device), self.task.temperature)
+            return token_logprobs(logits, completions, self.task.temperature)
         scaled = logits.float() / self.task.temperature
-        labels = completions.to(self.device)
         losses: torch.Tensor = tensor_parallel.vocab_parallel_cross_entropy(
-            scaled.contiguous(), labels
+            scaled.contiguous(), completions
         )
         return -losses
+
+    def _model_input(self, sequences: Sequences) -> torch.Tensor:
+        """The tokens the model reads, `tokens[:, :-1]`. In the batch-invariant mode at least
+        MIN_GEMM_ROWS of them: megatron's linear layers are its own, unpadded, and a GEMM of
+        fewer rows (a short sequence alone) rounds them another way; PAD columns on the right
+        add rows that no real token sees (causal attention)."""
+        tokens = sequences.tokens[:, :-1].to(self.device)
+        if self.batch_invariant:
+            short = -(-MIN_GEMM_ROWS // tokens.shape[0]) - tokens.shape[1]
+            if short > 0:
+                tokens = torch.nn.functional.pad(tokens, (0, short), value=PAD)
+        return tokens
 
     # -- checkpoints ---------------------------------------------------------------------------
 
