@@ -29,7 +29,7 @@ from timeshare.engines.simulated.engines import DeviceLedger
 from timeshare.engines.simulated.spec import SimulatedSpec
 from timeshare.engines.spec import EngineSpec, engine_spec
 from timeshare.engines.torch_ref.rollout import TorchRefRollout
-from timeshare.engines.vocab import BOS, DIGITS, SEP
+from timeshare.engines.vocab import BOS, DIGITS, PROMPT_DIGITS, SEP
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.layout import Weight
 from timeshare.units import MIB
@@ -81,8 +81,12 @@ def simulated_job() -> EngineSpec:
     return engine_spec(trainer="simulated", rollout="simulated", simulated=SIMULATED)
 
 
-def sampling(seed: int | None, max_tokens: int = COMPLETION) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, temperature=1.0, top_p=1.0, seed=seed)
+def sampling(
+    seed: int | None, max_tokens: int = COMPLETION, stop: tuple[int, ...] = ()
+) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens, temperature=1.0, top_p=1.0, seed=seed, stop_token_ids=stop
+    )
 
 
 class Witness(Protocol):
@@ -199,10 +203,29 @@ class RolloutHarness:
     # -- requests -------------------------------------------------------------------------------
 
     def requests(
-        self, seed: int | None, count: int = BATCH, max_tokens: int = COMPLETION
+        self,
+        seed: int | None,
+        count: int = BATCH,
+        max_tokens: int = COMPLETION,
+        stop: tuple[int, ...] = (),
     ) -> list[RolloutRequest]:
+        """`count` prompts of the task's shortest kind (`BOS d SEP`), sampled alike."""
         return [
-            RolloutRequest(f"r{i}", (BOS, i % DIGITS, SEP), sampling(seed, max_tokens))
+            RolloutRequest(f"r{i}", (BOS, i % DIGITS, SEP), sampling(seed, max_tokens, stop))
+            for i in range(count)
+        ]
+
+    def prompts_of_three_lengths(
+        self, seed: int, stop: tuple[int, ...], count: int = 6
+    ) -> list[RolloutRequest]:
+        """The task's prompts (`BOS d.. SEP`, the digit once to three times), their lengths
+        taking turns in one batch."""
+        return [
+            RolloutRequest(
+                f"p{i}",
+                (BOS, *(i % DIGITS,) * (1 + i % PROMPT_DIGITS), SEP),
+                sampling(seed, COMPLETION, stop),
+            )
             for i in range(count)
         ]
 
@@ -213,6 +236,11 @@ class RolloutHarness:
     def unfinished(self) -> int:
         """Requests still running inside the engine (after a generate returned or raised)."""
         return 0
+
+    def model_eos(self) -> frozenset[int]:
+        """The EOS ids the engine reads from its model directory, which it would add to a
+        request's stop tokens of its own (none: it reads no such directory)."""
+        return frozenset()
 
     # -- memory ---------------------------------------------------------------------------------
 
@@ -301,6 +329,16 @@ class VllmHarness(RolloutHarness):
         count: int = engine.llm.llm_engine.get_num_unfinished_requests()
         return count
 
+    def model_eos(self) -> frozenset[int]:
+        """The EOS of the model's generation config (config.json's where it has none), which
+        vLLM merges into a request's stop tokens unless `ignore_eos`."""
+        from timeshare.engines.vllm.engine import VllmRollout  # (imports vLLM: only here)
+
+        engine = self.engine
+        assert isinstance(engine, VllmRollout)
+        config = engine.llm.llm_engine.model_config.try_get_generation_config()
+        return _ids(config.get("eos_token_id"))
+
     def witness(self) -> Witness:
         # Reached only where vLLM has sleep mode (CUDA): this suite runs vLLM's CPU build.
         raise AssertionError("no independent view of vLLM's device memory here")
@@ -344,6 +382,15 @@ class SglangHarness(RolloutHarness):
         assert isinstance(engine, SglangRollout)
         return len(engine.sgl.tokenizer_manager.rid_to_state)
 
+    def model_eos(self) -> frozenset[int]:
+        """config.json's EOS with generation_config.json's, which SGLang stops every request
+        at (unless request_stops.py keeps it to the request's own)."""
+        from timeshare.engines.sglang.engine import SglangRollout  # (SGLang itself: not here)
+
+        engine = self.engine
+        assert isinstance(engine, SglangRollout)
+        return _ids(engine.sgl.tokenizer_manager.model_config.hf_eos_token_id)
+
     def witness(self) -> Witness:
         # Reached only where torch_memory_saver frees memory (CUDA): not this CPU.
         raise AssertionError("no independent view of SGLang's device memory here")
@@ -361,6 +408,16 @@ class SglangTp2Harness(SglangHarness):
 
     case = "sglang:tp2"
     tensor_parallel = 2
+
+
+def _ids(value: object) -> frozenset[int]:
+    """Token ids as a model's config gives them: one, several, or none."""
+    if value is None:
+        return frozenset()
+    if isinstance(value, int):
+        return frozenset({value})
+    assert isinstance(value, (list, tuple, set, frozenset)), value
+    return frozenset(int(v) for v in value)
 
 
 HARNESSES: dict[str, Callable[[], RolloutHarness]] = {

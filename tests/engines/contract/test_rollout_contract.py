@@ -20,8 +20,15 @@ import torch
 from tests.engines.contract.conftest import ROLLOUTS, kinds
 from tests.engines.contract.rollouts import COMPLETION, RolloutHarness, sampling
 from timeshare.engines import registry
-from timeshare.engines.base import RolloutEngine, RolloutRequest, RolloutSample
+from timeshare.engines.base import (
+    RolloutEngine,
+    RolloutRequest,
+    RolloutSample,
+    finish_reason,
+    until_stop,
+)
 from timeshare.engines.digest import weights_digest
+from timeshare.engines.vocab import EOS
 from timeshare.errors import (
     GenerateTimeout,
     LoaderFailed,
@@ -128,6 +135,53 @@ def test_each_sample_carries_its_version_and_the_logprobs_of_its_tokens(
     if tp_rollout_engine.family == "causal_lm":  # the version is the weights that sampled them
         other = tp_rollout_engine.trainer(0).logprobs(by_variant[1])
         assert logprob_gap(by_variant[1], other) > 100 * tp_rollout_engine.logprob_tolerance
+
+
+def test_prompts_of_three_lengths_share_a_batch(rollout_engine: RolloutHarness) -> None:
+    """The task's batch: each sample answers its own prompt, whatever its neighbours' lengths,
+    with a logprob per token, ending as its finish_reason says."""
+    engine = rollout_engine.engine
+    requests = rollout_engine.prompts_of_three_lengths(seed=6, stop=(EOS,))
+    assert len({len(r.prompt_tokens) for r in requests}) == 3
+    samples = engine.generate(requests)
+    assert [s.request_id for s in samples] == [r.request_id for r in requests]
+    for sample, request in zip(samples, requests, strict=True):
+        assert sample.prompt_tokens == request.prompt_tokens
+        assert 1 <= len(sample.tokens) == len(sample.logprobs) <= COMPLETION
+        assert all(math.isfinite(p) and p <= 0.0 for p in sample.logprobs)
+        assert_finished_as_said(sample, request)
+    if rollout_engine.family == "causal_lm":  # each row was sampled after its own prompt
+        trainer = rollout_engine.trainer(rollout_engine.variant)
+        gap = logprob_gap(samples, trainer.logprobs(samples))
+        assert gap <= rollout_engine.logprob_tolerance, gap
+
+
+def test_a_completion_ends_at_its_first_stop_token_and_at_no_other(
+    rollout_engine: RolloutHarness,
+) -> None:
+    """Sampled again with the same seed and a stop set, each completion is the one sampled
+    without, cut after the first of its stop tokens (kept, with its logprob: "stop"), or whole
+    ("length", max_tokens tokens). No engine stops at a token of its own: the model's EOS ends
+    nothing unless the request asks (vLLM and SGLang would add it)."""
+    if rollout_engine.family != "causal_lm":
+        pytest.skip("the simulated engine samples nothing: its completions are fixed")
+    engine = rollout_engine.engine
+    # An engine that reads its model's EOS reads the job's (model_dir.py `write_config_dir`)...
+    assert rollout_engine.model_eos() in (frozenset(), {EOS})
+    seed, free, other = _unstopped_batch_with_two_stop_sets(rollout_engine)
+    # ...and it came up inside a completion that went on: nothing but the request stops one.
+    assert any(EOS in s.tokens[:-1] for s in free)
+    for stop in ((EOS,), (other,)):
+        requests = rollout_engine.requests(seed=seed, max_tokens=STOPS_OVER, stop=stop)
+        samples = engine.generate(requests)
+        for sample, request, unstopped in zip(samples, requests, free, strict=True):
+            kept = until_stop(list(unstopped.tokens), stop)
+            assert sample.tokens == unstopped.tokens[:kept], (stop, sample, unstopped)
+            tolerance = rollout_engine.logprob_tolerance
+            assert sample.logprobs == pytest.approx(unstopped.logprobs[:kept], abs=tolerance)
+            assert_finished_as_said(sample, request)
+        reasons = {s.finish_reason for s in samples}
+        assert reasons == {"stop", "length"}, (stop, reasons)
 
 
 def test_a_generate_past_its_deadline_is_aborted_and_the_engine_stays_usable(
@@ -241,6 +295,48 @@ def test_a_prompt_longer_than_it_holds_is_refused_by_name(rollout_engine: Rollou
 
 
 # -- helpers ----------------------------------------------------------------------------------
+
+
+STOPS_OVER = 8  # the completion the stop tests sample (every engine's sequence holds it)
+SEEDS_TRIED = 10  # batches sampled to find one that a stop set splits (almost any does)
+
+
+def _unstopped_batch_with_two_stop_sets(
+    harness: RolloutHarness,
+) -> tuple[int, list[RolloutSample], int]:
+    """A seed and its batch sampled with no stop tokens, in which EOS and another token each
+    come up before the last position of some completions and in none of others: as a stop set,
+    each ends some completions early and leaves others whole."""
+    vocab = harness.spec.served_model().config.vocab_size
+    seen = []
+    for seed in range(SEEDS_TRIED):
+        requests = harness.requests(seed=seed, max_tokens=STOPS_OVER)
+        free = harness.engine.generate(requests)
+        for sample, request in zip(free, requests, strict=True):
+            assert len(sample.tokens) == len(sample.logprobs) == STOPS_OVER, sample
+            assert_finished_as_said(sample, request)
+        seen.append([s.tokens for s in free])
+        others = [t for t in range(vocab) if t != EOS and _splits(free, t)]
+        if _splits(free, EOS) and others:
+            return seed, free, others[0]
+    raise AssertionError(f"no batch of {SEEDS_TRIED} that a stop set splits: {seen}")
+
+
+def _splits(samples: list[RolloutSample], token: int) -> bool:
+    """`token` ends some of `samples` early (before their last position) and none of others."""
+    return any(token in s.tokens[:-1] for s in samples) and any(
+        token not in s.tokens for s in samples
+    )
+
+
+def assert_finished_as_said(sample: RolloutSample, request: RolloutRequest) -> None:
+    """Its finish_reason is what its tokens say: "stop" ends at its first stop token (none
+    before it), "length" holds max_tokens tokens and no stop token."""
+    stops = request.sampling.stop_token_ids
+    assert sample.finish_reason == finish_reason(sample.tokens, stops), sample
+    assert until_stop(list(sample.tokens), stops) == len(sample.tokens), sample
+    if sample.finish_reason == "length":
+        assert len(sample.tokens) == request.sampling.max_tokens, sample
 
 
 def tensors(weights: list[tuple[str, Weight]]) -> list[tuple[str, torch.Tensor]]:

@@ -19,6 +19,7 @@ import torch
 
 from timeshare.engines.patches import Outcome, Patch, apply_patches
 from timeshare.engines.sglang import cpu_shims, sgl_kernel_standin
+from timeshare.engines.sglang.request_stops import REQUEST_STOPS
 from timeshare.engines.sglang.seeded_sampling import SEEDED_SAMPLING
 from timeshare.errors import PatchRefused
 
@@ -111,6 +112,10 @@ def test_a_shim_written_for_another_version_is_refused_naming_its_target() -> No
 
 def test_seeded_sampling_knows_the_installed_sglang_source() -> None:
     assert SEEDED_SAMPLING.found() in SEEDED_SAMPLING.known
+
+
+def test_request_stops_knows_the_installed_sglang_source() -> None:
+    assert REQUEST_STOPS.found() in REQUEST_STOPS.known
 
 
 def test_the_standin_murmur_hash_is_murmurhash3_of_seed_position_and_column() -> None:

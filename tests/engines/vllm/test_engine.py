@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.engines.vllm.conftest import Engine, Named, named_weights
-from timeshare.engines.base import RolloutRequest, SamplingParams
+from timeshare.engines.base import RolloutRequest, SamplingParams, until_stop
 from timeshare.engines.digest import weights_digest
 from timeshare.engines.load_report import LoadReport
 from timeshare.engines.torch_ref.model import CausalLM, init_model
@@ -22,8 +22,12 @@ pytestmark = pytest.mark.slow
 RECORD = f"vllm-rank0{FOREIGN_SEGMENTS_SUFFIX}"  # the engine's record, in its runtime dir
 
 
-def requests(seed: int, count: int = 8, max_tokens: int = 6) -> list[RolloutRequest]:
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed)
+def requests(
+    seed: int, count: int = 8, max_tokens: int = 6, stop: tuple[int, ...] = ()
+) -> list[RolloutRequest]:
+    sampling = SamplingParams(
+        max_tokens=max_tokens, temperature=1.0, seed=seed, stop_token_ids=stop
+    )
     return [RolloutRequest(f"r{i}", (10, i % 10, 11), sampling) for i in range(count)]
 
 
@@ -125,6 +129,25 @@ def test_a_loader_failure_reaches_the_trainer_and_the_engine_refuses_torn_weight
     engine.sync(original)  # a new session after the failed one; the engine is whole again
     assert engine.rollout.digest() == weights_digest(original)
     assert len(engine.rollout.generate(requests(seed=1))) == 8
+
+
+def test_the_models_own_eos_ends_nothing_the_requests_stop_tokens_end_it(engine: Engine) -> None:
+    """This model's generation config (`timeshare model init`'s: transformers' Llama defaults)
+    names an EOS, which vLLM would merge into every request's stop tokens: a completion goes on
+    through it, and stops at it only where its request asks, keeping it and its logprob."""
+    config = engine.rollout.llm.llm_engine.model_config.try_get_generation_config()
+    own = config.get("eos_token_id")
+    assert isinstance(own, int), config  # vLLM has an EOS of its own to add here
+    free = engine.rollout.generate(requests(seed=13, count=16, max_tokens=12))
+    assert any(own in s.tokens[:-1] for s in free), [s.tokens for s in free]
+    assert all(len(s.tokens) == 12 and s.finish_reason == "length" for s in free)
+    stopped = engine.rollout.generate(requests(seed=13, count=16, max_tokens=12, stop=(own,)))
+    for sample, unstopped in zip(stopped, free, strict=True):
+        kept = until_stop(list(unstopped.tokens), (own,))
+        assert sample.tokens == unstopped.tokens[:kept]
+        assert sample.logprobs == pytest.approx(unstopped.logprobs[:kept], abs=1e-5)
+        assert sample.finish_reason == ("stop" if own in sample.tokens else "length")
+    assert {s.finish_reason for s in stopped} == {"stop", "length"}
 
 
 def test_a_generate_past_its_deadline_is_aborted_and_the_engine_stays_usable(

@@ -12,6 +12,7 @@ timeshare's channel into a loader that SGLang runs inside its scheduler.
     cpu_shims.py         torchvision's op schemas and the `sgl_kernel` stand-in, as patches,
     sgl_kernel_standin.py  for a CPU-only torch (both absent from a GPU install)
     seeded_sampling.py   a request's seed honoured on every attention backend (a patch)
+    request_stops.py     a request stops at its own stop tokens only (a patch)
     die_with_host.py     SGLang's processes die with their rollout worker (a patch)
 
 SGLang pins packages that vLLM's CPU build pins otherwise, so it runs from a venv of its own

@@ -9,11 +9,13 @@ by a deadline (a call past it leaves the engine unusable, and says so).
 Generation: token-id prompts, each request with its own seed (the batch's seed and its index;
 SGLang honours it through seeded_sampling.py), the logprobs of the sampled tokens (SGLang's
 default: of the processed distribution, after temperature and top-p), and the weight version on
-every sample. A generate past its deadline is aborted inside SGLang, which is then waited idle:
-the engine stays usable. Images and videos reach SGLang's `image_data`/`video_data` where the
-model takes them, each checked to have a placeholder of its own in the prompt and to have been
-expanded by SGLang (media.py: what SGLang would drop is refused naming the request); any medium
-is refused naming the field on a text model.
+every sample. A completion stops at the first of its request's stop tokens (kept, with its
+logprob) and at no other: request_stops.py keeps SGLang from adding the model's EOS. A generate
+past its deadline is aborted inside SGLang, which is then waited idle: the engine stays usable.
+Images and videos reach SGLang's `image_data`/`video_data` where the model takes them, each
+checked to have a placeholder of its own in the prompt and to have been expanded by SGLang
+(media.py: what SGLang would drop is refused naming the request); any medium is refused naming
+the field on a text model.
 
 Memory: `sleep()` waits for SGLang to be idle (its cache flushes only then: a release that races
 a generate kills its scheduler) and releases weights and KV cache; `wake(tags)` brings back the
@@ -38,9 +40,11 @@ import structlog
 import torch
 
 from timeshare.engines.base import (
+    FinishReason,
     RolloutRequest,
     RolloutSample,
     RolloutTraits,
+    finish_reason,
     refuse_unsupported,
 )
 from timeshare.engines.context import EngineContext
@@ -469,6 +473,10 @@ def _success_of(answer: object) -> tuple[bool, str]:
 
 
 def _sampling(request: RolloutRequest, index: int) -> dict[str, object]:
+    """SGLang's sampling parameters for the `index`th request of a batch. `ignore_eos` stays
+    False: SGLang's `ignore_eos` turns off the request's `stop_token_ids` too
+    (schedule_batch.py `Req._check_token_based_finish`), and the model's EOS that SGLang would
+    add besides is not checked (request_stops.py)."""
     sampling = request.sampling
     seed = secrets.randbits(63) if sampling.seed is None else mix(sampling.seed, index)
     return {
@@ -476,16 +484,39 @@ def _sampling(request: RolloutRequest, index: int) -> dict[str, object]:
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "sampling_seed": seed,
-        "ignore_eos": True,
+        "stop_token_ids": list(sampling.stop_token_ids),
+        "ignore_eos": False,
     }
 
 
 def _sample(request: RolloutRequest, output: dict[str, Any], version: int) -> RolloutSample:
     tokens = tuple(int(t) for t in output["output_ids"])
+    meta = output["meta_info"]
     logprobs: tuple[float, ...] = ()
     if request.sampling.logprobs:
-        steps = output["meta_info"]["output_token_logprobs"]
-        logprobs = tuple(float(logprob) for logprob, _, _ in steps)
+        logprobs = tuple(float(logprob) for logprob, _, _ in meta["output_token_logprobs"])
     return RolloutSample(
-        request.request_id, tokens, logprobs, version, prompt_tokens=request.prompt_tokens
+        request.request_id,
+        tokens,
+        logprobs,
+        version,
+        prompt_tokens=request.prompt_tokens,
+        finish_reason=_finish_reason(request, tokens, meta.get("finish_reason")),
     )
+
+
+def _finish_reason(request: RolloutRequest, tokens: tuple[int, ...], said: object) -> FinishReason:
+    """How SGLang says the completion ended (its `finish_reason`, {"type": "stop" | "length" |
+    "abort", ...}), checked against its tokens: "stop" exactly when its last token is one of
+    the request's stop tokens (SGLang keeps the token it stopped at). A stop at any other token
+    (the model's EOS, were request_stops.py switched off) or an abort is refused, naming it."""
+    kind = said.get("type") if isinstance(said, dict) else said
+    expected = finish_reason(tokens, request.sampling.stop_token_ids)
+    if kind != expected:
+        raise TimeshareError(
+            f"SGLang rollout: request {request.request_id!r} finished with {said!r} after "
+            f"{len(tokens)} tokens ending {list(tokens[-1:])}, but its stop tokens "
+            f"{list(request.sampling.stop_token_ids)} and max_tokens "
+            f"{request.sampling.max_tokens} make that {expected!r}"
+        )
+    return expected

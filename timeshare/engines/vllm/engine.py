@@ -9,7 +9,9 @@ Generation runs vLLM's engine loop here, one step at a time, so that a generate 
 deadline is aborted inside vLLM and the engine stays usable. Each request gets its own seed
 (the batch's seed and its index), logprobs are those of the sampled distribution
 (`logprobs_mode="processed_logprobs"`, after temperature and top-p), and every sample carries the
-weight version that produced it.
+weight version that produced it. A completion stops at the first of its request's stop tokens
+(kept, with its logprob) and at no other: `ignore_eos` keeps vLLM from adding the EOS of the
+model's generation config to the request's own (see `_sampling`).
 
 Memory: where vLLM has sleep mode (CUDA), `sleep()` is `LLM.sleep(level)` and `wake(tags)` the
 staged `LLM.wake_up(tags)`. Where it has not (CPU), `sleep()` only stops scheduling (nothing is
@@ -31,9 +33,11 @@ import structlog
 import torch
 
 from timeshare.engines.base import (
+    FinishReason,
     RolloutRequest,
     RolloutSample,
     RolloutTraits,
+    finish_reason,
     refuse_unsupported,
 )
 from timeshare.engines.context import EngineContext
@@ -49,6 +53,7 @@ from timeshare.engines.vllm.spec import BATCH_INVARIANT_ENV, VllmSpec
 from timeshare.errors import (
     GenerateTimeout,
     LoaderFailed,
+    TimeshareError,
     TransferError,
 )
 from timeshare.protocols.commands.results import WorkerLoad
@@ -331,6 +336,14 @@ def _prompt(request: RolloutRequest) -> TokensPrompt:
 
 
 def _sampling(request: RolloutRequest, index: int) -> VllmSampling:
+    """vLLM's sampling parameters for the `index`th request of a batch.
+
+    The request's stop set is the only one. vLLM 0.32 stops at `stop_token_ids` whatever
+    `ignore_eos` says (v1/core/sched/utils.py `check_stop`); what `ignore_eos=False` would add
+    is the tokenizer's EOS (None here: `skip_tokenizer_init`) and the model's generation-config
+    EOS, merged into `stop_token_ids` (sampling_params.py `update_from_generation_config`).
+    So `ignore_eos=True`: the job's set already holds the model's EOS, and a request without it
+    means it."""
     sampling = request.sampling
     seed = None if sampling.seed is None else mix(sampling.seed, index)
     return VllmSampling(
@@ -340,6 +353,7 @@ def _sampling(request: RolloutRequest, index: int) -> VllmSampling:
         top_p=sampling.top_p,
         seed=seed,
         logprobs=0 if sampling.logprobs else None,
+        stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=True,
         detokenize=False,
     )
@@ -354,8 +368,29 @@ def _sample(request: RolloutRequest, output: RequestOutput, version: int) -> Rol
             _logprob(step, token) for step, token in zip(completion.logprobs, tokens, strict=True)
         )
     return RolloutSample(
-        request.request_id, tokens, logprobs, version, prompt_tokens=request.prompt_tokens
+        request.request_id,
+        tokens,
+        logprobs,
+        version,
+        prompt_tokens=request.prompt_tokens,
+        finish_reason=_finish_reason(request, tokens, completion.finish_reason),
     )
+
+
+def _finish_reason(
+    request: RolloutRequest, tokens: tuple[int, ...], said: str | None
+) -> FinishReason:
+    """How vLLM says the completion ended, checked against its tokens: "stop" exactly when its
+    last token is one of the request's stop tokens (vLLM keeps the token it stopped at)."""
+    expected = finish_reason(tokens, request.sampling.stop_token_ids)
+    if said != expected:
+        raise TimeshareError(
+            f"vLLM rollout: request {request.request_id!r} finished with {said!r} after "
+            f"{len(tokens)} tokens ending {list(tokens[-1:])}, but its stop tokens "
+            f"{list(request.sampling.stop_token_ids)} and max_tokens "
+            f"{request.sampling.max_tokens} make that {expected!r}"
+        )
+    return expected
 
 
 def _logprob(step: LogprobsOnePosition | None, token: int) -> float:
