@@ -77,9 +77,9 @@ def test_the_reward_is_the_share_of_the_right_completion() -> None:
     task = RepeatDigit()
     assert task.answer((BOS, 7, 7, SEP)) == (7, 7, 7, EOS)
     assert task.reward((BOS, 7, SEP), (7, 7, 7, EOS)) == 1.0
-    assert task.reward((BOS, 7, 7, 7, SEP), (7, 7, 1, EOS)) == 0.75
-    assert task.reward((BOS, 7, 7, SEP), (7, EOS)) == 0.25
-    assert task.reward((BOS, 7, SEP), (7, 7, 7, 7, 7, 7)) == 0.75
+    assert task.reward((BOS, 7, 7, 7, SEP), (7, 7, 1, EOS)) == pytest.approx(0.5 * 2 / 3 + 0.5)
+    assert task.reward((BOS, 7, 7, SEP), (7, EOS)) == pytest.approx(0.5 / 3)
+    assert task.reward((BOS, 7, SEP), (7, 7, 7, 7, 7, 7)) == 0.5
     assert task.reward((BOS, 7, 8, SEP), (7, 7, 7, EOS)) == 0.0  # not a prompt of the task
     assert task.reward((BOS, 7, SEP), ()) == 0.0
 

@@ -6,10 +6,13 @@ tokens, then EOS. Token ids come from the tokenizer alone (tokenizer.py): throug
 task's own (digit_tokenizer.py) a prompt is `BOS d.. SEP` and the answer `d d d EOS`, the ids the
 models have always learnt; through a user's tokenizer they are its own.
 
-The reward of a completion is the fraction of the right completion's positions it got right (a
-completion that stops early misses the rest; one that goes on misses the EOS), so it lies in
-[0, 1]; a random model scores about 1/vocab and a few dozen GRPO steps of a small model bring it
-near 1, every completion then stopping at its EOS. The examples of a step are a function of
+The reward of a completion is half for saying the digits (the share of the answer's positions
+it got right) and half for stopping right after them (its EOS where the answer's is), so it lies
+in [0, 1]. Stopping weighs as much as all the digits because it is the one position-dependent
+skill: weighted as one position of four, a small model learnt "say d" everywhere first and,
+without a KL term, never sampled an EOS after the digits again (the reward stuck at 0.75, every
+completion cut at the limit). A random model scores about 1/vocab; 30 GRPO steps of the demo's
+model bring it to about 0.86 with every completion stopping at its EOS. The examples of a step are a function of
 (seed, rank, step) alone: a run resumed from step k sees exactly the prompts it would have seen.
 """
 
@@ -79,7 +82,10 @@ class RepeatDigit:
         answer = self.answer(prompt)
         if not answer or not completion:
             return 0.0
-        return sum(got == want for got, want in zip(completion, answer, strict=False)) / len(answer)
+        said, stop = answer[:-1], answer[-1]
+        right = sum(got == want for got, want in zip(completion, said, strict=False))
+        stopped = len(completion) == len(answer) and completion[-1] == stop
+        return 0.5 * right / len(said) + 0.5 * stopped
 
     def longest_prompt(self) -> int:
         return max(len(prompt) for prompt in self.answers)
