@@ -12,8 +12,9 @@ in [0, 1]. Stopping weighs as much as all the digits because it is the one posit
 skill: weighted as one position of four, a small model learnt "say d" everywhere first and,
 without a KL term, never sampled an EOS after the digits again (the reward stuck at 0.75, every
 completion cut at the limit). A random model scores about 1/vocab; 30 GRPO steps of the demo's
-model bring it to about 0.86 with every completion stopping at its EOS. The examples of a step are a function of
-(seed, rank, step) alone: a run resumed from step k sees exactly the prompts it would have seen.
+model bring it to about 0.86 with every completion stopping at its EOS. The examples of a step
+are a function of (seed, rank, step) alone: a run resumed from step k sees exactly the prompts
+it would have seen.
 """
 
 from __future__ import annotations
