@@ -36,6 +36,7 @@ class RolloutFootprint(NamedTuple):
     memory_fraction: float | None  # ... or: the whole engine takes this much of each device
     kv_key: str  # the key that sizes the KV cache, for errors
     longest_sequence: int  # tokens of the longest sequence it must hold (its max length)
+    longest_key: str = ""  # the key that sets longest_sequence, for errors
 
 
 @runtime_checkable

@@ -229,11 +229,46 @@ def check_engines(
     trained = spec.trained_model()
     if trained is not None:
         spec.task.check_model(trained.config, trained.where)
+        check_rollout_holds_a_sequence(spec, trained.config, source_of)
         if probe:  # (the tokenizer's files: `timeshare plan` reads a config.json alone)
             check_tokenizer(spec, trained, source_of)
     for name, roles in spec.roles().items():
         if probe and (probed := registry.ENGINES[name].probe):
             registry.load_function(probed)(spec, roles)
+
+
+def check_rollout_holds_a_sequence(
+    spec: EngineChoice, model: ModelConfig, source_of: Sources
+) -> None:
+    """The rollout engine holds the longest sequence the task makes (max_prompt_tokens +
+    max_completion_tokens): within its longest sequence (vLLM's max_model_len, SGLang's
+    context_length, torch_ref's kv_cache_len) and its KV cache, where that is given in tokens,
+    or in bytes and the weights' dtype says how many bytes a token takes. (A run would
+    otherwise fail at its first ROLLOUT, or, where an engine cuts prompts, train on less.)"""
+    settings = spec.section(spec.rollout)
+    if not isinstance(settings, HasRolloutFootprint):
+        return
+    footprint = settings.rollout_footprint(spec.task.batch_size)
+    task = spec.task
+    wanted = (
+        f"engine.task.max_prompt_tokens ({task.max_prompt_tokens}) plus "
+        f"engine.task.max_completion_tokens ({task.max_completion_tokens})"
+    )
+    longest, key = footprint.longest_sequence, footprint.longest_key
+    if longest and key and task.sequence_tokens > longest:
+        raise ConfigError(f"{key} ({longest}, from {source_of(key)}) is shorter than {wanted}")
+    tokens = footprint.kv_cache_tokens
+    if tokens is None and footprint.kv_cache_bytes is not None and footprint.weight_bytes:
+        per_token = (
+            2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
+        ) * footprint.weight_bytes // footprint.tensor_parallel
+        tokens = int(footprint.kv_cache_bytes // max(per_token, 1))
+    if tokens is not None and task.sequence_tokens > tokens:
+        kv = footprint.kv_key
+        raise ConfigError(
+            f"{kv} (from {source_of(kv)}): the KV cache holds {tokens} tokens, fewer than "
+            f"{wanted}"
+        )
 
 
 def check_tokenizer(spec: EngineChoice, trained: TrainedModel, source_of: Sources) -> None:

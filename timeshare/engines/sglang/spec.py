@@ -81,6 +81,7 @@ class SglangSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             memory_fraction=None,
             kv_key="engine.sglang.max_total_tokens",
             longest_sequence=self.context_length or 0,  # 0: the model's own
+            longest_key="engine.sglang.context_length",
         )
 
     def __post_init__(self) -> None:

@@ -57,6 +57,7 @@ class TorchRefSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             memory_fraction=None,
             kv_key="engine.torch_ref.kv_cache_len",
             longest_sequence=self.kv_cache_len,
+            longest_key="engine.torch_ref.kv_cache_len",
         )
 
     def trained_model(self) -> TrainedModel:

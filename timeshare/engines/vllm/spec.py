@@ -95,6 +95,7 @@ class VllmSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             memory_fraction=self.gpu_memory_utilization,
             kv_key="engine.vllm.kv_cache_mb" if by_size else "engine.vllm.gpu_memory_utilization",
             longest_sequence=self.max_model_len,
+            longest_key="engine.vllm.max_model_len",
         )
 
     def typed_args(self) -> dict[str, Any]:
