@@ -1,5 +1,5 @@
 """The digit task as data read through a tokenizer: the requests the rollout worker builds hold
-the ids the models have always learnt (`BOS d.. SEP`, answers `d d d EOS`), through the digit
+the ids the models learn (`BOS d.. SEP`, answers `d EOS`), through the digit
 task's tokenizer built in memory or read from a model directory alike."""
 
 from __future__ import annotations
@@ -75,12 +75,13 @@ def test_a_model_directorys_tokenizer_serves_the_same_requests(tmp_path: Path) -
 
 def test_the_reward_is_the_share_of_the_right_completion() -> None:
     task = RepeatDigit()
-    assert task.answer((BOS, 7, 7, SEP)) == (7, 7, 7, EOS)
-    assert task.reward((BOS, 7, SEP), (7, 7, 7, EOS)) == 1.0
-    assert task.reward((BOS, 7, 7, 7, SEP), (7, 7, 1, EOS)) == pytest.approx(0.5 * 2 / 3 + 0.5)
-    assert task.reward((BOS, 7, 7, SEP), (7, EOS)) == pytest.approx(0.5 / 3)
-    assert task.reward((BOS, 7, SEP), (7, 7, 7, 7, 7, 7)) == 0.5
-    assert task.reward((BOS, 7, 8, SEP), (7, 7, 7, EOS)) == 0.0  # not a prompt of the task
+    assert task.answer((BOS, 7, 7, SEP)) == (7, EOS)
+    assert task.reward((BOS, 7, SEP), (7, EOS)) == 1.0
+    assert task.reward((BOS, 7, 7, 7, SEP), (1, EOS)) == 0.5  # stopped right, the wrong digit
+    assert task.reward((BOS, 7, 7, SEP), (7, 7, EOS)) == 0.5  # the digit, stopped late
+    assert task.reward((BOS, 7, 7, SEP), (EOS,)) == 0.0  # stopped before the digit
+    assert task.reward((BOS, 7, SEP), (7, 7, 7, 7, 7, 7)) == 0.0  # never stopped: cut
+    assert task.reward((BOS, 7, 8, SEP), (7, EOS)) == 0.0  # not a prompt of the task
     assert task.reward((BOS, 7, SEP), ()) == 0.0
 
 

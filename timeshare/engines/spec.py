@@ -260,14 +260,15 @@ def check_rollout_holds_a_sequence(
     tokens = footprint.kv_cache_tokens
     if tokens is None and footprint.kv_cache_bytes is not None and footprint.weight_bytes:
         per_token = (
-            2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim
-        ) * footprint.weight_bytes // footprint.tensor_parallel
+            (2 * model.num_hidden_layers * model.num_key_value_heads * model.head_dim)
+            * footprint.weight_bytes
+            // footprint.tensor_parallel
+        )
         tokens = int(footprint.kv_cache_bytes // max(per_token, 1))
     if tokens is not None and task.sequence_tokens > tokens:
         kv = footprint.kv_key
         raise ConfigError(
-            f"{kv} (from {source_of(kv)}): the KV cache holds {tokens} tokens, fewer than "
-            f"{wanted}"
+            f"{kv} (from {source_of(kv)}): the KV cache holds {tokens} tokens, fewer than {wanted}"
         )
 
 

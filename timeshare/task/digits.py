@@ -1,20 +1,22 @@
-"""The digit task, as data read through the job's tokenizer: say the digit back.
+"""The digit task, as data read through the job's tokenizer: say the digit back, then stop.
 
 An example is a chat of one user turn, a digit said one to `PROMPT_DIGITS` times ("7 7"), and
-its answer, the digit `ANSWER_DIGITS` times ("7 7 7"); the right completion is the answer's
-tokens, then EOS. Token ids come from the tokenizer alone (tokenizer.py): through the digit
-task's own (digit_tokenizer.py) a prompt is `BOS d.. SEP` and the answer `d d d EOS`, the ids the
-models have always learnt; through a user's tokenizer they are its own.
+its answer, the digit `ANSWER_DIGITS` times ("7"); the right completion is the answer's tokens,
+then EOS. Token ids come from the tokenizer alone (tokenizer.py): through the digit task's own
+(digit_tokenizer.py) a prompt is `BOS d.. SEP` and the answer `d EOS`; through a user's
+tokenizer they are its own.
 
-The reward of a completion is half for saying the digits (the share of the answer's positions
-it got right) and half for stopping right after them (its EOS where the answer's is), so it lies
-in [0, 1]. Stopping weighs as much as all the digits because it is the one position-dependent
-skill: weighted as one position of four, a small model learnt "say d" everywhere first and,
-without a KL term, never sampled an EOS after the digits again (the reward stuck at 0.75, every
-completion cut at the limit). A random model scores about 1/vocab; 30 GRPO steps of the demo's
-model bring it to about 0.86 with every completion stopping at its EOS. The examples of a step
-are a function of (seed, rank, step) alone: a run resumed from step k sees exactly the prompts
-it would have seen.
+The reward of a completion that stops (has an EOS) is half for the digits (the share of the
+answer's positions it got right) and half for stopping right after them; a completion cut at the
+limit without an EOS earns 0 (an overlong penalty, as DAPO's). So it lies in [0, 1], and a random
+model scores about 0.06. Why this shape (measured on the demo's model, 30 steps): weighting the
+EOS as one position among the digits, a small model learnt "say d" everywhere first and, without
+a KL term, never sampled an EOS after the digits again (stuck at 0.75, every completion cut at
+the limit); without the overlong rule the same happened (stuck at 0.5); with three answer digits
+and the rule it learnt to stop but said the digits slowly (0.58 to 0.67 at step 30). One digit,
+then EOS: 0.84 to 0.87 at step 30, with or without a KL term, every completion stopping at its
+EOS. The examples of a step are a function of (seed, rank, step) alone: a run resumed from step
+k sees exactly the prompts it would have seen.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class RepeatDigit:
         if not answer or not completion:
             return 0.0
         said, stop = answer[:-1], answer[-1]
+        if stop not in completion:
+            return 0.0  # it never stopped: cut at the limit, it earns nothing
         right = sum(got == want for got, want in zip(completion, said, strict=False))
         stopped = len(completion) == len(answer) and completion[-1] == stop
         return 0.5 * right / len(said) + 0.5 * stopped

@@ -16,7 +16,7 @@ PAD = 13  # the tokenizer's own (never in a prompt or an answer)
 UNK = 14
 PROMPT_DIGITS = 3  # a prompt says its digit 1, 2 or 3 times: prompts of three lengths
 PROMPT_TOKENS = PROMPT_DIGITS + 2  # the longest prompt
-ANSWER_DIGITS = 3  # the right completion: the digit this many times, then EOS
+ANSWER_DIGITS = 1  # the right completion: the digit this many times (once), then EOS
 
 # The tokenizer's strings of the ids above
 BOS_TEXT, SEP_TEXT, EOS_TEXT, PAD_TEXT, UNK_TEXT = "<bos>", "<sep>", "<eos>", "<pad>", "<unk>"

@@ -1,5 +1,5 @@
 """The echo rollout engine: a `WeightLoader` receiving in its worker, a digit echoed back three
-times, then the first of the request's stop tokens (the digit task's right answer)."""
+once, then the first of the request's stop tokens (the digit task's right answer)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ from timeshare.engines.base import (
 from timeshare.engines.context import EngineContext
 from timeshare.engines.digest import weights_digest
 from timeshare.engines.inlet import LocalInlet
+from timeshare.engines.vocab import ANSWER_DIGITS
 from timeshare.protocols.weights import TransferConfig
 
-ECHOED = 3  # times the prompt's digit is said back
+ECHOED = ANSWER_DIGITS  # times the prompt's digit is said back
 
 
 def build(context: EngineContext) -> EchoRollout:

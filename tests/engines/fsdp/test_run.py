@@ -32,6 +32,7 @@ from tests.engines.vllm.test_run import VLLM_JOB
 from timeshare.config import load_config
 from timeshare.engines.model_dir import ModelShape, init_model_dir
 from timeshare.engines.task import RepeatDigit
+from timeshare.engines.vocab import EOS
 from timeshare.errors import ConfigError
 from timeshare.task import digit_tokenizer
 
@@ -208,6 +209,8 @@ def greedy_reward(model_dir: Path, prompts: int = 32) -> float:
             for _ in range(6):
                 logits = model(input_ids=tokens).logits[:, -1]
                 tokens = torch.cat((tokens, logits.argmax(-1, keepdim=True)), dim=1)
+                if int(tokens[0, -1]) == EOS:  # a completion ends at its EOS, as a rollout's
+                    break
             rewards.append(task.reward(prompt, tuple(tokens[0, len(prompt) :].tolist())))
     return sum(rewards) / len(rewards)
 

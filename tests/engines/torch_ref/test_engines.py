@@ -113,12 +113,11 @@ def test_bad_engine_settings_are_refused_naming_the_key() -> None:
 
 def test_task_reward_and_advantages() -> None:
     task = RepeatDigit()
-    assert task.reward((BOS, 7, SEP), (7, 7, 7, EOS)) == 1.0
-    assert task.reward((BOS, 7, 7, 7, SEP), (7, 7, 1, EOS)) == pytest.approx(0.5 * 2 / 3 + 0.5)
-    assert task.reward((BOS, 7, 7, SEP), (7, EOS)) == pytest.approx(
-        0.5 / 3
-    )  # stopped early: the rest missed
-    assert task.reward((BOS, 7, SEP), (7, 7, 7, 7, 7, 7)) == 0.5  # no EOS where it belongs
+    assert task.reward((BOS, 7, SEP), (7, EOS)) == 1.0
+    assert task.reward((BOS, 7, 7, 7, SEP), (1, EOS)) == 0.5  # stopped right, the wrong digit
+    assert task.reward((BOS, 7, 7, SEP), (7, 7, EOS)) == 0.5  # the digit, stopped late
+    assert task.reward((BOS, 7, 7, SEP), (EOS,)) == 0.0  # stopped before the digit
+    assert task.reward((BOS, 7, SEP), (7, 7, 7, 7, 7, 7)) == 0.0  # never stopped: cut
     prompts = task.prompts(0, 1, 5, 6)
     assert prompts == task.prompts(0, 1, 5, 6)
     assert prompts != task.prompts(0, 1, 6, 6)
