@@ -229,8 +229,8 @@ def test_the_exported_checkpoint_is_the_trained_model_for_transformers_and_vllm(
     )
     assert done.returncode == 0, done.stderr
     assert f"step-{STEPS:08d}" in done.stdout  # the newest committed step
-    assert greedy_reward(learned.model_dir) < 0.5  # the model it started from cannot
-    assert greedy_reward(exported) > 0.8  # the exported one says the digit back
+    assert greedy_reward(learned.model_dir) < 0.2  # the model it started from cannot (0.06)
+    assert greedy_reward(exported) > 0.6  # the exported one says the digit back and stops
 
     # The configuration most RL users run: FSDP trainer, vLLM rollout, both starting from the
     # exported directory (vLLM loads its weights itself). Its first rollout is already good.
@@ -247,7 +247,9 @@ def test_the_exported_checkpoint_is_the_trained_model_for_transformers_and_vllm(
     steps = steps_of(runtime_dir / "summary.json")
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["weights_match"] and s["logprob_max_abs_diff"] < 1e-4 for s in steps)
-    assert steps[0]["reward_mean"] > 0.8, steps[0]
+    # its first rollout samples about as well as the trained run's last (a random model: 0.06)
+    trained = learned.steps[-1]["reward_mean"]
+    assert steps[0]["reward_mean"] > max(trained - 0.2, 0.5), (steps[0], trained)
     assert_nothing_left(runtime_dir)
 
 
