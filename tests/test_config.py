@@ -395,3 +395,12 @@ def test_a_model_directory_with_its_tokenizer_loads_without_transformers(tmp_pat
         f"load_config(Path({str(job)!r}), environ={{}})"
     )
     assert heavy_modules_imported_by(load) == []
+
+
+def test_the_renamed_completion_tokens_is_refused_by_its_new_name(tmp_path: Path) -> None:
+    old = write(tmp_path, "[engine.task]\ncompletion_tokens = 6\n")
+    with pytest.raises(ConfigError, match=r"completion_tokens is now max_completion_tokens"):
+        load_config(old, environ={})
+    new = write(tmp_path, "[engine.task]\nmax_prompt_tokens = 5\nmax_completion_tokens = 6\n")
+    task = load_config(new, environ={}).config.engine.task
+    assert (task.max_prompt_tokens, task.max_completion_tokens, task.sequence_tokens) == (5, 6, 11)
