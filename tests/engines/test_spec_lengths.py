@@ -7,18 +7,10 @@ from typing import Any
 
 import pytest
 
+from tests.engines.contract.rollouts import MODEL
 from timeshare.engines.spec import check_engines, engine_spec
 from timeshare.errors import ConfigError
 
-MODEL = {
-    "vocab_size": 16,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-}
 TASK = {
     "prompts_per_rank": 2,
     "group_size": 4,

@@ -87,6 +87,24 @@ def finish_reason(tokens: tuple[int, ...], stop_token_ids: tuple[int, ...]) -> F
     return "stop" if tokens and tokens[-1] in stop_token_ids else "length"
 
 
+def checked_finish_reason(
+    engine: str, request: RolloutRequest, tokens: tuple[int, ...], said: object
+) -> FinishReason:
+    """How `engine` said a completion of `tokens` ended (`said`), checked against its tokens:
+    "stop" exactly when its last token is one of the request's stop tokens (kept), else
+    "length". A stop at any other token (an engine adding a stop token of its own) or an
+    abort is refused, naming the request."""
+    expected = finish_reason(tokens, request.sampling.stop_token_ids)
+    if said != expected:
+        raise TimeshareError(
+            f"{engine}: request {request.request_id!r} finished with {said!r} after "
+            f"{len(tokens)} tokens ending {list(tokens[-1:])}, but its stop tokens "
+            f"{list(request.sampling.stop_token_ids)} and max_tokens "
+            f"{request.sampling.max_tokens} make that {expected!r}"
+        )
+    return expected
+
+
 def until_stop(tokens: list[int], stop_token_ids: tuple[int, ...]) -> int:
     """How many of `tokens` a completion keeps: up to and including its first stop token."""
     for index, token in enumerate(tokens):

@@ -104,7 +104,11 @@ def test_a_medium_reaches_the_model(
     [again] = vl_engine.generate([request(vl_engine, media, make(1))])
     [other] = vl_engine.generate([request(vl_engine, media, make(2))])
     assert len(first.tokens) == SAMPLING.max_tokens and first.weight_version == 1
-    assert first == again  # seeded: the same medium gives the same sample
+    # seeded: the same medium gives the same sample; its logprobs agree to fp32 noise (on this
+    # session's AVX-512 CPU the video's first logprob came 2.4e-7 apart between two runs of one
+    # request, also at the last landed commit: the repeat may reuse the cached prefix)
+    assert first.tokens == again.tokens and first.finish_reason == again.finish_reason
+    assert torch.allclose(torch.tensor(first.logprobs), torch.tensor(again.logprobs), atol=1e-5)
     # The same seed and prompt with another medium: the model saw it (not dropped).
     assert not torch.allclose(torch.tensor(first.logprobs), torch.tensor(other.logprobs))
 

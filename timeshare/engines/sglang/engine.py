@@ -44,7 +44,7 @@ from timeshare.engines.base import (
     RolloutRequest,
     RolloutSample,
     RolloutTraits,
-    finish_reason,
+    checked_finish_reason,
     refuse_unsupported,
 )
 from timeshare.engines.context import EngineContext
@@ -507,16 +507,7 @@ def _sample(request: RolloutRequest, output: dict[str, Any], version: int) -> Ro
 
 def _finish_reason(request: RolloutRequest, tokens: tuple[int, ...], said: object) -> FinishReason:
     """How SGLang says the completion ended (its `finish_reason`, {"type": "stop" | "length" |
-    "abort", ...}), checked against its tokens: "stop" exactly when its last token is one of
-    the request's stop tokens (SGLang keeps the token it stopped at). A stop at any other token
-    (the model's EOS, were request_stops.py switched off) or an abort is refused, naming it."""
+    "abort", ...}), checked against its tokens (SGLang keeps the token it stopped at; a stop at
+    the model's EOS, were request_stops.py switched off, is refused)."""
     kind = said.get("type") if isinstance(said, dict) else said
-    expected = finish_reason(tokens, request.sampling.stop_token_ids)
-    if kind != expected:
-        raise TimeshareError(
-            f"SGLang rollout: request {request.request_id!r} finished with {said!r} after "
-            f"{len(tokens)} tokens ending {list(tokens[-1:])}, but its stop tokens "
-            f"{list(request.sampling.stop_token_ids)} and max_tokens "
-            f"{request.sampling.max_tokens} make that {expected!r}"
-        )
-    return expected
+    return checked_finish_reason("SGLang rollout", request, tokens, kind)

@@ -33,11 +33,10 @@ import structlog
 import torch
 
 from timeshare.engines.base import (
-    FinishReason,
     RolloutRequest,
     RolloutSample,
     RolloutTraits,
-    finish_reason,
+    checked_finish_reason,
     refuse_unsupported,
 )
 from timeshare.engines.context import EngineContext
@@ -53,7 +52,6 @@ from timeshare.engines.vllm.spec import BATCH_INVARIANT_ENV, VllmSpec
 from timeshare.errors import (
     GenerateTimeout,
     LoaderFailed,
-    TimeshareError,
     TransferError,
 )
 from timeshare.protocols.commands.results import WorkerLoad
@@ -373,24 +371,10 @@ def _sample(request: RolloutRequest, output: RequestOutput, version: int) -> Rol
         logprobs,
         version,
         prompt_tokens=request.prompt_tokens,
-        finish_reason=_finish_reason(request, tokens, completion.finish_reason),
+        finish_reason=checked_finish_reason(
+            "vLLM rollout", request, tokens, completion.finish_reason
+        ),
     )
-
-
-def _finish_reason(
-    request: RolloutRequest, tokens: tuple[int, ...], said: str | None
-) -> FinishReason:
-    """How vLLM says the completion ended, checked against its tokens: "stop" exactly when its
-    last token is one of the request's stop tokens (vLLM keeps the token it stopped at)."""
-    expected = finish_reason(tokens, request.sampling.stop_token_ids)
-    if said != expected:
-        raise TimeshareError(
-            f"vLLM rollout: request {request.request_id!r} finished with {said!r} after "
-            f"{len(tokens)} tokens ending {list(tokens[-1:])}, but its stop tokens "
-            f"{list(request.sampling.stop_token_ids)} and max_tokens "
-            f"{request.sampling.max_tokens} make that {expected!r}"
-        )
-    return expected
 
 
 def _logprob(step: LogprobsOnePosition | None, token: int) -> float:
