@@ -136,9 +136,19 @@ class Attention(nn.Module):
         rows = torch.arange(q.shape[0])
         cache.keys[self.layer, rows, :, at] = k[:, :, 0]
         cache.values[self.layer, rows, :, at] = v[:, :, 0]
+        if not self.batch_invariant:  # one attention, each row's later keys masked
+            span = int(at.max()) + 1
+            visible = (torch.arange(span) <= at.unsqueeze(1)).view(q.shape[0], 1, 1, span)
+            keys = cache.keys[self.layer, : q.shape[0], :, :span]
+            values = cache.values[self.layer, : q.shape[0], :, :span]
+            groups = q.shape[1] // keys.shape[1]
+            if groups > 1:
+                keys = keys.repeat_interleave(groups, dim=1)
+                values = values.repeat_interleave(groups, dim=1)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
         out = torch.empty_like(q)
-        # Rows at one position attend together: over exactly their visible keys, so that in
-        # the batch-invariant mode each row's sums are those of the trainer's forward.
+        # Batch-invariant: rows at one position attend together, over exactly their visible
+        # keys (no masked ones), so that each row's sums are those of the trainer's forward.
         for position in sorted(set(at.tolist())):
             same = (at == position).nonzero().squeeze(1)
             keys = cache.keys[self.layer, same, :, : position + 1]
