@@ -7,8 +7,9 @@ Each example (`--examples`, default: one per trainer and rollout engine) runs fo
 steps with `timeshare run` from `--tree` (its package first on the path, its own example file
 and model init), with the Python of the venv the Makefile gives it. Per example it prints the
 median step time and the TRAIN and ROLLOUT phases' (the slowest rank's, from the summary; the
-first step is left out: start-up), the reward of the first and last step, and where the
-summary has them the completions' mean length, truncated share and TRAIN's padding share.
+first step is left out: start-up), the reward of the first and last step, whether every step's
+weights matched, and where the summary has them the completions' mean length, truncated share
+and TRAIN's padding share.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def figures(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "rollout_s": median([s["phases"]["rollout"] for s in timed]),
         "reward_first": steps[0].get("reward_mean"),
         "reward_last": steps[-1].get("reward_mean"),
+        "weights_match_every_step": all(s["weights_match"] for s in steps),
     }
     lengths = [s["lengths"] for s in steps if s.get("lengths")]
     if lengths:
