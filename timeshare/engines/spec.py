@@ -229,7 +229,7 @@ def check_engines(
     trained = spec.trained_model()
     if trained is not None:
         spec.task.check_model(trained.config, trained.where)
-        check_rollout_holds_a_sequence(spec, trained.config, source_of)
+        check_rollout_holds_a_sequence(spec, trained.config, source_of, kv_cache=probe)
         if probe:  # (the tokenizer's files: `timeshare plan` reads a config.json alone)
             check_tokenizer(spec, trained, source_of)
     for name, roles in spec.roles().items():
@@ -238,13 +238,14 @@ def check_engines(
 
 
 def check_rollout_holds_a_sequence(
-    spec: EngineChoice, model: ModelConfig, source_of: Sources
+    spec: EngineChoice, model: ModelConfig, source_of: Sources, *, kv_cache: bool = True
 ) -> None:
     """The rollout engine holds the longest sequence the task makes (max_prompt_tokens +
     max_completion_tokens): within its longest sequence (vLLM's max_model_len, SGLang's
-    context_length, torch_ref's kv_cache_len) and its KV cache, where that is given in tokens,
-    or in bytes and the weights' dtype says how many bytes a token takes. (A run would
-    otherwise fail at its first ROLLOUT, or, where an engine cuts prompts, train on less.)"""
+    context_length, torch_ref's kv_cache_len) and, with `kv_cache`, its KV cache, where that is
+    given in tokens, or in bytes and the weights' dtype says how many bytes a token takes. (A
+    run would otherwise fail at its first ROLLOUT, or, where an engine cuts prompts, train on
+    less.) `timeshare plan` leaves the KV cache to its own rule, which sizes it on the device."""
     settings = spec.section(spec.rollout)
     if not isinstance(settings, HasRolloutFootprint):
         return
@@ -257,6 +258,8 @@ def check_rollout_holds_a_sequence(
     longest, key = footprint.longest_sequence, footprint.longest_key
     if longest and key and task.sequence_tokens > longest:
         raise ConfigError(f"{key} ({longest}, from {source_of(key)}) is shorter than {wanted}")
+    if not kv_cache:
+        return
     tokens = footprint.kv_cache_tokens
     if tokens is None and footprint.kv_cache_bytes is not None and footprint.weight_bytes:
         per_token = (
