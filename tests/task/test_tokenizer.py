@@ -87,6 +87,15 @@ def test_the_stop_set_is_the_union_of_tokenizer_generation_config_and_job(
     assert tokenizer.stop_set() == (12, 14)
     no_model_dir = tokenizers.load(TokenizerSource(str(tmp_path), "test", ""))
     assert no_model_dir.stop_set((3,)) == (3, 12)
+    # no generation_config.json: config.json's EOS, from which vLLM builds its generation
+    # config (it must be in the stop set: vLLM is told to stop at the stop set alone)
+    (tmp_path / GENERATION_CONFIG).unlink()
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 15}))
+    assert generation_eos(tmp_path) == (15,)
+    assert tokenizers.load(TokenizerSource(str(tmp_path), "t", str(tmp_path))).stop_set() == (
+        12,
+        15,
+    )
 
 
 def test_a_tokenizer_with_no_eos_or_no_chat_template_is_refused(tmp_path: Path) -> None:

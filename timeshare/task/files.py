@@ -72,10 +72,15 @@ def has_chat_template(directory: Path) -> bool:
 
 
 def generation_eos(model_dir: Path | None) -> tuple[int, ...]:
-    """generation_config.json's `eos_token_id` (one id or a list; () when there is none)."""
+    """The model's generation EOS: generation_config.json's `eos_token_id` (one id or a list),
+    or, with no such file, config.json's, from which transformers and vLLM build the
+    generation config then (() when neither names one). The engines are told to stop at the
+    job's stop set alone (vLLM with ignore_eos), so the model's own EOS must be in it."""
     if model_dir is None:
         return ()
     path = model_dir / GENERATION_CONFIG
+    if not path.is_file():
+        path = model_dir / "config.json"
     return _ids(_json(path).get("eos_token_id"), path)
 
 

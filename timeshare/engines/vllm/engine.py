@@ -340,8 +340,10 @@ def _sampling(request: RolloutRequest, index: int) -> VllmSampling:
     `ignore_eos` says (v1/core/sched/utils.py `check_stop`); what `ignore_eos=False` would add
     is the tokenizer's EOS (None here: `skip_tokenizer_init`) and the model's generation-config
     EOS, merged into `stop_token_ids` (sampling_params.py `update_from_generation_config`).
-    So `ignore_eos=True`: the job's set already holds the model's EOS, and a request without it
-    means it."""
+    So `ignore_eos=True`, which is right only because the job's stop set always holds the
+    model's EOS: task/files.py `generation_eos` reads it from generation_config.json, or from
+    config.json where vLLM builds its generation config from that, and the workload sends the
+    set in every request. A request without it (a test's) means it."""
     sampling = request.sampling
     seed = None if sampling.seed is None else mix(sampling.seed, index)
     return VllmSampling(
