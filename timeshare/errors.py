@@ -293,6 +293,24 @@ class CheckpointError(TimeshareError):
     """Raised when a checkpoint cannot be written or read."""
 
 
+# -- the task (timeshare/task) --------------------------------------------------------------------
+
+
+class RewardFailed(TimeshareError):
+    """Raised in ROLLOUT when the job's reward function failed on a sample (raised, timed out,
+    died, or returned what is not a score) under `on_error = "fail"`, or failed on more than
+    `max_skipped_fraction` of a batch under `"skip"`: names the function, the sample and its
+    row, and the file every failure was written to (reward_errors.jsonl). Never a reward of 0.
+    """
+
+
+class RewardFunctionError(TimeshareError):
+    """Raised when a reward function returned what is not a reward (NaN or infinite, a string, a
+    list, a dict without a numeric "score", a numeric extra that is not finite), or when a
+    sample supplies no value for one of its required parameters: names the function and what
+    was received. The pool reports it as the sample's `RewardOutcome.error`."""
+
+
 # -- the control socket: requests the daemon refuses (protocols/control) ---------------------------
 
 
