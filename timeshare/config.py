@@ -80,6 +80,18 @@ class LogSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # ones as .2, ...), `keep` of them: a job of days stays within (1 + keep) x max_mb each.
     max_mb: Annotated[float, msgspec.Meta(ge=0.0)] = 256.0  # 0: never
     keep: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 4
+    # The run's directory: samples.jsonl (the first `samples_per_step` samples of each step and
+    # rank, as text) and reward_errors.jsonl go there. "": the directory of `file`, else the
+    # parent of job.checkpoint_dir.
+    dir: str = ""
+    samples_per_step: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+    def run_dir(self, checkpoint_dir: str) -> Path:
+        if self.dir:
+            return Path(self.dir)
+        if self.file:
+            return Path(self.file).parent
+        return Path(checkpoint_dir).parent
 
 
 class DaemonSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -45,6 +45,7 @@ from timeshare.protocols.commands.results import (
     CommandResult,
     HeldResult,
     LengthFigures,
+    RewardFigures,
     RolloutResult,
     SyncResult,
     TrainResult,
@@ -95,6 +96,8 @@ class StepFigures(msgspec.Struct, frozen=True, kw_only=True):
     held_at_barrier_mb: float = 0.0
     invariance_max_abs_diff: float | None = None
     lengths: LengthFigures | None = None
+    rewards: RewardFigures | None = None  # skipped samples, the reward function's extras
+    val_reward_mean: float | None = None  # a validation step's ([engine.task] val_every)
 
 
 class StepLog:
@@ -151,6 +154,17 @@ class StepLog:
         self._resumed.clear()
 
 
+def _val_reward_mean(rollouts: list[RolloutResult]) -> float | None:
+    """The validation prompts' mean reward over every rank's (None: no validation this step)."""
+    scored = [(r.val_reward_mean, r.val_samples) for r in rollouts if r.val_reward_mean is not None]
+    samples = sum(n for _, n in scored)
+    if not scored:
+        return None
+    if samples == 0:
+        return sum(mean for mean, _ in scored) / len(scored)
+    return sum(mean * n for mean, n in scored) / samples
+
+
 def step_figures(
     step: int, reports: list[PhaseReport], ranks: Sequence[int], *, resumed: bool = False
 ) -> StepFigures:
@@ -196,6 +210,8 @@ def step_figures(
         rollout_resident_mb=sum(r.resident_mb for r in rollouts),
         invariance_max_abs_diff=max(drifts) if drifts else None,
         lengths=LengthFigures.combined([t.lengths for t in trains if t.lengths is not None]),
+        rewards=RewardFigures.combined([t.rewards for t in trains if t.rewards is not None]),
+        val_reward_mean=_val_reward_mean(rollouts),
         committed_step=None if None in committed else min(c for c in committed if c is not None),
         resumed=resumed,
     )

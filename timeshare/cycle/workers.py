@@ -273,6 +273,8 @@ def worker_spec(
         log_keep=config.log.keep,
         resume_on_fewer_ranks=config.cluster.min_nodes > 0,
         keep_checkpoints=config.job.keep_checkpoints,
+        run_dir=str(config.log.run_dir(config.job.checkpoint_dir)),
+        samples_per_step=config.log.samples_per_step,
     )
 
 

@@ -1,7 +1,13 @@
 """`timeshare`: the command line.
 
-    timeshare run CONFIG [--summary PATH] [--ranks N] [--steps N]
-                                    run the cycle in the foreground
+    timeshare run CONFIG [--summary PATH] [--ranks N] [--steps N] [--data-changed]
+                                    run the cycle in the foreground (a dataset task is
+                                    checked first, as `task check` does; --data-changed: go
+                                    on from checkpoints that learnt from other data)
+    timeshare task check CONFIG     the user's task before anything starts: every row loads,
+                                    renders and tokenizes; prompt lengths; overlong rows; the
+                                    stop set; two prompts; the reward called twice (exit 2:
+                                    what failed)
     timeshare config show CONFIG    the effective config, each key with where it came from
     timeshare plan CONFIG [--nodes N] [--ranks-per-node N] [--device-gib G] [--sync-gbps R]
                    [--json PATH]    whether the job fits its cluster: the sizes that must
@@ -24,6 +30,8 @@
                                     the run wrote its --summary file and keeps log.jsonl)
     timeshare report RUN_DIR --text the run's per-phase table (median, p90, max), sync GB/s and
                                     bubble, from the --summary file in RUN_DIR
+    timeshare report RUN_DIR --samples [N]
+                                    the last N samples of the run (samples.jsonl) as text
     timeshare trace RUN_DIR... [--out PATH]
                                     the run's timeline as a Chrome trace (Perfetto), from the
                                     log in RUN_DIR (several: the nodes of one job, in one file)
@@ -73,9 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {args.directory}")
         elif args.command == "export":
             _export(args.checkpoint, args.directory)
+        elif args.command == "task":
+            _task_check(load_config(args.config, probe=False).config)
         elif args.command == "run":
-            config = _with_overrides(load_config(args.config).config, args)
-            return _run(config, args.summary, args.config.stem)
+            return _checked_run(args)
+        elif args.command == "report" and args.samples is not None:
+            _samples(args.run_dir, args.samples)
         elif args.command == "report":
             return _report(args.run_dir, text=args.text, out=args.out, steps=args.steps)
         elif args.command == "trace":
@@ -193,6 +204,39 @@ def _shape(args: argparse.Namespace) -> ModelShape:
     )
 
 
+def _checked_run(args: argparse.Namespace) -> int:
+    config = _with_overrides(load_config(args.config).config, args)
+    if config.engine.task.kind == "dataset":
+        _check_dataset(config, data_changed=args.data_changed)
+    return _run(config, args.summary, args.config.stem)
+
+
+def _task_check(config: Config) -> None:
+    """The report on stdout; a check that fails raises `ConfigError` (exit 2)."""
+    # (imported here: the tokenizer and the data's libraries load for this command alone)
+    from timeshare.daemon.task_check import check_task  # noqa: PLC0415
+
+    found = check_task(config, out=sys.stderr)
+    sys.stdout.write("\n".join(found.lines) + "\ntask check: ok\n")
+
+
+def _check_dataset(config: Config, *, data_changed: bool) -> None:
+    """`timeshare task check`'s checks, and the data against the checkpoints' (exit 2)."""
+    from timeshare.daemon.task_check import check_task, checked_data  # noqa: PLC0415
+
+    found = check_task(config, out=sys.stderr)
+    for line in found.lines:
+        print(f"timeshare run: {line}", file=sys.stderr)
+    checked_data(config, found.fingerprint, data_changed=data_changed)
+
+
+def _samples(run_dir: Path, count: int) -> None:
+    """The last `count` samples of the run, as text."""
+    from timeshare.report.samples import last_samples, render  # noqa: PLC0415
+
+    sys.stdout.write(render(last_samples(run_dir, count)))
+
+
 def _with_overrides(config: Config, args: argparse.Namespace) -> Config:
     job = config.job
     try:
@@ -256,6 +300,17 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--summary", type=Path, help="write per-step figures to this JSON file")
     run.add_argument("--ranks", type=int, help="override job.ranks")
     run.add_argument("--steps", type=int, help="override job.steps")
+    run.add_argument(
+        "--data-changed",
+        action="store_true",
+        help="go on from checkpoints that learnt from other data (a dataset task)",
+    )
+    task = commands.add_parser("task", help="the job's task")
+    task_commands = task.add_subparsers(dest="task_command", required=True)
+    task_check = task_commands.add_parser(
+        "check", help="every row, the stop set and the reward, before anything starts"
+    )
+    task_check.add_argument("config", type=Path)
     config = commands.add_parser("config", help="the job's configuration")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     show = config_commands.add_parser(
@@ -296,6 +351,13 @@ def _parser() -> argparse.ArgumentParser:
         "run_dir", type=Path, help="where the run wrote its --summary file (and keeps log.jsonl)"
     )
     report.add_argument("--text", action="store_true", help="the per-phase table, as text")
+    report.add_argument(
+        "--samples",
+        type=int,
+        nargs="?",
+        const=5,
+        help="the last N samples (samples.jsonl) as text, 5 unless given",
+    )
     report.add_argument("--out", type=Path, help="the PNG to write (default RUN_DIR/report.png)")
     report.add_argument(
         "--steps", type=int, default=3, help="how many of the last steps the timeline shows (3)"

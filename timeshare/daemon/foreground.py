@@ -76,6 +76,16 @@ class Progress:
             )
             + _lengths(figures.lengths)
             + (
+                f"  val_reward {figures.val_reward_mean:.3f}"
+                if figures.val_reward_mean is not None
+                else ""
+            )
+            + (
+                f"  skipped {figures.rewards.skipped_fraction:.1%}"
+                if figures.rewards is not None and figures.rewards.skipped_fraction
+                else ""
+            )
+            + (
                 f"  resident {figures.rollout_resident_mb:.0f} MiB"
                 if figures.rollout_resident_mb
                 else ""

@@ -138,6 +138,21 @@ class Metrics:
             "The last step's share of TRAIN's laid-out tokens that were padding",
             registry=r,
         )
+        self.reward = Gauge(
+            "timeshare_reward_mean",
+            "The last step's mean reward of the samples trained on",
+            registry=r,
+        )
+        self.val_reward = Gauge(
+            "timeshare_val_reward_mean",
+            "The last validation's mean reward ([engine.task] val_every)",
+            registry=r,
+        )
+        self.reward_skipped = Gauge(
+            "timeshare_reward_skipped_fraction",
+            "The last step's share of samples whose reward was skipped (out of the loss)",
+            registry=r,
+        )
         self.loop_lag = Gauge(
             "timeshare_event_loop_lag_max_seconds",
             "The daemon's event loop: the longest a ready task waited",
@@ -164,6 +179,12 @@ class Metrics:
             self.logprob_diff.set(figures.logprob_max_abs_diff)
         if figures.invariance_max_abs_diff is not None:
             self.invariance_drift.set(figures.invariance_max_abs_diff)
+        if figures.reward_mean is not None:
+            self.reward.set(figures.reward_mean)
+        if figures.val_reward_mean is not None:
+            self.val_reward.set(figures.val_reward_mean)
+        if figures.rewards is not None:
+            self.reward_skipped.set(figures.rewards.skipped_fraction)
         if (lengths := figures.lengths) is not None:
             self.completion_tokens.set(lengths.completion_tokens_mean)
             self.truncated.set(lengths.truncated_fraction)

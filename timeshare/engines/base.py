@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -77,8 +77,10 @@ class RolloutSample:
     logprobs: tuple[float, ...]
     weight_version: int
     prompt_tokens: tuple[int, ...] = ()
-    reward: float | None = None  # set by the task once the completion is scored
+    reward: float | None = None  # set by the task once the completion is scored (None: skipped)
     finish_reason: FinishReason = "length"
+    # the reward function's further numbers beside its score (averaged into the step's figures)
+    reward_extras: dict[str, float] = field(default_factory=dict)
 
 
 def finish_reason(tokens: tuple[int, ...], stop_token_ids: tuple[int, ...]) -> FinishReason:

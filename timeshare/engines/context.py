@@ -40,3 +40,7 @@ class EngineContext:
     # A checkpoint written by more ranks may be resumed, resharded ([cluster] min_nodes).
     resume_on_fewer_ranks: bool = False
     keep_checkpoints: int = KEEP_CHECKPOINTS
+    # The run's directory (the rollout writes samples.jsonl and reward_errors.jsonl there;
+    # None: nowhere) and how many samples of each step it writes.
+    run_dir: Path | None = None
+    samples_per_step: int = 0

@@ -24,7 +24,7 @@ from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S, KEEP_CHECKPOINTS
 from timeshare.engines.sequences import Sequences, completion_logits, pack, padded_values
 from timeshare.engines.spec import EngineChoice, GrpoSpec, LossAggregation, TaskSpec
 from timeshare.errors import OffPolicy, TimeshareError
-from timeshare.protocols.commands.results import LengthFigures, TrainFigures
+from timeshare.protocols.commands.results import LengthFigures, RewardFigures, TrainFigures
 from timeshare.protocols.store import JobStore
 
 log = structlog.get_logger(__name__)
@@ -56,7 +56,28 @@ def sampled_logprobs(batch: list[RolloutSample], sequences: Sequences) -> torch.
 
 
 def rewards_of(batch: list[RolloutSample]) -> torch.Tensor:
-    return torch.tensor([float(s.reward or 0.0) for s in batch])
+    """Each sample's reward; a skipped one (None) is 0.0 here and out of `scored_rows`."""
+    return torch.tensor([0.0 if s.reward is None else float(s.reward) for s in batch])
+
+
+def scored_rows(batch: list[RolloutSample]) -> torch.Tensor:
+    """[rows] bool: the samples with a reward. A skipped one (the reward function returned
+    None, or failed under on_error = "skip") leaves the loss and its group's statistics: a
+    reward of 0 in its place would bias the group's mean."""
+    return torch.tensor([s.reward is not None for s in batch], dtype=torch.bool)
+
+
+def reward_figures(batch: list[RolloutSample]) -> RewardFigures:
+    """The part of the batch skipped, and the mean of each extra the reward function gave."""
+    names = sorted({name for s in batch for name in s.reward_extras})
+    extras = {}
+    for name in names:
+        values = [s.reward_extras[name] for s in batch if name in s.reward_extras]
+        extras[name] = sum(values) / len(values)
+    skipped = sum(s.reward is None for s in batch)
+    return RewardFigures(
+        skipped_fraction=skipped / len(batch) if batch else 0.0, extras=extras, samples=len(batch)
+    )
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -77,16 +98,27 @@ def completion_logprobs(
     return token_logprobs(completion_logits(logits, sequences), completions, temperature)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(reward - group mean) / (group std + eps), per group of `group_size` consecutive samples.
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, scored: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(reward - group mean) / (group std + eps), per group of `group_size` consecutive samples,
+    over the `scored` samples of each group (all, when None); a sample not scored gets 0.
 
-    A group whose samples all scored the same teaches nothing: its advantages are 0.
+    A group whose samples all scored the same teaches nothing: its advantages are 0; so does
+    one with fewer than two scored samples.
     """
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not form groups of {group_size}")
     groups = rewards.view(-1, group_size)
-    centred = groups - groups.mean(dim=1, keepdim=True)
-    return (centred / (groups.std(dim=1, keepdim=True) + EPS)).view(-1)
+    if scored is None or bool(scored.all()):
+        centred = groups - groups.mean(dim=1, keepdim=True)
+        return (centred / (groups.std(dim=1, keepdim=True) + EPS)).view(-1)
+    counted = scored.view(-1, group_size).float()
+    n = counted.sum(dim=1, keepdim=True)
+    mean = (groups * counted).sum(dim=1, keepdim=True) / n.clamp(min=1.0)
+    centred = (groups - mean) * counted
+    std = ((centred**2).sum(dim=1, keepdim=True) / (n - 1.0).clamp(min=1.0)).sqrt()
+    return torch.where(n >= 2, centred / (std + EPS), 0.0).view(-1)
 
 
 def token_weights(mask: torch.Tensor, aggregation: LossAggregation, chunk: int) -> torch.Tensor:
@@ -144,6 +176,11 @@ def clipped_loss(
     return loss, metrics
 
 
+def _scored_mean(rewards: torch.Tensor, scored: torch.Tensor) -> float | None:
+    """The mean reward of the scored samples (None: none was)."""
+    return float(rewards[scored].mean()) if bool(scored.any()) else None
+
+
 def masked_max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     """The largest |a - b| over the real tokens (`mask`)."""
     difference = (a.cpu() - b.cpu()).abs().masked_fill(~mask.cpu(), 0.0)
@@ -174,6 +211,7 @@ class GrpoBatch(NamedTuple):
     advantages: torch.Tensor
     ref: torch.Tensor | None  # the reference model's logprobs (a KL term only)
     weights: torch.Tensor  # each token's weight in its minibatch's loss (token_weights)
+    scored: torch.Tensor  # [rows] bool: the samples with a reward (scored_rows)
 
 
 class GrpoTrainer(TrainerEngine):
@@ -227,12 +265,13 @@ class GrpoTrainer(TrainerEngine):
             step=self.step,
             samples=len(batch),
             committed=self.step,
-            reward_mean=float(data.rewards.mean()),
+            reward_mean=_scored_mean(data.rewards, data.scored),
             logprob_max_abs_diff=masked_max_abs_diff(data.old, data.sampled, data.sequences.mask),
             loss=loss,
             train_s=time.perf_counter() - started,
             extra=metrics,
             lengths=length_figures(batch, data.sequences),
+            rewards=reward_figures(batch),
         )
         self.commit()
         return self.last_train
@@ -242,11 +281,14 @@ class GrpoTrainer(TrainerEngine):
         sequences = pack(batch)
         sampled = sampled_logprobs(batch, sequences)
         rewards = rewards_of(batch)
+        scored = scored_rows(batch)
         old = self.policy_logprobs(sequences)
         ref = self.reference_logprobs(sequences)
-        advantages = group_advantages(rewards, self.task.group_size)
-        weights = self.token_weights(sequences.mask, len(batch) // self.grpo.minibatches)
-        return GrpoBatch(sequences, sampled, rewards, old, advantages, ref, weights)
+        advantages = group_advantages(rewards, self.task.group_size, scored)
+        # a skipped sample's tokens weigh nothing (they stay in the logprob check)
+        trained = sequences.mask & scored.unsqueeze(1)
+        weights = self.token_weights(trained, len(batch) // self.grpo.minibatches)
+        return GrpoBatch(sequences, sampled, rewards, old, advantages, ref, weights, scored)
 
     def token_weights(self, mask: torch.Tensor, minibatch_rows: int) -> torch.Tensor:
         """Each token's weight in its minibatch's loss, as `[engine.grpo] loss_aggregation`

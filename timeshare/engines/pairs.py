@@ -32,7 +32,13 @@ def build_rollout(context: EngineContext) -> RolloutEngine:
 def workload_of(context: EngineContext) -> Workload:
     """What the rank's rollout serves: the task, or (simulated engines) fixed requests."""
     spec = context.spec
-    return workload(registry.find(spec.rollout, "rollout").family, spec)
+    return workload(
+        registry.find(spec.rollout, "rollout").family,
+        spec,
+        ranks=context.world_size,
+        run_dir=context.run_dir,
+        samples_per_step=context.samples_per_step,
+    )
 
 
 def _built(context: EngineContext, name: str, role: registry.Role) -> object:

@@ -35,6 +35,7 @@ from timeshare.task.files import (
     stop_set,
     tokenizer_facts,
 )
+from timeshare.task.reward_function import RewardSpec
 from timeshare.task.vocab import EOS, PROMPT_TOKENS, TOKENIZER_SIZE
 
 if TYPE_CHECKING:
@@ -45,15 +46,23 @@ Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 S = TypeVar("S", bound=msgspec.Struct)
 
 
-class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The shipped task (say the digit back, task.py) and how the rollout samples it.
+TaskKind = Literal["digits", "dataset"]
+Overlong = Literal["error", "drop"]
 
-    A prompt holds at most `max_prompt_tokens`, a completion at most `max_completion_tokens`:
+
+class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The task the rollout serves, and how it samples it: the built-in digit task (say the
+    digit back, timeshare/task/digits.py), or the user's own (`kind = "dataset"`): prompts read
+    from `train_files`, scored by the user's `[engine.task.reward]` (timeshare/task/).
+
+    A prompt holds at most `max_prompt_tokens` (a longer row is an error listing the rows, or,
+    `overlong = "drop"`, left out and counted), a completion at most `max_completion_tokens`:
     it ends earlier at a stop token (the stop set: the tokenizer's EOS, generation_config.json's
     EOS and `stop_token_ids`). The prompts are read through the tokenizer of `tokenizer` (a
     directory), else of the trained model's directory; a model given inline has the digit
     task's own. Simulated engines serve fixed requests instead and read none of it."""
 
+    kind: TaskKind = "digits"
     seed: int = 0  # the prompts and the sampling seeds of every step follow from it
     prompts_per_rank: PositiveInt = 8
     group_size: Annotated[int, msgspec.Meta(ge=2)] = 8  # GRPO needs a group to compare within
@@ -63,6 +72,19 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     tokenizer: str = ""  # a directory of tokenizer files; "": the model directory's
     temperature: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    # kind = "dataset": .parquet, .jsonl or .json files, concatenated in order
+    train_files: tuple[str, ...] = ()
+    val_files: tuple[str, ...] = ()
+    prompt_key: str = "prompt"  # each row's prompt: a string, or chat messages {role, content}
+    label_key: str = ""  # given to the reward as `label` ("": none)
+    overlong: Overlong = "error"
+    shuffle: bool = True  # each epoch a seeded permutation of the rows
+    reward: RewardSpec | None = None
+    # every `val_every` steps the validation prompts are generated and scored, never trained
+    # on (0: never); greedy unless `val_temperature` > 0; `val_prompts` of them (0: all)
+    val_every: Annotated[int, msgspec.Meta(ge=0)] = 0
+    val_temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    val_prompts: Annotated[int, msgspec.Meta(ge=0)] = 0
     # renamed: refused by name (a completion now ends at EOS; max_completion_tokens bounds it)
     completion_tokens: int | None = None
 
@@ -72,11 +94,28 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 "engine.task.completion_tokens is now max_completion_tokens (a completion ends "
                 "at its EOS, or there): rename the key"
             )
+        if self.kind == "dataset":
+            self._check_dataset()
+            return
+        for key in ("train_files", "val_files", "reward", "val_every"):
+            if getattr(self, key):
+                raise ValueError(f'engine.task.{key} is read only with kind = "dataset"')
         if self.max_prompt_tokens < PROMPT_TOKENS:
             raise ValueError(
                 f"engine.task.max_prompt_tokens ({self.max_prompt_tokens}) is shorter than the "
                 f"task's longest prompt ({PROMPT_TOKENS} tokens)"
             )
+
+    def _check_dataset(self) -> None:
+        if not self.train_files:
+            raise ValueError('engine.task.train_files: kind = "dataset" needs a file of prompts')
+        if self.reward is None:
+            raise ValueError(
+                'engine.task.reward: kind = "dataset" needs a reward function '
+                '([engine.task.reward] path = "rewards.py", name = "compute_score")'
+            )
+        if self.val_every and not self.val_files:
+            raise ValueError("engine.task.val_every needs engine.task.val_files")
 
     @property
     def batch_size(self) -> int:
@@ -300,7 +339,8 @@ def check_tokenizer(spec: EngineChoice, trained: TrainedModel, source_of: Source
                 "engine.task.tokenizer to a directory holding one (`timeshare model init` "
                 "writes the digit task's)"
             )
-        if not has_chat_template(directory):
+        # (a dataset's string prompts need none: `timeshare task check` renders every row)
+        if spec.task.kind == "digits" and not has_chat_template(directory):
             raise ConfigError(
                 f"{where}: the tokenizer has no chat template (the task's prompts are chats)"
             )

@@ -1,19 +1,28 @@
-"""What the rollout serves: the shipped task (say the digit back), or fixed requests.
+"""What the rollout serves: the built-in digit task, the user's dataset, or fixed requests.
 
-The task (timeshare/task/digits.py) is data: chat prompts and the answers they want, read
-through the job's tokenizer (timeshare/task/tokenizer.py), which this worker alone holds: a
-request carries the prompt's token ids only, and every engine stops at the job's one stop set
-(the tokenizer's EOS, the generation config's, `[engine.task] stop_token_ids`). The prompts of a
-step are a function of (seed, rank, step) alone, which makes the data position a step number: a
-run resumed from step k sees exactly the prompts it would have seen.
+Both tasks are data read through the job's tokenizer (timeshare/task/tokenizer.py), which this
+worker alone holds: a request carries the prompt's token ids only, and every engine stops at the
+job's one stop set (the tokenizer's EOS, the generation config's, `[engine.task]
+stop_token_ids`). The prompts of a step are a function of (seed, rank, step) alone, which makes
+the data position a step number: a run resumed from step k sees exactly the prompts it would
+have seen.
 
-Every engine of the `causal_lm` family serves the task (`TaskWorkload`); the simulated engines
-serve fixed requests with no reward (`FixedWorkload`).
+- `DigitWorkload`: the digit task (timeshare/task/digits.py), scored in this process.
+- `DatasetWorkload`: the rows of `train_files` (timeshare/task/prompts.py), scored by the
+  user's reward function in its pool of processes (timeshare/task/scoring.py); validation
+  prompts from `val_files` every `val_every` steps.
+- `FixedWorkload`: the simulated engines' requests, scored by nobody.
+
+Each writes the first `[log] samples_per_step` samples of a step, as text, to samples.jsonl.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from timeshare.engines.base import RolloutRequest, RolloutSample, SamplingParams
@@ -21,7 +30,11 @@ from timeshare.engines.registry import Family
 from timeshare.engines.spec import TaskSpec
 from timeshare.errors import ConfigError
 from timeshare.task import tokenizer as tokenizers
+from timeshare.task.dataset import PromptRows, Row
 from timeshare.task.digits import RepeatDigit
+from timeshare.task.prompts import DatasetPrompts, prompt_text, scan
+from timeshare.task.reward_function import RewardCall
+from timeshare.task.scoring import Scorer
 from timeshare.task.seeds import mix
 from timeshare.task.tokenizer import TaskTokenizer
 
@@ -29,9 +42,10 @@ if TYPE_CHECKING:
     from timeshare.engines.spec import EngineChoice
 
 __all__ = [
+    "DatasetWorkload",
+    "DigitWorkload",
     "FixedWorkload",
     "RepeatDigit",
-    "TaskWorkload",
     "Workload",
     "mix",
     "sampling_seed",
@@ -39,25 +53,89 @@ __all__ = [
 ]
 
 FIXED_REQUESTS = 4
+SAMPLES = "samples.jsonl"
+Progress = Callable[[], None]
 
 
 class Workload(Protocol):
     def requests(self, rank: int, step: int) -> list[RolloutRequest]: ...
 
-    def score(self, request: RolloutRequest, sample: RolloutSample) -> float | None: ...
+    def scored(
+        self,
+        requests: list[RolloutRequest],
+        samples: list[RolloutSample],
+        step: int,
+        progress: Progress,
+    ) -> list[RolloutSample]:
+        """`samples` (of `requests`) with their rewards (None: skipped)."""
+        ...
+
+    def validation(self, rank: int, step: int) -> list[RolloutRequest]:
+        """Rank `rank`'s validation prompts at `step` ([] when it does not validate)."""
+        ...
+
+    def record(
+        self, step: int, rank: int, requests: list[RolloutRequest], samples: list[RolloutSample]
+    ) -> None:
+        """Write the step's first samples as text (samples.jsonl), as `[log]` asks."""
+        ...
+
+    def close(self) -> None: ...
 
 
 def sampling_seed(seed: int, rank: int, step: int) -> int:
     return mix(seed, rank, step, 2)
 
 
+def sampling_of(spec: TaskSpec, tokenizer: TaskTokenizer, seed: int | None) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=spec.max_completion_tokens,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        seed=seed,
+        stop_token_ids=tokenizer.stop_set(spec.stop_token_ids),
+    )
+
+
 @dataclass(frozen=True)
-class TaskWorkload:
-    """The shipped task: each prompt `group_size` times, seeded by (seed, rank, step), its
+class SamplesLog:
+    """samples.jsonl: the first `per_step` samples of each step and rank, as text."""
+
+    path: Path | None
+    per_step: int
+
+    def write(self, lines: Sequence[dict[str, object]]) -> None:
+        if self.path is None or not self.per_step or not lines:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as out:
+            out.write("".join(json.dumps(line) + "\n" for line in lines[: self.per_step]))
+
+
+def sample_line(
+    tokenizer: TaskTokenizer, step: int, rank: int, sample: RolloutSample, prompt: str
+) -> dict[str, object]:
+    return {
+        "step": step,
+        "rank": rank,
+        "sample_id": sample.request_id,
+        "prompt": prompt,
+        "completion": tokenizer.decode(sample.tokens, skip_special_tokens=False),
+        "reward": sample.reward,
+        "extras": sample.reward_extras,
+        "finish_reason": sample.finish_reason,
+        "completion_tokens": len(sample.tokens),
+    }
+
+
+@dataclass(frozen=True)
+class DigitWorkload:
+    """The digit task: each prompt `group_size` times, seeded by (seed, rank, step), its
     prompts through `tokenizer` (the digit task's own unless given)."""
 
     spec: TaskSpec
     tokenizer: TaskTokenizer = field(default_factory=tokenizers.digit_task_tokenizer)
+    samples_log: SamplesLog = SamplesLog(None, 0)
     task: RepeatDigit = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -71,13 +149,7 @@ class TaskWorkload:
         object.__setattr__(self, "task", task)
 
     def requests(self, rank: int, step: int) -> list[RolloutRequest]:
-        sampling = SamplingParams(
-            max_tokens=self.spec.max_completion_tokens,
-            temperature=self.spec.temperature,
-            top_p=self.spec.top_p,
-            seed=sampling_seed(self.spec.seed, rank, step),
-            stop_token_ids=self.tokenizer.stop_set(self.spec.stop_token_ids),
-        )
+        sampling = sampling_of(self.spec, self.tokenizer, sampling_seed(self.spec.seed, rank, step))
         prompts = self.task.prompts(self.spec.seed, rank, step, self.spec.prompts_per_rank)
         return [
             RolloutRequest(f"s{step}-r{rank}-p{p}-g{g}", prompt, sampling)
@@ -87,6 +159,176 @@ class TaskWorkload:
 
     def score(self, request: RolloutRequest, sample: RolloutSample) -> float | None:
         return self.task.reward(request.prompt_tokens, sample.tokens)
+
+    def scored(
+        self,
+        requests: list[RolloutRequest],
+        samples: list[RolloutSample],
+        step: int,
+        progress: Progress,
+    ) -> list[RolloutSample]:
+        return [
+            dataclasses.replace(sample, reward=self.score(request, sample))
+            for request, sample in zip(requests, samples, strict=True)
+        ]
+
+    def validation(self, rank: int, step: int) -> list[RolloutRequest]:
+        return []
+
+    def record(
+        self, step: int, rank: int, requests: list[RolloutRequest], samples: list[RolloutSample]
+    ) -> None:
+        self.samples_log.write(
+            [
+                sample_line(
+                    self.tokenizer,
+                    step,
+                    rank,
+                    s,
+                    self.tokenizer.decode(r.prompt_tokens, skip_special_tokens=False),
+                )
+                for r, s in zip(requests[: self.samples_log.per_step], samples, strict=False)
+            ]
+        )
+
+    def close(self) -> None:
+        """Nothing held."""
+
+
+# The digit task's old name (tests and benchmarks build it by this one).
+TaskWorkload = DigitWorkload
+
+
+class DatasetWorkload:
+    """The user's task: rows of `train_files` as prompts, each `group_size` times, scored by
+    the user's reward function; `val_files` every `val_every` steps."""
+
+    def __init__(
+        self,
+        spec: TaskSpec,
+        tokenizer: TaskTokenizer,
+        *,
+        ranks: int,
+        run_dir: Path | None = None,
+        samples_per_step: int = 0,
+        base_dir: Path = Path(),
+    ) -> None:
+        assert spec.reward is not None, "a dataset task has a reward (TaskSpec's check)"
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.ranks = ranks
+        self.samples_log = SamplesLog(
+            None if run_dir is None else run_dir / SAMPLES, samples_per_step
+        )
+        self.train = self._prompts(spec.train_files, "engine.task.train_files")
+        self.val = (
+            self._prompts(spec.val_files, "engine.task.val_files") if spec.val_files else None
+        )
+        self.scorer = Scorer(spec.reward, base_dir=base_dir, run_dir=run_dir)
+        # the rows of the requests handed out and not yet scored, by request id
+        self.pending: dict[str, tuple[Row, str]] = {}
+
+    def _prompts(self, files: Sequence[str], where: str) -> DatasetPrompts:
+        rows = PromptRows.open(
+            files, prompt_key=self.spec.prompt_key, label_key=self.spec.label_key, where=where
+        )
+        found = scan(rows, self.tokenizer, self.spec.max_prompt_tokens, where=where)
+        return DatasetPrompts.of(
+            rows, self.tokenizer, found, drop=self.spec.overlong == "drop", where=where
+        )
+
+    def requests(self, rank: int, step: int) -> list[RolloutRequest]:
+        sampling = sampling_of(self.spec, self.tokenizer, sampling_seed(self.spec.seed, rank, step))
+        rows = self.train.step_rows(
+            self.spec.seed,
+            step,
+            rank,
+            self.ranks,
+            self.spec.prompts_per_rank,
+            shuffle=self.spec.shuffle,
+        )
+        return self._requests(f"s{step}-r{rank}", rows, sampling, self.spec.group_size)
+
+    def validation(self, rank: int, step: int) -> list[RolloutRequest]:
+        if self.val is None or not self.spec.val_every or step % self.spec.val_every:
+            return []
+        sampling = dataclasses.replace(
+            sampling_of(self.spec, self.tokenizer, sampling_seed(self.spec.seed, rank, -step)),
+            temperature=self.spec.val_temperature,
+            top_p=1.0,
+        )
+        rows = self.val.share(rank, self.ranks, self.spec.val_prompts)
+        return self._requests(f"val{step}-r{rank}", rows, sampling, 1)
+
+    def _requests(
+        self,
+        name: str,
+        rows: list[tuple[Row, tuple[int, ...]]],
+        sampling: SamplingParams,
+        group: int,
+    ) -> list[RolloutRequest]:
+        requests = []
+        for p, (row, ids) in enumerate(rows):
+            text = prompt_text(row, self.tokenizer)
+            for g in range(group):
+                request = RolloutRequest(f"{name}-p{p}-g{g}", ids, sampling)
+                self.pending[request.request_id] = (row, text)
+                requests.append(request)
+        return requests
+
+    def scored(
+        self,
+        requests: list[RolloutRequest],
+        samples: list[RolloutSample],
+        step: int,
+        progress: Progress,
+    ) -> list[RolloutSample]:
+        calls = [
+            self._call(request, sample, step)
+            for request, sample in zip(requests, samples, strict=True)
+        ]
+        for request in requests:
+            self.pending.pop(request.request_id, None)
+        outcomes = self.scorer.score(calls, progress)
+        return [
+            dataclasses.replace(sample, reward=outcome.score, reward_extras=dict(outcome.extras))
+            for sample, outcome in zip(samples, outcomes, strict=True)
+        ]
+
+    def _call(self, request: RolloutRequest, sample: RolloutSample, step: int) -> RewardCall:
+        row, prompt = self.pending[request.request_id]
+        return RewardCall(
+            sample_id=request.request_id,
+            row_index=row.index,
+            completion=self.tokenizer.decode(sample.tokens),
+            prompt=prompt,
+            label=row.label,
+            row=row.columns,
+            finish_reason=sample.finish_reason,
+            completion_ids=list(sample.tokens),
+            step=step,
+        )
+
+    def record(
+        self, step: int, rank: int, requests: list[RolloutRequest], samples: list[RolloutSample]
+    ) -> None:
+        lines = []
+        for request, sample in zip(requests[: self.samples_log.per_step], samples, strict=False):
+            line = sample_line(
+                self.tokenizer,
+                step,
+                rank,
+                sample,
+                self.tokenizer.decode(request.prompt_tokens, skip_special_tokens=False),
+            )
+            lines.append(line)
+        self.samples_log.write(lines)
+
+    def close(self) -> None:
+        self.scorer.close()
+        self.train.rows.close()
+        if self.val is not None:
+            self.val.rows.close()
 
 
 class FixedWorkload:
@@ -99,10 +341,38 @@ class FixedWorkload:
     def score(self, request: RolloutRequest, sample: RolloutSample) -> float | None:
         return None
 
+    def scored(
+        self,
+        requests: list[RolloutRequest],
+        samples: list[RolloutSample],
+        step: int,
+        progress: Progress,
+    ) -> list[RolloutSample]:
+        return samples
 
-def workload(family: Family, spec: EngineChoice) -> Workload:
+    def validation(self, rank: int, step: int) -> list[RolloutRequest]:
+        return []
+
+    def record(
+        self, step: int, rank: int, requests: list[RolloutRequest], samples: list[RolloutSample]
+    ) -> None:
+        """Nothing to say in text."""
+
+    def close(self) -> None:
+        """Nothing held."""
+
+
+def workload(
+    family: Family,
+    spec: EngineChoice,
+    *,
+    ranks: int = 1,
+    run_dir: Path | None = None,
+    samples_per_step: int = 0,
+) -> Workload:
     """What a rollout engine of `family` serves: the task through the job's tokenizer (loaded
-    once, here: the rollout worker is the one place that tokenizes), or fixed requests."""
+    once, here: the rollout worker is the one place that tokenizes), or fixed requests.
+    `ranks`: the job's (a dataset's rows are dealt among them)."""
     if family == "simulated":
         return FixedWorkload()
     source = spec.tokenizer_source()
@@ -111,4 +381,10 @@ def workload(family: Family, spec: EngineChoice) -> Workload:
             f"engine.rollout = {spec.rollout!r} serves the trainer's model, but "
             f"engine.trainer = {spec.trainer!r} trains none"
         )
-    return TaskWorkload(spec.task, tokenizers.load(source))
+    tokenizer = tokenizers.load(source)
+    if spec.task.kind == "dataset":
+        return DatasetWorkload(
+            spec.task, tokenizer, ranks=ranks, run_dir=run_dir, samples_per_step=samples_per_step
+        )
+    log = SamplesLog(None if run_dir is None else run_dir / SAMPLES, samples_per_step)
+    return DigitWorkload(spec.task, tokenizer, log)

@@ -11,7 +11,6 @@ drills) fire as a phase starts: raise, hang (no progress: the driver sees a stal
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import sys
@@ -94,6 +93,8 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     log_keep: int = 0
     resume_on_fewer_ranks: bool = False  # [cluster] min_nodes set: a checkpoint is resharded
     keep_checkpoints: int = KEEP_CHECKPOINTS
+    run_dir: str = ""  # the run's directory: samples.jsonl, reward_errors.jsonl ("": none)
+    samples_per_step: int = 0  # [log] samples_per_step
 
 
 def fire_faults(spec: WorkerSpec, phase: str, step: int | None) -> None:
@@ -291,9 +292,11 @@ class RolloutWorker:
         by_rank = {rank: self.generate(rank, step) for rank in self.ranks}
         scored = by_rank[self.spec.rank]
         drift = self.drift(step, scored)
+        validated = self.validate(step)
         with self.spans.span("sleep"):
             self.engine.sleep()
         rewards = [s.reward for s in scored if s.reward is not None]
+        val = [s.reward for s in validated if s.reward is not None]
         return RolloutResult(
             samples=_encoded(scored),  # for the trainer, as it is
             version=scored[0].weight_version if scored else None,
@@ -301,7 +304,20 @@ class RolloutWorker:
             resident_mb=self.engine.resident_mb(),
             batches={rank: _encoded(s) for rank, s in by_rank.items() if rank != self.spec.rank},
             invariance_max_abs_diff=drift,
+            val_reward_mean=sum(val) / len(val) if val else None,
+            val_samples=len(val),
         )
+
+    def validate(self, step: int) -> list[RolloutSample]:
+        """The validation prompts of every rank this engine serves, on their steps: generated
+        with this ROLLOUT's weights and scored, never trained on."""
+        requests = [r for rank in self.ranks for r in self.workload.validation(rank, step)]
+        if not requests:
+            return []
+        with self.spans.span("validate"):
+            samples = self.engine.generate(requests)
+        with self.spans.span("score validation"):
+            return self.workload.scored(requests, samples, step, self.server.report_progress)
 
     def drift(self, step: int, samples: list[RolloutSample]) -> float | None:
         """The drift probe (drift.py), on its steps."""
@@ -317,15 +333,15 @@ class RolloutWorker:
             )
 
     def generate(self, rank: int, step: int) -> list[RolloutSample]:
-        """Rank `rank`'s batch of step `step`, sampled and scored."""
+        """Rank `rank`'s batch of step `step`, sampled and scored (the reward function runs in
+        processes of its own: this worker reports progress while it waits on them)."""
         requests = self.workload.requests(rank, step)
         with self.spans.span("generate"):
             samples = self.engine.generate(requests)
         with self.spans.span("score"):
-            return [
-                dataclasses.replace(sample, reward=self.workload.score(request, sample))
-                for request, sample in zip(requests, samples, strict=True)
-            ]
+            scored = self.workload.scored(requests, samples, step, self.server.report_progress)
+        self.workload.record(step, rank, requests, scored)
+        return scored
 
     def close(self) -> None:
         self.inlet.close()
@@ -405,6 +421,8 @@ def run(spec: WorkerSpec) -> None:
             generate_timeout_s=spec.generate_timeout_s,
             resume_on_fewer_ranks=spec.resume_on_fewer_ranks,
             keep_checkpoints=spec.keep_checkpoints,
+            run_dir=Path(spec.run_dir) if spec.run_dir else None,
+            samples_per_step=spec.samples_per_step,
         )
         group = spec.engine.rollout_workers()
         leader = group_leader(spec.rank, group)
@@ -417,6 +435,7 @@ def run(spec: WorkerSpec) -> None:
             # worker is the one place that tokenizes (engines take and give tokens; trainers
             # train on the tokens sampled)
             workload = workload_of(context)
+            stack.callback(workload.close)  # (the reward function's processes)
             rollout = build_rollout(context)
             stack.callback(rollout.close)  # the engine's processes stop even if the worker fails
             ranks = group_ranks(leader, group)

@@ -142,9 +142,13 @@ def _step_time(axes: Axes, summary: Summary) -> None:
 
 def _reward(axes: Axes, summary: Summary) -> None:
     points = [(f.step, f.reward_mean) for f in summary.steps if f.reward_mean is not None]
+    val = [(f.step, f.val_reward_mean) for f in summary.steps if f.val_reward_mean is not None]
     if points:
         axes.plot([s for s, _ in points], [r for _, r in points], "o-", color="#4c72b0")
-    else:
+    if val:
+        axes.plot([s for s, _ in val], [r for _, r in val], "s--", color="#dd8452")
+        axes.legend(["train", "validation"], fontsize=8)
+    if not points and not val:
         axes.text(0.5, 0.5, "this task scores nothing", ha="center", transform=axes.transAxes)
     axes.set_xlabel("step")
     axes.set_ylabel("mean reward")

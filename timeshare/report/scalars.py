@@ -31,6 +31,11 @@ def scalars_of(figures: StepFigures) -> dict[str, float]:
     }
     if figures.reward_mean is not None:
         scalars["reward"] = figures.reward_mean
+    if figures.val_reward_mean is not None:
+        scalars["val_reward"] = figures.val_reward_mean
+    if (rewards := figures.rewards) is not None:
+        scalars["reward/skipped_fraction"] = rewards.skipped_fraction
+        scalars |= {f"reward/{name}": value for name, value in rewards.extras.items()}
     if figures.logprob_max_abs_diff is not None:
         scalars["logprob_max_abs_diff"] = figures.logprob_max_abs_diff
     if figures.invariance_max_abs_diff is not None:

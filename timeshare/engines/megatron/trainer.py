@@ -39,6 +39,7 @@ from timeshare.engines.grpo import (
     group_advantages,
     rewards_of,
     sampled_logprobs,
+    scored_rows,
     token_logprobs,
 )
 from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
@@ -210,22 +211,26 @@ class MegatronTrainer(ShardedTrainer):
         two ranks."""
         own = pack(batch)
         rewards = rewards_of(batch)
-        advantages = group_advantages(rewards, self.task.group_size)
+        scored = scored_rows(batch)
+        advantages = group_advantages(rewards, self.task.group_size, scored)
         # (collectives move device tensors: NCCL's on CUDA)
         padded = self.rows.padded(own.to(self.device), self.device)
         sampled = widened(sampled_logprobs(batch, own), padded.widths[1])
-        per_row = [t.to(self.device) for t in (sampled, rewards, advantages)]
+        per_row = [t.to(self.device) for t in (sampled, rewards, advantages, scored.float())]
         gathered = self.rows.gather([*tensors_of(padded), *per_row])
         sequences = sequences_of(gathered[:4])
-        sampled, rewards, advantages = gathered[4:]
+        sampled, rewards, advantages, counted = gathered[4:]
         sampled, rewards = sampled.cpu(), rewards.cpu()  # the step's figures are read there
+        scored = counted.cpu() > 0.5
         old = self.policy_logprobs(sequences)
         ref = self.reference_logprobs(sequences)
         # A minibatch is one optimiser step of the group: its rows are every rank's rows of
         # that minibatch (consecutive, minibatch-major), and its loss is their weighted sum.
         chunk = self.rows.minibatch_rows(len(batch))
-        weights = self.token_weights(sequences.mask, chunk)
-        return GrpoBatch(sequences, sampled, rewards, old, advantages, ref, weights)
+        # a skipped sample's tokens weigh nothing (they stay in the logprob check)
+        trained = sequences.mask & scored.to(sequences.mask.device).unsqueeze(1)
+        weights = self.token_weights(trained, chunk)
+        return GrpoBatch(sequences, sampled, rewards, old, advantages, ref, weights, scored)
 
     def policy_logprobs(self, sequences: Sequences) -> torch.Tensor:
         return self._logprobs_without_grad(self.model, sequences)

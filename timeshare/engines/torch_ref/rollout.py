@@ -233,9 +233,13 @@ class TorchRefRollout(RolloutEngine):
         with torch.no_grad():
             logits = self._prefill(prompts)
             for position in range(sampling.max_tokens):
-                token = _sample_top_p(logits / sampling.temperature, sampling.top_p, generator)
+                if sampling.temperature == 0.0:  # greedy (validation): logprobs at 1
+                    token = logits.argmax(dim=-1)
+                else:
+                    scaled = logits / sampling.temperature
+                    token = _sample_top_p(scaled, sampling.top_p, generator)
                 chosen.append(token)
-                chosen_logprobs.append(token_logprobs(logits, token, sampling.temperature))
+                chosen_logprobs.append(token_logprobs(logits, token, sampling.temperature or 1.0))
                 done |= torch.isin(token, stops)
                 self.progress()
                 self.check_deadline(deadline, len(prompts))

@@ -62,6 +62,46 @@ class LengthFigures(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+class RewardFigures(msgspec.Struct, frozen=True, kw_only=True):
+    """How one TRAIN's samples were scored: the part whose reward was skipped (the function
+    returned None, or failed under `on_error = "skip"`: they left the loss), and the mean of
+    each further number the reward function returned beside `score`, over the samples that
+    gave it."""
+
+    skipped_fraction: float = 0.0
+    extras: dict[str, float] = {}
+    samples: int = 0  # how many samples (to combine ranks)
+
+    @classmethod
+    def combined(cls, parts: list[RewardFigures]) -> RewardFigures | None:
+        """Several ranks' figures as one (means weighted by their samples)."""
+        if not parts:
+            return None
+        counted = any(p.samples for p in parts)
+        weights = [float(p.samples) if counted else 1.0 for p in parts]
+
+        def mean(pairs: list[tuple[float, float]]) -> float:
+            return sum(v * w for v, w in pairs) / max(sum(w for _, w in pairs), 1e-12)
+
+        names = sorted({name for p in parts for name in p.extras})
+        return cls(
+            skipped_fraction=mean(
+                [(p.skipped_fraction, w) for p, w in zip(parts, weights, strict=True)]
+            ),
+            extras={
+                name: mean(
+                    [
+                        (p.extras[name], w)
+                        for p, w in zip(parts, weights, strict=True)
+                        if name in p.extras
+                    ]
+                )
+                for name in names
+            },
+            samples=sum(p.samples for p in parts),
+        )
+
+
 class TrainFigures(msgspec.Struct, frozen=True, kw_only=True):
     """What one optimisation step did, as the trainer engine returns it (and its checkpoint
     keeps it). `committed` is the step made durable before the answer (None: this engine keeps
@@ -79,6 +119,7 @@ class TrainFigures(msgspec.Struct, frozen=True, kw_only=True):
     train_s: float = 0.0
     extra: dict[str, float] = {}
     lengths: LengthFigures | None = None
+    rewards: RewardFigures | None = None
 
 
 class TrainResult(CommandResult, frozen=True, kw_only=True):
@@ -147,6 +188,10 @@ class RolloutResult(CommandResult, frozen=True, kw_only=True):
     # The drift probe's step ([checks] invariance_every): the largest difference between a
     # sequence's logprobs re-scored alone and those it was sampled with in the batch.
     invariance_max_abs_diff: float | None = None
+    # A validation step (`[engine.task] val_every`): the mean reward of the validation prompts,
+    # generated with the weights of this ROLLOUT and never trained on.
+    val_reward_mean: float | None = None
+    val_samples: int = 0
 
 
 class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
