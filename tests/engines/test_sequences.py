@@ -3,11 +3,19 @@ completion that stops at its EOS is trained on its tokens through the EOS and no
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from timeshare.engines.base import FinishReason, RolloutSample
-from timeshare.engines.grpo import clipped_loss, masked_max_abs_diff, token_weights
+from timeshare.engines.grpo import (
+    EPS,
+    clipped_loss,
+    group_advantages,
+    masked_max_abs_diff,
+    token_weights,
+)
 from timeshare.engines.sequences import PAD, pack, unpadded
 from timeshare.engines.spec import engine_spec
 from timeshare.engines.torch_ref.trainer import TorchRefTrainer
@@ -107,3 +115,37 @@ def test_trainer_logprobs_of_a_padded_batch_are_those_of_each_row_alone() -> Non
         alone = trainer.logprobs([one])[0]
         assert len(together[row]) == len(one.tokens)
         assert together[row] == pytest.approx(alone, abs=1e-5)
+
+
+def test_a_skipped_sample_leaves_the_loss_and_its_groups_statistics() -> None:
+    """A sample whose reward was skipped (None) gets no gradient and no advantage, and its
+    group's mean and std are those of the others: a 0 in its place would bias them."""
+    spec = engine_spec(
+        trainer="torch_ref",
+        rollout="torch_ref",
+        task={"prompts_per_rank": 1, "group_size": 4},
+        grpo={"minibatches": 1},
+    )
+    trainer = TorchRefTrainer(0, 1, spec)
+    skipped = [*BATCH[:2], dataclasses.replace(BATCH[2], reward=None), BATCH[3]]
+    data = trainer.prepare(skipped)
+    new = trainer._logprobs(trainer.model, data.sequences)
+    new.retain_grad()
+    loss, _ = trainer.loss(new, data, slice(0, 4))
+    torch.autograd.backward(loss)
+    assert new.grad is not None
+    reached = (new.grad != 0).any(dim=1).tolist()
+    assert reached == [True, True, False, True]
+    others = torch.tensor([1.0, 0.0, 0.25])
+    expected = (others - others.mean()) / (others.std() + EPS)
+    assert data.advantages[2] == 0.0
+    assert torch.allclose(data.advantages[[0, 1, 3]], expected)
+    assert data.scored.tolist() == [True, True, False, True]
+
+
+def test_a_group_with_fewer_than_two_scored_samples_teaches_nothing() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
+    scored = torch.tensor([False, True, False, False])
+    assert group_advantages(rewards, 4, scored).tolist() == [0.0, 0.0, 0.0, 0.0]
+    every = torch.ones(4, dtype=torch.bool)
+    assert torch.equal(group_advantages(rewards, 4, every), group_advantages(rewards, 4))

@@ -227,6 +227,7 @@ class DatasetWorkload:
         self.scorer = Scorer(spec.reward, base_dir=base_dir, run_dir=run_dir)
         # the rows of the requests handed out and not yet scored, by request id
         self.pending: dict[str, tuple[Row, str]] = {}
+        self.last_calls: dict[str, RewardCall] = {}  # the last batch scored, by sample id
 
     def _prompts(self, files: Sequence[str], where: str) -> DatasetPrompts:
         rows = PromptRows.open(
@@ -289,6 +290,7 @@ class DatasetWorkload:
         ]
         for request in requests:
             self.pending.pop(request.request_id, None)
+        self.last_calls = {call.sample_id: call for call in calls}  # (for `record`)
         outcomes = self.scorer.score(calls, progress)
         return [
             dataclasses.replace(sample, reward=outcome.score, reward_extras=dict(outcome.extras))
@@ -313,15 +315,10 @@ class DatasetWorkload:
         self, step: int, rank: int, requests: list[RolloutRequest], samples: list[RolloutSample]
     ) -> None:
         lines = []
-        for request, sample in zip(requests[: self.samples_log.per_step], samples, strict=False):
-            line = sample_line(
-                self.tokenizer,
-                step,
-                rank,
-                sample,
-                self.tokenizer.decode(request.prompt_tokens, skip_special_tokens=False),
-            )
-            lines.append(line)
+        for sample in samples[: self.samples_log.per_step]:
+            call = self.last_calls[sample.request_id]
+            line = sample_line(self.tokenizer, step, rank, sample, call.prompt)
+            lines.append({**line, "row_index": call.row_index, "label": call.label})
         self.samples_log.write(lines)
 
     def close(self) -> None:
