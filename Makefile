@@ -2,6 +2,8 @@
 #            from scratch, with its per-step summary in runs/tiny-grpo/summary.json, its trace
 #            (Perfetto) in runs/tiny-grpo/trace.json, its table, and its picture
 #            (runs/tiny-grpo/report.png).
+# make demo-text: your own job (examples/text/): prompts from a parquet file, a reward function
+#            of your own, validation every 5 steps and samples as text; learns in 40 steps.
 # make docs-picture: the demo, then its picture into docs/tiny-grpo-report.png.
 # make test: create .venv if needed, then ruff, mypy --strict and pytest; pytest first installs
 #            the tools tests run (test-tools: apt-get, as root), since a test never skips for one.
@@ -51,7 +53,7 @@ SGLANG_TORCHVISION ?= torchvision==0.28.0
 # apt-get install $(1); the package lists are refreshed only when the first try fails.
 apt_install = apt-get install -y -q $(1) || (apt-get update -q && apt-get install -y -q $(1))
 
-.PHONY: demo demo-vllm demo-vllm-tp2 demo-sglang-tp2 demo-fsdp demo-fsdp-vllm demo-megatron demo-megatron-vllm demo-sglang test lint typecheck pytest \
+.PHONY: demo demo-text demo-vllm demo-vllm-tp2 demo-sglang-tp2 demo-fsdp demo-fsdp-vllm demo-megatron demo-megatron-vllm demo-sglang test lint typecheck pytest \
 	pytest-sglang pytest-alone pytest-parallel pytest-after test-tools bench bench-vllm bench-fsdp bench-megatron bench-nodes soak \
 	bench-scale bench-sglang bench-invariance docs-picture clean
 
@@ -107,6 +109,16 @@ demo-sglang: $(SGLANG_STAMP)
 # The model the FSDP and Megatron examples start from (the size of examples/tiny-grpo.toml's).
 FSDP_MODEL = $(VENV)/bin/timeshare model init --layers 2 --hidden 192 --intermediate 384 \
 	--heads 6 --kv-heads 6 --vocab 16 --max-positions 64 --seed 0
+
+# Your own job: prompts from a file, a reward function of your own, validation and samples
+# (examples/text/); the data is made by a script, the model by `timeshare model init`.
+demo-text: $(STAMP)
+	rm -rf runs/text-grpo
+	$(PY) examples/text/make_data.py runs/text-grpo/data
+	$(FSDP_MODEL) runs/text-grpo/model
+	$(VENV)/bin/timeshare task check examples/text/text-grpo.toml
+	$(VENV)/bin/timeshare run examples/text/text-grpo.toml --summary runs/text-grpo/summary.json
+	$(VENV)/bin/timeshare report runs/text-grpo --samples 4
 
 demo-fsdp: $(STAMP)
 	rm -rf runs/fsdp-grpo

@@ -153,16 +153,33 @@ def test_a_raising_reward_ends_the_run_by_name_and_a_fixed_restart_sees_the_same
 
 
 @pytest.mark.slow
-def test_skipped_samples_leave_the_loss_and_are_counted(tmp_path: Path) -> None:
+def test_skipped_samples_are_counted_validation_is_scored_and_samples_shown(
+    tmp_path: Path,
+) -> None:
     """on_error = "skip": a sample whose reward raised (or returned None) is out of the loss,
-    counted in the step's figures; the run goes on."""
+    counted in the step's figures; the run goes on. Every `val_every` steps the validation
+    prompts are scored, never trained on; `timeshare report --samples` shows the last ones."""
     body = "if completion.startswith('1'): return None\n    if completion.startswith('2'): 1 / 0"
-    config = dataset_job(tmp_path, body, reward={"on_error": "skip", "max_skipped_fraction": 1.0})
+    val = write_rows(tmp_path / "val.parquet", rows=6)
+    config = dataset_job(
+        tmp_path,
+        body,
+        reward={"on_error": "skip", "max_skipped_fraction": 1.0},
+        val_files=[str(val)],
+        val_every=2,
+    )
     summary = tmp_path / "summary.json"
     done = timeshare("run", str(config), "--summary", str(summary))
     assert done.returncode == 0, done.stderr
     steps = steps_of(summary)
     assert len(steps) == 3
+    # the validation of step 2 only, scored (0 or 1 each, skips left out)
+    assert [s["val_reward_mean"] is not None for s in steps] == [False, True, False]
+    assert 0.0 <= steps[1]["val_reward_mean"] <= 1.0
+    assert "val_reward" in done.stdout
+    shown = timeshare("report", str(tmp_path), "--samples", "2")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.count("--- completion") == 2 and "step 3" in shown.stdout
     skipped = [s["rewards"]["skipped_fraction"] for s in steps]
     assert any(f > 0 for f in skipped), skipped
     assert all(0.0 <= f < 1.0 for f in skipped)
@@ -192,3 +209,40 @@ def test_a_resume_over_changed_data_is_refused_by_name_unless_data_changed(
     allowed = timeshare("run", str(config), "--steps", "1", "--summary", summary, "--data-changed")
     assert allowed.returncode == 0, allowed.stderr
     assert json.loads((checkpoints / "data.json").read_text())["fingerprint"] != "0" * 32
+
+
+@pytest.mark.slow
+def test_the_text_example_runs_as_make_demo_text_runs_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """examples/text/: its data made by its script, the model by `timeshare model init`, the
+    check and two steps of the run (`make demo-text` runs forty, learning from 0.01 to 0.5)."""
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)  # the example's paths are relative to where make runs
+    made = subprocess.run(
+        [sys.executable, str(root / "examples/text/make_data.py"), "runs/text-grpo/data"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert made.returncode == 0, made.stderr
+    shape = ["--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "2"]
+    assert timeshare("model", "init", *shape, "runs/text-grpo/model").returncode == 0
+    (tmp_path / "examples/text").mkdir(parents=True)
+    (tmp_path / "examples/text/rewards.py").write_text(
+        (root / "examples/text/rewards.py").read_text()
+    )
+    config = str(root / "examples/text/text-grpo.toml")
+    checked = timeshare("task", "check", config)
+    assert checked.returncode == 0, checked.stderr
+    assert "engine.task.train_files: 2000 rows" in checked.stdout
+    monkeypatch.setenv("TIMESHARE_JOB__RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("TIMESHARE_ENGINE__TASK__VAL_EVERY", "2")
+    done = timeshare("run", config, "--steps", "2", "--summary", "runs/text-grpo/summary.json")
+    assert done.returncode == 0, done.stderr
+    steps = steps_of(Path("runs/text-grpo/summary.json"))
+    assert [s["weights_match"] for s in steps] == [True, True]
+    assert steps[1]["val_reward_mean"] is not None
+    assert set(steps[1]["rewards"]["extras"]) == {"right_digit", "stopped"}
+    assert Path("runs/text-grpo/samples.jsonl").exists()
+    assert_nothing_left(tmp_path / "run")
