@@ -150,8 +150,8 @@ test: lint
 	$(MAKE) pytest-after
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check timeshare tests benchmarks
-	$(VENV)/bin/ruff format --check timeshare tests benchmarks
+	$(VENV)/bin/ruff check timeshare tests benchmarks examples
+	$(VENV)/bin/ruff format --check timeshare tests benchmarks examples
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy timeshare tests benchmarks

@@ -7,6 +7,7 @@ pool."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -246,3 +247,36 @@ def test_the_text_example_runs_as_make_demo_text_runs_it(
     assert set(steps[1]["rewards"]["extras"]) == {"right_digit", "stopped"}
     assert Path("runs/text-grpo/samples.jsonl").exists()
     assert_nothing_left(tmp_path / "run")
+
+
+def test_the_gsm8k_recipe_checks_on_its_stand_in(tmp_path: Path) -> None:
+    """The GPU recipe (a Qwen-class model, verl's GSM8K parquet, the math reward) passes
+    `timeshare task check` here, on the stand-in its script writes for the user's parts."""
+    root = Path(__file__).resolve().parents[2]
+    recipe = root / "examples/recipes/gsm8k-qwen-math"
+    made = subprocess.run(
+        [sys.executable, str(recipe / "make_standin.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert made.returncode == 0, made.stderr
+    checked = subprocess.run(
+        [sys.executable, "-m", "timeshare", "task", "check", str(recipe / "job.toml")],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+        cwd=root,  # (the recipe names its model directory from there)
+        env={
+            **os.environ,
+            "TIMESHARE_ENGINE__TASK__TOKENIZER": str(tmp_path / "tokenizer"),
+            "TIMESHARE_ENGINE__TASK__TRAIN_FILES": json.dumps([str(tmp_path / "train.parquet")]),
+            "TIMESHARE_ENGINE__TASK__VAL_FILES": json.dumps([str(tmp_path / "test.parquet")]),
+        },
+    )
+    assert checked.returncode == 0, checked.stderr
+    said = checked.stdout
+    assert "reward timeshare.rewards:math on row 0 with the label: 1.0" in said
+    assert "with an empty completion: 0.0" in said
+    assert "<|im_start|>assistant" in said  # Qwen's chat template, rendered

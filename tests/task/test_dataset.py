@@ -323,3 +323,24 @@ def test_a_large_parquet_file_is_read_by_row_group(tmp_path: Path) -> None:
             assert row.label == row.index
         assert total == count
     assert time.monotonic() - began < 10
+
+
+def test_a_dotted_label_key_reads_into_a_column_of_dicts(tmp_path: Path) -> None:
+    """verl's GSM8K files keep the answer in reward_model.ground_truth."""
+    path = tmp_path / "gsm8k.parquet"
+    table = pa.table(
+        {
+            "prompt": [[{"role": "user", "content": "1 + 1?"}]],
+            "reward_model": [{"style": "rule", "ground_truth": "2"}],
+        }
+    )
+    pq.write_table(table, path)
+    with PromptRows.open(
+        [path], prompt_key="prompt", label_key="reward_model.ground_truth"
+    ) as rows:
+        assert rows.rows([0])[0].label == "2"
+    with (
+        PromptRows.open([path], prompt_key="prompt", label_key="reward_model.answer") as rows,
+        pytest.raises(ConfigError, match=r"no 'answer' in 'reward_model'"),
+    ):
+        rows.rows([0])

@@ -76,7 +76,9 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     train_files: tuple[str, ...] = ()
     val_files: tuple[str, ...] = ()
     prompt_key: str = "prompt"  # each row's prompt: a string, or chat messages {role, content}
-    label_key: str = ""  # given to the reward as `label` ("": none)
+    # given to the reward as `label` ("": none); a dotted key reads into a column of dicts
+    # ("reward_model.ground_truth": where verl's GSM8K files keep the answer)
+    label_key: str = ""
     overlong: Overlong = "error"
     shuffle: bool = True  # each epoch a seeded permutation of the rows
     reward: RewardSpec | None = None

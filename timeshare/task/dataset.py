@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -180,7 +180,7 @@ class PromptRows:
                 f"{self._where}: {rows.path}: {rows.place(offset)} (dataset row {index}): {what}"
             )
 
-        for key in (self._prompt_key, self._label_key):
+        for key in (self._prompt_key, _column(self._label_key)):
             if key and key not in columns:
                 raise fail(f"no key {key!r}; it has {', '.join(map(repr, columns)) or 'none'}")
         value = columns[self._prompt_key]
@@ -190,7 +190,7 @@ class PromptRows:
                 f"the prompt ({self._prompt_key!r}) is {type(value).__name__} {short(value)}; "
                 "want a string or a non-empty list of {role, content} messages of strings"
             )
-        label = columns[self._label_key] if self._label_key else None
+        label = _nested(columns, self._label_key, fail) if self._label_key else None
         return Row(index=index, prompt=prompt, label=label, columns=columns)
 
 
@@ -251,10 +251,27 @@ def _prompt(value: object) -> Prompt | None:
     return chat
 
 
+def _column(key: str) -> str:
+    """The column a key reads: "reward_model.ground_truth" reads the column "reward_model"
+    (verl's GSM8K files keep the answer there)."""
+    return key.partition(".")[0]
+
+
+def _nested(columns: dict[str, Any], key: str, fail: Callable[[str], ConfigError]) -> Any:
+    """The value of a dotted key ("reward_model.ground_truth") in a row's columns."""
+    column, _, rest = key.partition(".")
+    value = columns[column]
+    for part in rest.split(".") if rest else []:
+        if not isinstance(value, dict) or part not in value:
+            raise fail(f"no {part!r} in {column!r} for the key {key!r}: it is {short(value)}")
+        value = value[part]
+    return value
+
+
 def _check_columns(rows: FileRows, where: str, *, prompt_key: str, label_key: str) -> None:
     if not rows.columns:  # an empty JSON lines file: no row to read columns from
         return
-    for key, name in ((prompt_key, "prompt_key"), (label_key, "label_key")):
+    for key, name in ((prompt_key, "prompt_key"), (_column(label_key), "label_key")):
         if key and key not in rows.columns:
             raise ConfigError(
                 f"{where}: {rows.path}: no column {key!r} ({_sibling(where, name)}); "
