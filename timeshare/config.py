@@ -6,7 +6,8 @@
     [engine]     trainer, rollout (the registered engines, engines/registry.py), the task and
                  GRPO ([engine.task], [engine.grpo]) and each engine's own section
                  ([engine.<name>], typed by that engine's spec)
-    [checks]     the drift probe: invariance_every, invariance_samples
+    [checks]     the drift probe: invariance_every, invariance_samples; what a rollout that
+                 does not hold its trainer's weights does: on_weights_mismatch
     [[faults]]   injected faults, for drills
     [log]        level, and a file for JSON lines
     [daemon]     the service `timeshared`: control socket, state directory, metrics, drain

@@ -212,6 +212,17 @@ class MemoryHeld(TimeshareError):
     cycle requires it free: its trainer at BARRIER, or any worker once the job paused."""
 
 
+class WeightsMismatch(TimeshareError):
+    """Raised (as a `CycleFailed`'s cause) when a rank's rollout does not hold the weights its
+    trainer sent at SYNC, under `[checks] on_weights_mismatch = "fail"`: names the rank, the TP
+    worker (None: the engine's own digest) and both digests (state/weights.py)."""
+
+    def __init__(self, message: str, *, rank: int, worker: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.worker = worker
+
+
 class CycleFailed(TimeshareError):
     """Raised by the driver when a phase failed on a rank: names rank, role and phase.
 

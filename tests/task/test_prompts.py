@@ -109,3 +109,24 @@ def test_the_fingerprint_follows_the_files_and_the_keys(tmp_path: Path) -> None:
     path.write_text(path.read_text().replace('"1', '"2', 1))
     with PromptRows.open([path], prompt_key="prompt") as rows:
         assert data_fingerprint(rows, tokenizer) != before
+
+
+def test_a_scan_is_kept_under_the_datas_fingerprint_and_read_back(tmp_path: Path) -> None:
+    """The check at `timeshare run` scans a large file once; the rollout workers read the
+    lengths it kept. Other data (a byte changed) is scanned anew."""
+    tokenizer = digit_task_tokenizer()
+    path = write_rows(tmp_path / "t.jsonl")
+    kept_in = tmp_path / "lengths"
+    with PromptRows.open([path], prompt_key="prompt") as rows:
+        first = scan(rows, tokenizer, 8, where="w", kept_in=kept_in)
+        (kept,) = kept_in.iterdir()
+        assert kept.name == f"{data_fingerprint(rows, tokenizer)}.npy"
+        calls = []
+        again = scan(rows, tokenizer, 8, where="w", kept_in=kept_in, progress=calls.append)
+        assert calls == []  # read back, not scanned
+        assert again.lengths.tolist() == first.lengths.tolist()
+    path.write_text(path.read_text().replace('"content": "0"', '"content": "0 0"', 1))
+    with PromptRows.open([path], prompt_key="prompt") as rows:
+        changed = scan(rows, tokenizer, 8, where="w", kept_in=kept_in)
+    assert len(list(kept_in.iterdir())) == 2
+    assert changed.lengths.tolist() != first.lengths.tolist()

@@ -40,6 +40,7 @@ from timeshare.cycle.phases import (
     run_phase,
 )
 from timeshare.cycle.telling import Telling
+from timeshare.cycle.weights_check import WeightsCheck
 from timeshare.cycle.workers import Workers, WorkerSpawner, spawn_workers, worker_ids
 from timeshare.errors import CycleFailed, StoreError, WorkerFailure
 from timeshare.protocols.commands.params import NO_SAMPLES, PhaseParams
@@ -193,6 +194,7 @@ class _Cycle:
         self.meetings: dict[int, anyio.CancelScope] = {}
         self.at_barrier: dict[int, _Ran] = {}  # BARRIER answered; reported once the rank met
         self.batches: dict[int, msgspec.Raw] = {}  # rank -> its last ROLLOUT's samples
+        self.weights = WeightsCheck(self.node_ranks, config.checks.on_weights_mismatch)
         self.commands: CommandFeed | None = None
         self.publish_due = anyio.Event()  # the state changed since it was last written
         self.lifecycle_moved = anyio.Event()  # ... to a new lifecycle: written without delay
@@ -394,6 +396,11 @@ class _Cycle:
             for rank, samples in rollout.batches.items():
                 self.batches[self.node_ranks.index(rank)] = samples
         await self._report(ran)
+        if ran.phase is Phase.SYNC:  # every rollout holds its trainer's weights, or the run ends
+            trainer = ran.results["trainer"]
+            failed = self.weights.synced(ran.step, self.node_ranks[ran.rank], trainer, rollout)
+            if failed is not None:
+                return self._keep(failed)
         return RankFinished(ran.rank, ran.phase)
 
     async def _barrier_done(self, rank: int) -> None:

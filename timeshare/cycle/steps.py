@@ -11,7 +11,9 @@ has run all six of its phases. For each step:
 - `phases`: the wall time of each phase on its slowest rank; `per_rank`: each rank's.
 - `sync`: bytes moved by every rank, over the slowest rank's transfer time, as GB/s.
 - `weights_match`: every rollout holds exactly the trainer's weights (their digests agree, and
-  with tensor parallelism so does every TP worker's);
+  with tensor parallelism so does every TP worker's, each of them reporting):
+  state/weights.py's check, the one the cycle performs at SYNC (`[checks] on_weights_mismatch`:
+  "fail" ends the run there, so a step with false is only seen under "warn");
   `ranks_agree`: every rank's trainer sent the same weights; `weights_digest`: theirs (None
   where they differ), for comparing nodes.
 - `logprob_max_abs_diff`: the largest difference between the trainer's and the rollout's
@@ -51,6 +53,7 @@ from timeshare.protocols.commands.results import (
     TrainResult,
 )
 from timeshare.state import Phase
+from timeshare.state.weights import RankSync, first_mismatch
 from timeshare.units import gbps
 
 PHASES = [phase.value for phase in Phase]
@@ -200,9 +203,7 @@ def step_figures(
         bubble_s=sum(_bubble(by_rank[r]) for r in ranks) / len(ranks),
         step_s=max(_wall(by_rank[r]) for r in ranks),
         sync=SyncFigures(transfer_bytes, transfer_s, gbps(transfer_bytes, transfer_s)),
-        weights_match=_every_rollout_holds(
-            {r: sent[i] for i, r in enumerate(ranks)}, {r: received[i] for i, r in enumerate(ranks)}
-        ),
+        weights_match=first_mismatch(rank_syncs(ranks, sent, received)) is None,
         ranks_agree=len({s.digest for s in sent}) == 1,
         weights_digest=sent[0].digest if len({s.digest for s in sent}) == 1 else None,
         held_at_barrier_mb=sum(_held(by_rank[r]["barrier"].trainer) for r in ranks),
@@ -217,17 +218,21 @@ def step_figures(
     )
 
 
-def _every_rollout_holds(sent: dict[int, SyncResult], received: dict[int, SyncResult]) -> bool:
-    """Every rank's rollout holds what its trainer sent: the engine's digest, and each of its TP
-    workers', are the trainer's. A rank whose rollout another rank's engine serves (a
-    tensor-parallel group's leader, served_by) holds what that engine holds."""
-    for rank, out in sent.items():
-        got = received[rank]
-        if got.served_by is not None:
-            got = received.get(got.served_by, got)
-        if out.digest != got.digest or any(w.digest != out.digest for w in got.workers):
-            return False
-    return True
+def rank_syncs(
+    ranks: Sequence[int], sent: Sequence[SyncResult], received: Sequence[SyncResult]
+) -> list[RankSync]:
+    """Each rank's SYNC (its trainer's result, its rollout's), as the weights check reads it."""
+    return [
+        RankSync(
+            rank=rank,
+            sent=out.digest,
+            receivers=out.receivers,
+            held=got.digest,
+            workers=tuple((worker.worker, worker.digest) for worker in got.workers),
+            served_by=got.served_by,
+        )
+        for rank, out, got in zip(ranks, sent, received, strict=True)
+    ]
 
 
 def _as(kind: type[R], result: CommandResult) -> R:

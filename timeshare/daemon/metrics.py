@@ -23,6 +23,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from timeshare.cycle.steps import StepFigures
+from timeshare.errors import WeightsMismatch
 from timeshare.state import Phase
 from timeshare.state.service import ServiceLifecycle
 from timeshare.units import gbps
@@ -153,6 +154,17 @@ class Metrics:
             "The last step's share of samples whose reward was skipped (out of the loss)",
             registry=r,
         )
+        self.weights_match = Gauge(
+            "timeshare_weights_match",
+            "1 when every rollout held its trainer's weights at the last step's SYNC, else 0",
+            registry=r,
+        )
+        self.weights_mismatches = Counter(
+            "timeshare_weights_mismatch",
+            "Steps whose SYNC left a rollout not holding its trainer's weights "
+            "([checks] on_weights_mismatch: the run failed, or warned and went on)",
+            registry=r,
+        )
         self.loop_lag = Gauge(
             "timeshare_event_loop_lag_max_seconds",
             "The daemon's event loop: the longest a ready task waited",
@@ -175,6 +187,7 @@ class Metrics:
 
     def stepped(self, figures: StepFigures) -> None:
         """A step's figures, every rank's phases done (a figure the step lacks leaves its last)."""
+        self.weights_checked(match=figures.weights_match)
         if figures.logprob_max_abs_diff is not None:
             self.logprob_diff.set(figures.logprob_max_abs_diff)
         if figures.invariance_max_abs_diff is not None:
@@ -190,8 +203,16 @@ class Metrics:
             self.truncated.set(lengths.truncated_fraction)
             self.padding_share.set(lengths.padding_share)
 
+    def weights_checked(self, *, match: bool) -> None:
+        self.weights_match.set(1 if match else 0)
+        if not match:
+            self.weights_mismatches.inc()
+
     def failed(self, kind: str) -> None:
+        """A cycle failed with a cause of `kind` (its class's name)."""
         self.failures.labels(kind).inc()
+        if kind == WeightsMismatch.__name__:  # the step's figures never come: its SYNC ended it
+            self.weights_checked(match=False)
         if "Timeout" in kind or "Stalled" in kind:
             self.timeouts.labels(kind).inc()
 

@@ -28,7 +28,14 @@ from timeshare.config import Config
 from timeshare.errors import ConfigError
 from timeshare.task import tokenizer as tokenizers
 from timeshare.task.dataset import PromptRows
-from timeshare.task.prompts import DatasetPrompts, PromptScan, data_fingerprint, prompt_text, scan
+from timeshare.task.prompts import (
+    PROMPT_LENGTHS,
+    DatasetPrompts,
+    PromptScan,
+    data_fingerprint,
+    prompt_text,
+    scan,
+)
 from timeshare.task.reward_function import RewardCall
 from timeshare.task.reward_pool import RewardPool
 from timeshare.task.tokenizer import TaskTokenizer
@@ -115,8 +122,9 @@ def scanned(
             out.write(f"\r{where}: {done}/{len(rows)} rows tokenized")
             out.flush()
 
+    kept_in = config.log.run_dir(config.job.checkpoint_dir) / PROMPT_LENGTHS
     lengths: PromptScan = scan(
-        rows, tokenizer, task.max_prompt_tokens, where=where, progress=progress
+        rows, tokenizer, task.max_prompt_tokens, where=where, progress=progress, kept_in=kept_in
     )
     if out is not None and time.monotonic() - started >= PROGRESS_EVERY_S:
         out.write("\n")

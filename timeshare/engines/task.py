@@ -32,7 +32,7 @@ from timeshare.errors import ConfigError
 from timeshare.task import tokenizer as tokenizers
 from timeshare.task.dataset import PromptRows, Row
 from timeshare.task.digits import RepeatDigit
-from timeshare.task.prompts import DatasetPrompts, prompt_text, scan
+from timeshare.task.prompts import PROMPT_LENGTHS, DatasetPrompts, prompt_text, scan
 from timeshare.task.reward_function import RewardCall
 from timeshare.task.scoring import Scorer
 from timeshare.task.seeds import mix
@@ -217,6 +217,7 @@ class DatasetWorkload:
         self.spec = spec
         self.tokenizer = tokenizer
         self.ranks = ranks
+        self.run_dir = run_dir
         self.samples_log = SamplesLog(
             None if run_dir is None else run_dir / SAMPLES, samples_per_step
         )
@@ -233,7 +234,11 @@ class DatasetWorkload:
         rows = PromptRows.open(
             files, prompt_key=self.spec.prompt_key, label_key=self.spec.label_key, where=where
         )
-        found = scan(rows, self.tokenizer, self.spec.max_prompt_tokens, where=where)
+        # (the lengths the check at `timeshare run` kept: no second scan of a large file)
+        kept_in = None if self.run_dir is None else self.run_dir / PROMPT_LENGTHS
+        found = scan(
+            rows, self.tokenizer, self.spec.max_prompt_tokens, where=where, kept_in=kept_in
+        )
         return DatasetPrompts.of(
             rows, self.tokenizer, found, drop=self.spec.overlong == "drop", where=where
         )

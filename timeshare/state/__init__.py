@@ -5,6 +5,7 @@ job.py       where a job stands (`JobState`), and the cycle's phases and fences
 machine.py   the phase machine: the job's table and `advance`
 plan.py      what the driver performs after each move (`plan`)
 service.py   the service's own lifecycle, and how it answers an operator's requests
+weights.py   whether every rollout holds its trainer's weights, and what a mismatch does
 diagram.py   both tables as Mermaid diagrams (docs/ shows them)
 """
 

@@ -3,27 +3,36 @@ and which rows each rank prompts with at each step.
 
 `scan` reads every row through the job's tokenizer (a row that does not render or tokenize is a
 `ConfigError` naming it) and records each prompt's length in a numpy array: memory grows by four
-bytes a row, never by a row's Python objects. `DatasetPrompts` then keeps the rows a job may
-use (all of them, or, with `overlong = "drop"`, those that fit `max_prompt_tokens`) and gives
-rank r of step s the rows at `positions(seed, s, r, ...)` of them: a pure function of
-(seed, step, rank), so a run resumed at step k sees exactly the prompts it would have seen.
+bytes a row, never by a row's Python objects. Tokenizing runs at about 10,000 rows a second
+here (a chat template rendered, then encoded), so the lengths are kept in the run's directory
+under the data's fingerprint: the check `timeshare run` makes scans a large file once, and every
+rollout worker then reads the lengths instead of scanning again.
+
+`DatasetPrompts` then keeps the rows a job may use (all of them, or, with `overlong = "drop"`,
+those that fit `max_prompt_tokens`) and gives rank r of step s the rows at
+`positions(seed, s, r, ...)` of them: a pure function of (seed, step, rank), so a run resumed at
+step k sees exactly the prompts it would have seen.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import numpy.typing as npt
 import xxhash
 
+from timeshare.durable import write_atomically
 from timeshare.errors import ConfigError
 from timeshare.task.dataset import PromptRows, Row, positions
 from timeshare.task.tokenizer import TaskTokenizer
 
 SHOWN_ROWS = 10  # overlong rows an error lists (then how many more)
 FINGERPRINT_ROWS = 8  # rows whose ids stand for the tokenizer in the data's fingerprint
+PROMPT_LENGTHS = "prompt_lengths"  # in the run's directory: <data fingerprint>.npy
 
 
 @dataclass(frozen=True)
@@ -82,8 +91,43 @@ def scan(
     *,
     where: str,
     progress: Callable[[int], None] | None = None,
+    kept_in: Path | None = None,
 ) -> PromptScan:
-    """Every row read, rendered and tokenized once; `progress(rows done)` now and then."""
+    """Every row read, rendered and tokenized once; `progress(rows done)` now and then.
+    `kept_in`: a directory where the lengths are kept under the data's fingerprint (read from
+    there when an earlier scan of the same data left them)."""
+    kept = None if kept_in is None else kept_in / f"{data_fingerprint(rows, tokenizer)}.npy"
+    if kept is not None and (lengths := _kept_lengths(kept, len(rows))) is not None:
+        return PromptScan(lengths, max_prompt_tokens)
+    lengths = _lengths(rows, tokenizer, where, progress)
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        buffer = io.BytesIO()
+        np.save(buffer, lengths)
+        write_atomically(kept, buffer.getvalue())
+    return PromptScan(lengths, max_prompt_tokens)
+
+
+def _kept_lengths(path: Path, rows: int) -> npt.NDArray[np.int32] | None:
+    """The lengths an earlier scan kept at `path` (None: none, or not of `rows` rows)."""
+    try:
+        lengths = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(lengths, np.ndarray) or lengths.shape != (rows,):
+        return None
+    if lengths.dtype != np.int32:
+        return None
+    kept: npt.NDArray[np.int32] = lengths
+    return kept
+
+
+def _lengths(
+    rows: PromptRows,
+    tokenizer: TaskTokenizer,
+    where: str,
+    progress: Callable[[int], None] | None,
+) -> npt.NDArray[np.int32]:
     lengths = np.zeros(len(rows), dtype=np.int32)
     for done, row in enumerate(rows.iter_rows()):
         lengths[row.index] = len(prompt_of(row, tokenizer, where))
@@ -91,7 +135,7 @@ def scan(
             progress(done + 1)
     if progress is not None:
         progress(len(rows))
-    return PromptScan(lengths, max_prompt_tokens)
+    return lengths
 
 
 @dataclass(frozen=True)
@@ -145,11 +189,15 @@ class DatasetPrompts:
 
 def data_fingerprint(rows: PromptRows, tokenizer: TaskTokenizer) -> str:
     """What the prompts of a run are made of: the files and keys (`rows.fingerprint()`), the
-    chat template, and the tokenizer as the ids it gives the first rows and its size."""
+    chat template, and the tokenizer: its whole definition where it is a fast tokenizer (the
+    `tokenizers` library's JSON), and the ids it gives the first rows."""
     digest = xxhash.xxh3_128()
     digest.update(rows.fingerprint().encode())
     digest.update(str(tokenizer.tokenizer.chat_template or "").encode())
     digest.update(str(len(tokenizer)).encode())
+    backend = getattr(tokenizer.tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        digest.update(str(backend.to_str()).encode())
     for row in rows.rows(range(min(FINGERPRINT_ROWS, len(rows)))):
         digest.update(repr(tokenizer.prompt_ids(row.prompt)).encode())
     return digest.hexdigest()

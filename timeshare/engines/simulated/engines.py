@@ -269,7 +269,11 @@ class SimulatedRollout(RolloutEngine):
         return sum(self.ledger.held(d, f"rollout.{t}") for d in self.devices for t in tags)
 
     def finish_weight_update(self, version: int) -> None:
-        """Nothing to post-process: the copies are the weights."""
+        """Nothing to post-process: the copies are the weights (altered, where the spec's
+        `corrupt_weights` drills a rollout holding other weights than the trainer's)."""
+        first = self.spec.corrupt_weights.get(str(self.rank))
+        if first is not None and version >= first:
+            self.loaded[weight_names(self.spec)[0]][0] += 1.0
 
     def digest(self) -> str:
         return weights_digest(self.loaded.items())
