@@ -137,7 +137,7 @@ def _load_file(path: str, where: str, base_dir: Path | None) -> Any:
     if not file.is_file():
         raise ConfigError(
             f"{where}: the reward file {file} does not exist ([engine.task.reward] path; a "
-            "relative path is taken from the config file's directory)"
+            "relative path is taken from the directory timeshare runs in)"
         )
     # One module per file: its resolved path, made a legal name.
     module_name = "timeshare_reward_" + re.sub(r"\W", "_", str(file.resolve()))

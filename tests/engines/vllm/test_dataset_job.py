@@ -10,6 +10,7 @@ written, the data's fingerprint is kept beside the checkpoints, and nothing is l
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -79,7 +80,7 @@ def write_config(root: Path) -> Path:
         job={"ranks": 1, "steps": STEPS},
         engine={
             "rollout": "vllm",
-            "fsdp": {"model_dir": str(model_dir)},
+            "fsdp": {"model_dir": str(model_dir), "micro_batch_size": 8},  # a minibatch: 16 / 2
             "vllm": VLLM_JOB["engine"]["vllm"],
             "task": {
                 "kind": "dataset",
@@ -110,10 +111,9 @@ def run_watching_vllm(root: Path, config: Path) -> tuple[int, str, list[int]]:
         try:
             while run.poll() is None:
                 assert time.monotonic() < deadline, f"the run took over {RUN_TIMEOUT_S:g} s"
-                try:
+                # (a record may be half written, or removed, as it is read)
+                with contextlib.suppress(OSError, ValueError):
                     seen.update(recorded_processes(root / "run"))
-                except (OSError, ValueError):  # (a record being written or removed)
-                    pass
                 time.sleep(0.2)
         finally:
             if run.poll() is None:
@@ -142,8 +142,10 @@ def test_a_verl_compute_score_file_runs_unchanged_with_fsdp_and_vllm(runtime_dir
         assert "acc" in extras and "pred" not in extras, extras
         assert extras["acc"] == pytest.approx(step["reward_mean"])  # score is acc, here
 
+    # two samples of each ROLLOUT: the one before step 1 (step 0), and each step's, which
+    # samples the next step's batch (the last one's included, though no step trains on it)
     samples = jsonl(runtime_dir / "samples.jsonl")
-    assert [s["step"] for s in samples] == [step for step in range(1, STEPS + 1) for _ in (0, 1)]
+    assert [s["step"] for s in samples] == [step for step in range(STEPS + 1) for _ in (0, 1)]
     for sample in samples:
         assert isinstance(sample["completion"], str) and sample["completion_tokens"] > 0, sample
         assert sample["reward"] in (0.0, 1.0), sample
