@@ -280,3 +280,12 @@ def test_the_gsm8k_recipe_checks_on_its_stand_in(tmp_path: Path) -> None:
     assert "reward timeshare.rewards:math on row 0 with the label: 1.0" in said
     assert "with an empty completion: 0.0" in said
     assert "<|im_start|>assistant" in said  # Qwen's chat template, rendered
+
+
+def test_a_reward_parameter_nothing_supplies_is_exit_2_naming_it(tmp_path: Path) -> None:
+    config = dataset_job(tmp_path)
+    (tmp_path / "rewards.py").write_text("def compute_score(completion, solution):\n    return 0\n")
+    checked = timeshare("task", "check", str(config))
+    assert checked.returncode == 2
+    assert "nothing supplies its parameter 'solution'" in checked.stderr
+    assert "answer" in checked.stderr  # a column of the data, among the names it could take

@@ -175,7 +175,7 @@ def reward_lines(config: Config, prompts: DatasetPrompts) -> list[str]:
         for n, completion in enumerate(tries.values())
     ]
     lines = []
-    with RewardPool(task.reward, base_dir=Path()) as pool:
+    with RewardPool(task.reward, base_dir=Path(), columns=row.columns) as pool:
         outcomes = pool.score(calls)
     for what, outcome in zip(tries, outcomes, strict=True):
         if outcome.error is not None:

@@ -225,7 +225,8 @@ class DatasetWorkload:
         self.val = (
             self._prompts(spec.val_files, "engine.task.val_files") if spec.val_files else None
         )
-        self.scorer = Scorer(spec.reward, base_dir=base_dir, run_dir=run_dir)
+        ((first, _),) = self.train.share(0, 1, 1)
+        self.scorer = Scorer(spec.reward, base_dir=base_dir, run_dir=run_dir, columns=first.columns)
         # the rows of the requests handed out and not yet scored, by request id
         self.pending: dict[str, tuple[Row, str]] = {}
         self.last_calls: dict[str, RewardCall] = {}  # the last batch scored, by sample id

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from timeshare.errors import RewardFailed
@@ -32,10 +32,19 @@ EXCERPT_CHARS = 400
 class Scorer:
     """The job's reward function in its pool of processes, with the failure rules above."""
 
-    def __init__(self, spec: RewardSpec, *, base_dir: Path, run_dir: Path | None) -> None:
+    def __init__(
+        self,
+        spec: RewardSpec,
+        *,
+        base_dir: Path,
+        run_dir: Path | None,
+        columns: Iterable[str] | None = None,
+    ) -> None:
+        """`columns`: the dataset's, so that a parameter nothing supplies is refused when the
+        pool starts (ConfigError), not at the first sample."""
         self.spec = spec
         self.errors_file = None if run_dir is None else run_dir / REWARD_ERRORS
-        self.pool = RewardPool(spec, base_dir=base_dir)
+        self.pool = RewardPool(spec, base_dir=base_dir, columns=columns)
 
     def score(
         self, calls: Sequence[RewardCall], progress: Callable[[], None] | None = None
