@@ -37,9 +37,9 @@ from timeshare.engines.task import TaskWorkload
 from timeshare.engines.torch_ref.model import Attention, CausalLM
 from timeshare.engines.torch_ref.rollout import TorchRefRollout
 from timeshare.engines.torch_ref.trainer import TorchRefTrainer
-from timeshare.engines.vocab import BOS, DIGITS, EOS, PROMPT_DIGITS, SEP
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.layout import Weight
+from timeshare.task.vocab import BOS, DIGITS, EOS, PROMPT_DIGITS, SEP
 
 COMPLETION = 5  # the longest completion
 TASK = {

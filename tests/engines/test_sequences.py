@@ -9,17 +9,17 @@ import pytest
 import torch
 
 from timeshare.engines.base import FinishReason, RolloutSample
-from timeshare.engines.grpo import (
+from timeshare.engines.sequences import PAD, pack, unpadded
+from timeshare.engines.spec import engine_spec
+from timeshare.engines.torch_ref.trainer import TorchRefTrainer
+from timeshare.task.grpo_math import (
     EPS,
     clipped_loss,
     group_advantages,
     masked_max_abs_diff,
     token_weights,
 )
-from timeshare.engines.sequences import PAD, pack, unpadded
-from timeshare.engines.spec import engine_spec
-from timeshare.engines.torch_ref.trainer import TorchRefTrainer
-from timeshare.engines.vocab import BOS, EOS, SEP
+from timeshare.task.vocab import BOS, EOS, SEP
 
 
 def sample(prompt: tuple[int, ...], tokens: tuple[int, ...], reward: float = 0.0) -> RolloutSample:

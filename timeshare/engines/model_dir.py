@@ -18,11 +18,10 @@ from typing import Literal
 import msgspec
 
 from timeshare.engines.model_config import ModelConfig
-from timeshare.engines.vocab import BOS, EOS, MIN_VOCAB
 from timeshare.errors import ConfigError
 from timeshare.task import digit_tokenizer
 from timeshare.task.files import GENERATION_CONFIG
-from timeshare.task.vocab import TOKENIZER_SIZE
+from timeshare.task.vocab import BOS, EOS, MIN_VOCAB, TOKENIZER_SIZE
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -25,6 +25,7 @@ from timeshare.engines.footprint import HasRolloutFootprint, heads_problem
 from timeshare.engines.model_config import SplitsRanks, TrainedModel, TrainsModel
 from timeshare.engines.registry import Role
 from timeshare.errors import ConfigError
+from timeshare.task.aggregation import LossAggregation
 from timeshare.task.files import (
     TOKENIZER_MODELS,
     TokenizerFacts,
@@ -138,9 +139,6 @@ class TaskSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
                 f"than engine.task.max_prompt_tokens ({self.max_prompt_tokens}) plus "
                 f"engine.task.max_completion_tokens ({self.max_completion_tokens})"
             )
-
-
-LossAggregation = Literal["token-mean", "seq-mean-token-mean"]
 
 
 class GrpoSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -76,7 +76,10 @@ class Mismatch:
     what: str  # the mismatch in words
 
     def __str__(self) -> str:
-        return f"{self.what}; which tensor differs is not known (each side reports one digest)"
+        return (
+            f"{self.what}; which tensor differs is not known (trainer and rollout each report "
+            "one digest of the whole version)"
+        )
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,8 @@ def _engine_mismatch(rank: int, expected: str, engine: RankSync, where: str) -> 
                 return mismatch(worker, held[worker], what)
     if engine.held != expected:
         return mismatch(
-            None, engine.held, f"holds {engine.held}, not the {expected} its trainer sent"
+            None,
+            engine.held,
+            f"the engine holds {engine.held}, not the {expected} its trainer sent",
         )
     return None

@@ -29,9 +29,9 @@ from timeshare.engines.simulated.engines import DeviceLedger
 from timeshare.engines.simulated.spec import SimulatedSpec
 from timeshare.engines.spec import EngineSpec, engine_spec
 from timeshare.engines.torch_ref.rollout import TorchRefRollout
-from timeshare.engines.vocab import BOS, DIGITS, PROMPT_DIGITS, SEP
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.layout import Weight
+from timeshare.task.vocab import BOS, DIGITS, PROMPT_DIGITS, SEP
 from timeshare.units import MIB
 
 # The causal LM every causal_lm engine serves: head_dim 32, the smallest vLLM's CPU attention

@@ -28,7 +28,6 @@ from timeshare.engines.base import (
     until_stop,
 )
 from timeshare.engines.digest import weights_digest
-from timeshare.engines.vocab import EOS
 from timeshare.errors import (
     GenerateTimeout,
     LoaderFailed,
@@ -38,6 +37,7 @@ from timeshare.errors import (
     WeightsTorn,
 )
 from timeshare.protocols.weights.layout import Weight
+from timeshare.task.vocab import EOS
 
 # Every optional field of a request, as a request that sets it.
 OPTIONAL_INPUTS: dict[str, dict[str, object]] = {

@@ -41,8 +41,8 @@ from timeshare.engines.spec import EngineSpec, engine_spec
 from timeshare.engines.task import TaskWorkload
 from timeshare.engines.torch_ref.model import init_model
 from timeshare.engines.torch_ref.trainer import TorchRefTrainer
-from timeshare.engines.vocab import BOS, DIGITS, EOS, PROMPT_DIGITS, SEP
 from timeshare.protocols.store import JobStore
+from timeshare.task.vocab import BOS, DIGITS, EOS, PROMPT_DIGITS, SEP
 
 # MODEL as `timeshare model init` writes it (the FSDP trainer's model directory).
 SHAPE = ModelShape(layers=2, hidden=64, intermediate=128, heads=2, kv_heads=2, vocab=16)

@@ -17,8 +17,8 @@ from timeshare.engines.base import (
 from timeshare.engines.context import EngineContext
 from timeshare.engines.digest import weights_digest
 from timeshare.engines.inlet import LocalInlet
-from timeshare.engines.vocab import ANSWER_DIGITS
 from timeshare.protocols.weights import TransferConfig
+from timeshare.task.vocab import ANSWER_DIGITS
 
 ECHOED = ANSWER_DIGITS  # times the prompt's digit is said back
 

@@ -29,9 +29,9 @@ from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
 from timeshare.engines.fsdp.trainer import FsdpTrainer
 from timeshare.engines.host_memory import local
 from timeshare.engines.spec import EngineSpec, GrpoSpec, TaskSpec, engine_spec
-from timeshare.engines.vocab import EOS
 from timeshare.protocols.weights.layout import BucketPlanner, pack
 from timeshare.protocols.weights.lent import LentTensor
+from timeshare.task.vocab import EOS
 
 GROUP = 4
 PER_RANK = 8  # two groups of four

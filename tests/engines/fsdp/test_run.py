@@ -32,9 +32,9 @@ from tests.engines.vllm.test_run import VLLM_JOB
 from timeshare.config import load_config
 from timeshare.engines.model_dir import ModelShape, init_model_dir
 from timeshare.engines.task import RepeatDigit
-from timeshare.engines.vocab import EOS
 from timeshare.errors import ConfigError
 from timeshare.task import digit_tokenizer
+from timeshare.task.vocab import EOS
 
 pytestmark = pytest.mark.slow
 

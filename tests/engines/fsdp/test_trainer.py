@@ -18,14 +18,10 @@ from safetensors.torch import load_file
 
 from tests.engines.fsdp.rank import GROUP, GRPO, PER_RANK, SPEC_KEYS, TASK, global_batch
 from tests.ports import free_port
-from timeshare.engines.grpo import (
-    clipped_loss,
-    completion_logprobs,
-    group_advantages,
-    token_weights,
-)
+from timeshare.engines.grpo import completion_logprobs
 from timeshare.engines.model_dir import ModelShape, init_model_dir
 from timeshare.engines.sequences import pack
+from timeshare.task.grpo_math import clipped_loss, group_advantages, token_weights
 
 WORLD = 2
 RANK_TIMEOUT_S = 240.0

@@ -25,8 +25,8 @@ from timeshare.engines.base import RolloutSample
 from timeshare.engines.megatron.trainer import MegatronTrainer
 from timeshare.engines.sharded_trainer import widened
 from timeshare.engines.spec import EngineSpec, GrpoSpec, TaskSpec, engine_spec
-from timeshare.engines.vocab import EOS
 from timeshare.protocols.weights.lent import LentTensor
+from timeshare.task.vocab import EOS
 
 GROUP = 4
 PER_RANK = 8  # two groups of four

@@ -12,7 +12,7 @@ import torch
 
 from timeshare.engines.base import RolloutRequest, RolloutSample, SamplingParams
 from timeshare.engines.digest import weights_digest
-from timeshare.engines.grpo import clipped_loss, figures_kept, group_advantages, token_weights
+from timeshare.engines.grpo import figures_kept
 from timeshare.engines.model_config import ModelConfig
 from timeshare.engines.spec import EngineChoice, check_engines, engine_spec
 from timeshare.engines.task import RepeatDigit, TaskWorkload
@@ -25,9 +25,10 @@ from timeshare.engines.torch_ref.model import (
 )
 from timeshare.engines.torch_ref.rollout import TorchRefRollout
 from timeshare.engines.torch_ref.trainer import TorchRefTrainer
-from timeshare.engines.vocab import BOS, EOS, SEP
 from timeshare.errors import ConfigError, EngineAsleep, OffPolicy, WeightsTorn
 from timeshare.protocols.commands.results import TrainFigures
+from timeshare.task.grpo_math import clipped_loss, group_advantages, token_weights
+from timeshare.task.vocab import BOS, EOS, SEP
 
 SPEC = engine_spec(
     trainer="torch_ref",

@@ -36,11 +36,9 @@ from timeshare.engines.base import RolloutSample
 from timeshare.engines.grpo import (
     GrpoBatch,
     figures_kept,
-    group_advantages,
     rewards_of,
     sampled_logprobs,
     scored_rows,
-    token_logprobs,
 )
 from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
 from timeshare.engines.invariance import MIN_GEMM_ROWS, enable_strict_gemm
@@ -58,6 +56,7 @@ from timeshare.engines.spec import EngineChoice
 from timeshare.errors import ConfigError
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.layout import DTYPES, Weight
+from timeshare.task.grpo_math import group_advantages, token_logprobs
 
 log = structlog.get_logger(__name__)
 

@@ -27,7 +27,6 @@ from timeshare.engines.base import (
 )
 from timeshare.engines.context import EngineContext
 from timeshare.engines.digest import weights_digest
-from timeshare.engines.grpo import token_logprobs
 from timeshare.engines.inlet import LocalInlet
 from timeshare.engines.invariance import enable_strict_gemm
 from timeshare.engines.model_config import ModelConfig
@@ -37,6 +36,7 @@ from timeshare.engines.torch_ref.model import CausalLM, KVCache
 from timeshare.engines.torch_ref.spec import TorchRefSpec
 from timeshare.errors import EngineAsleep, LoaderFailed, TimeshareError
 from timeshare.protocols.weights import TransferConfig
+from timeshare.task.grpo_math import token_logprobs
 from timeshare.units import MIB
 
 log = structlog.get_logger(__name__)
