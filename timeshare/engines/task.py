@@ -34,7 +34,7 @@ from timeshare.task.dataset import PromptRows, Row
 from timeshare.task.digits import RepeatDigit
 from timeshare.task.prompts import PROMPT_LENGTHS, DatasetPrompts, prompt_text, scan
 from timeshare.task.reward_function import RewardCall
-from timeshare.task.scoring import Scorer
+from timeshare.task.scoring import PendingScores, Scorer
 from timeshare.task.seeds import mix
 from timeshare.task.tokenizer import TaskTokenizer
 
@@ -60,6 +60,18 @@ Progress = Callable[[], None]
 class Workload(Protocol):
     def requests(self, rank: int, step: int) -> list[RolloutRequest]: ...
 
+    def scoring(
+        self,
+        rank: int,
+        step: int,
+        requests: list[RolloutRequest],
+        samples: list[RolloutSample],
+        progress: Progress,
+    ) -> Scoring:
+        """`samples` (of rank `rank`'s `requests`) being scored, perhaps while the engine
+        generates the next batch; the result writes the first ones as text (samples.jsonl)."""
+        ...
+
     def scored(
         self,
         requests: list[RolloutRequest],
@@ -67,20 +79,47 @@ class Workload(Protocol):
         step: int,
         progress: Progress,
     ) -> list[RolloutSample]:
-        """`samples` (of `requests`) with their rewards (None: skipped)."""
+        """`samples` (of `requests`) with their rewards (None: skipped), now."""
         ...
 
     def validation(self, rank: int, step: int) -> list[RolloutRequest]:
         """Rank `rank`'s validation prompts at `step` ([] when it does not validate)."""
         ...
 
-    def record(
-        self, step: int, rank: int, requests: list[RolloutRequest], samples: list[RolloutSample]
-    ) -> None:
-        """Write the step's first samples as text (samples.jsonl), as `[log]` asks."""
+    def close(self) -> None: ...
+
+
+class Scoring(Protocol):
+    def result(self) -> list[RolloutSample]:
+        """The samples with their rewards, once scored (raises what scoring raised)."""
         ...
 
-    def close(self) -> None: ...
+
+@dataclass(frozen=True)
+class Scored:
+    """Scoring done at once (the digit task's reward is a comparison)."""
+
+    samples: list[RolloutSample]
+
+    def result(self) -> list[RolloutSample]:
+        return self.samples
+
+
+@dataclass(frozen=True)
+class ScoringInPool:
+    """A batch the reward pool is scoring: its outcomes become the samples' rewards."""
+
+    outcomes: PendingScores
+    samples: list[RolloutSample]
+    written: Callable[[list[RolloutSample]], None]
+
+    def result(self) -> list[RolloutSample]:
+        scored = [
+            dataclasses.replace(sample, reward=outcome.score, reward_extras=dict(outcome.extras))
+            for sample, outcome in zip(self.samples, self.outcomes.result(), strict=True)
+        ]
+        self.written(scored)
+        return scored
 
 
 def sampling_seed(seed: int, rank: int, step: int) -> int:
@@ -172,6 +211,18 @@ class DigitWorkload:
             for request, sample in zip(requests, samples, strict=True)
         ]
 
+    def scoring(
+        self,
+        rank: int,
+        step: int,
+        requests: list[RolloutRequest],
+        samples: list[RolloutSample],
+        progress: Progress,
+    ) -> Scoring:
+        scored = self.scored(requests, samples, step, progress)
+        self.record(step, rank, requests, scored)
+        return Scored(scored)
+
     def validation(self, rank: int, step: int) -> list[RolloutRequest]:
         return []
 
@@ -229,7 +280,6 @@ class DatasetWorkload:
         self.scorer = Scorer(spec.reward, base_dir=base_dir, run_dir=run_dir, columns=first.columns)
         # the rows of the requests handed out and not yet scored, by request id
         self.pending: dict[str, tuple[Row, str]] = {}
-        self.last_calls: dict[str, RewardCall] = {}  # the last batch scored, by sample id
 
     def _prompts(self, files: Sequence[str], where: str) -> DatasetPrompts:
         rows = PromptRows.open(
@@ -283,6 +333,21 @@ class DatasetWorkload:
                 requests.append(request)
         return requests
 
+    def scoring(
+        self,
+        rank: int,
+        step: int,
+        requests: list[RolloutRequest],
+        samples: list[RolloutSample],
+        progress: Progress,
+    ) -> Scoring:
+        """Scored in the pool while this worker goes on (the engine's next batch)."""
+        calls = self._calls(requests, samples, step)
+        outcomes = self.scorer.submit(calls, progress)
+        return ScoringInPool(
+            outcomes, samples, lambda scored: self.record(step, rank, calls, scored)
+        )
+
     def scored(
         self,
         requests: list[RolloutRequest],
@@ -290,18 +355,24 @@ class DatasetWorkload:
         step: int,
         progress: Progress,
     ) -> list[RolloutSample]:
+        calls = self._calls(requests, samples, step)
+        # (through the pool's thread: after the batches submitted before it)
+        outcomes = self.scorer.submit(calls, progress).result()
+        return [
+            dataclasses.replace(sample, reward=outcome.score, reward_extras=dict(outcome.extras))
+            for sample, outcome in zip(samples, outcomes, strict=True)
+        ]
+
+    def _calls(
+        self, requests: list[RolloutRequest], samples: list[RolloutSample], step: int
+    ) -> list[RewardCall]:
         calls = [
             self._call(request, sample, step)
             for request, sample in zip(requests, samples, strict=True)
         ]
         for request in requests:
             self.pending.pop(request.request_id, None)
-        self.last_calls = {call.sample_id: call for call in calls}  # (for `record`)
-        outcomes = self.scorer.score(calls, progress)
-        return [
-            dataclasses.replace(sample, reward=outcome.score, reward_extras=dict(outcome.extras))
-            for sample, outcome in zip(samples, outcomes, strict=True)
-        ]
+        return calls
 
     def _call(self, request: RolloutRequest, sample: RolloutSample, step: int) -> RewardCall:
         row, prompt = self.pending[request.request_id]
@@ -318,11 +389,10 @@ class DatasetWorkload:
         )
 
     def record(
-        self, step: int, rank: int, requests: list[RolloutRequest], samples: list[RolloutSample]
+        self, step: int, rank: int, calls: list[RewardCall], samples: list[RolloutSample]
     ) -> None:
         lines = []
-        for sample in samples[: self.samples_log.per_step]:
-            call = self.last_calls[sample.request_id]
+        for call, sample in zip(calls[: self.samples_log.per_step], samples, strict=False):
             line = sample_line(self.tokenizer, step, rank, sample, call.prompt)
             lines.append({**line, "row_index": call.row_index, "label": call.label})
         self.samples_log.write(lines)
@@ -353,13 +423,18 @@ class FixedWorkload:
     ) -> list[RolloutSample]:
         return samples
 
+    def scoring(
+        self,
+        rank: int,
+        step: int,
+        requests: list[RolloutRequest],
+        samples: list[RolloutSample],
+        progress: Progress,
+    ) -> Scoring:
+        return Scored(samples)
+
     def validation(self, rank: int, step: int) -> list[RolloutRequest]:
         return []
-
-    def record(
-        self, step: int, rank: int, requests: list[RolloutRequest], samples: list[RolloutSample]
-    ) -> None:
-        """Nothing to say in text."""
 
     def close(self) -> None:
         """Nothing held."""

@@ -42,7 +42,7 @@ from timeshare.engines.main_loop import MainThreadLoop
 from timeshare.engines.outlet import digested, drain
 from timeshare.engines.pairs import build_rollout, build_trainer, workload_of
 from timeshare.engines.spec import EngineSpec
-from timeshare.engines.task import Workload
+from timeshare.engines.task import Scoring, Workload
 from timeshare.errors import ProtocolError, SimulatedFault
 from timeshare.protocols.commands import WorkerServer
 from timeshare.protocols.commands.params import PhaseParams
@@ -288,11 +288,15 @@ class RolloutWorker:
     def rollout(self, params: PhaseParams) -> RolloutResult:
         step = params.step or 0
         # Each rank's batch in a generate of its own: an engine seeds each request by its place
-        # in the batch, so a rank samples what it would with an engine of its own.
-        by_rank = {rank: self.generate(rank, step) for rank in self.ranks}
+        # in the batch, so a rank samples what it would with an engine of its own. A batch is
+        # scored while the engine generates the next (the reward function runs in processes
+        # of its own: this worker reports progress while it waits on them).
+        scoring = {rank: self.generate(rank, step) for rank in self.ranks}
+        validated = self.validate(step)  # (its generate, while the batches are scored)
+        with self.spans.span("score"):
+            by_rank = {rank: pending.result() for rank, pending in scoring.items()}
         scored = by_rank[self.spec.rank]
         drift = self.drift(step, scored)
-        validated = self.validate(step)
         with self.spans.span("sleep"):
             self.engine.sleep()
         rewards = [s.reward for s in scored if s.reward is not None]
@@ -332,16 +336,12 @@ class RolloutWorker:
                 checks.invariance_samples,
             )
 
-    def generate(self, rank: int, step: int) -> list[RolloutSample]:
-        """Rank `rank`'s batch of step `step`, sampled and scored (the reward function runs in
-        processes of its own: this worker reports progress while it waits on them)."""
+    def generate(self, rank: int, step: int) -> Scoring:
+        """Rank `rank`'s batch of step `step`, sampled, and being scored."""
         requests = self.workload.requests(rank, step)
         with self.spans.span("generate"):
             samples = self.engine.generate(requests)
-        with self.spans.span("score"):
-            scored = self.workload.scored(requests, samples, step, self.server.report_progress)
-        self.workload.record(step, rank, requests, scored)
-        return scored
+        return self.workload.scoring(rank, step, requests, samples, self.server.report_progress)
 
     def close(self) -> None:
         self.inlet.close()

@@ -12,6 +12,10 @@ is never a reward of 0: each one is written to `reward_errors.jsonl` in the run'
   of a batch end the run by name.
 
 A function that returns None skips its sample on purpose: counted, never an error.
+
+`Scorer.submit` hands a batch to the pool's own thread and returns at once: the rollout worker
+generates the next batch (a tensor-parallel group's next rank, the validation prompts) while
+the pool scores this one; batches are scored in turn.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from timeshare.errors import RewardFailed
@@ -27,6 +33,24 @@ from timeshare.task.reward_pool import RewardPool
 
 REWARD_ERRORS = "reward_errors.jsonl"
 EXCERPT_CHARS = 400
+
+
+@dataclass(frozen=True)
+class PendingScores:
+    """A batch the pool's thread scores; `result` waits for it, within `bound_s`."""
+
+    future: Future[list[RewardOutcome]]
+    bound_s: float
+    where: str
+
+    def result(self) -> list[RewardOutcome]:
+        try:
+            return self.future.result(timeout=self.bound_s)
+        except TimeoutError as exc:
+            raise RewardFailed(
+                f"the reward function {self.where}: a batch was not scored within "
+                f"{self.bound_s:.0f} s, though each call has its deadline"
+            ) from exc
 
 
 class Scorer:
@@ -45,6 +69,30 @@ class Scorer:
         self.spec = spec
         self.errors_file = None if run_dir is None else run_dir / REWARD_ERRORS
         self.pool = RewardPool(spec, base_dir=base_dir, columns=columns)
+        # One thread drives the pool for `submit`: a batch is scored while the worker's
+        # engine generates the next (a tensor-parallel group's next rank, the validation).
+        self.driver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward-scoring")
+        self.queued = 0  # calls submitted and not yet scored
+
+    def bound_s(self, calls: int, queued: int = 0) -> float:
+        """The longest `calls` can take to score, `queued` calls ahead of them: each call its
+        `timeout_s`, and a fresh process started after each (what a timeout costs), the pool's
+        processes at work side by side. A wait on them past it is a bug of the pool's."""
+        rounds = -(-(calls + queued) // self.spec.processes) + 1
+        return rounds * (self.spec.timeout_s + self.pool.start_timeout_s)
+
+    def submit(
+        self, calls: Sequence[RewardCall], progress: Callable[[], None] | None = None
+    ) -> PendingScores:
+        """`score(calls, progress)`, run by the pool's thread: batches are scored in turn."""
+        bound_s = self.bound_s(len(calls), self.queued)
+        self.queued += len(calls)
+        future = self.driver.submit(self.score, calls, progress)
+        future.add_done_callback(lambda _: self._done(len(calls)))
+        return PendingScores(future, bound_s, self.spec.where)
+
+    def _done(self, calls: int) -> None:
+        self.queued -= calls
 
     def score(
         self, calls: Sequence[RewardCall], progress: Callable[[], None] | None = None
@@ -100,4 +148,8 @@ class Scorer:
             out.write("".join(line + "\n" for line in lines))
 
     def close(self) -> None:
-        self.pool.close()
+        """Waits for the batch being scored (its calls have deadlines), then stops the pool."""
+        try:
+            self.driver.shutdown(wait=True, cancel_futures=True)
+        finally:
+            self.pool.close()
