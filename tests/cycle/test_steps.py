@@ -25,12 +25,16 @@ from timeshare.state import Phase
 SENT = 3 << 20
 
 
-def reports(rank: int, workers: list[WorkerLoad], digest: str = "d1") -> list[PhaseReport]:
+def reports(
+    rank: int, workers: list[WorkerLoad], digest: str = "d1", receivers: int | None = None
+) -> list[PhaseReport]:
+    """`rank`'s step; its trainer's session went to `receivers` TP workers (default: one per
+    worker that reported, or 1), of which `workers` reported what they loaded."""
     transfer = TransferReport(version=4, bytes=SENT, tensors=9, buckets=3, seconds=0.5)
     results: dict[Phase, tuple[CommandResult, CommandResult]] = {
         Phase.TRAIN: (TrainResult(figures=TrainFigures(step=4, samples=8)), CommandResult()),
         Phase.SYNC: (
-            SyncResult(transfer=transfer, digest="d1", receivers=max(1, len(workers))),
+            SyncResult(transfer=transfer, digest="d1", receivers=receivers or max(1, len(workers))),
             SyncResult(transfer=transfer, digest=digest, workers=workers),
         ),
         Phase.ROLLOUT: (CommandResult(), RolloutResult(samples=msgspec.Raw(b"[]"))),
@@ -62,6 +66,13 @@ def test_one_tp_worker_with_other_weights_is_no_match(odd_one: int) -> None:
     workers = [WorkerLoad(k, SENT, "other" if k == odd_one else "d1") for k in range(2)]
     figures = step_figures(4, reports(0, workers), [0])
     assert not figures.weights_match
+
+
+def test_a_tp_worker_that_sent_no_report_is_no_match() -> None:
+    """The trainer's session went to 2 TP workers; only worker 0 said what it loaded."""
+    step = reports(0, [WorkerLoad(0, SENT, "d1")], receivers=2)
+    assert not step_figures(4, step, [0]).weights_match
+    assert step_figures(4, reports(0, [WorkerLoad(0, SENT, "d1")], receivers=1), [0]).weights_match
 
 
 def served(rank: int, leader: int, digest: str = "d1") -> list[PhaseReport]:

@@ -1,5 +1,6 @@
-"""The step's figures the daemon exports to Prometheus: the trainer/rollout logprob difference
-and the drift probe's, as a scrape reads them (prometheus_client's own text format)."""
+"""The step's figures the daemon exports to Prometheus: the trainer/rollout logprob difference,
+the drift probe's, the completions' lengths, and whether the rollouts held the trainer's weights,
+as a scrape reads them (prometheus_client's own text format)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,35 @@ def test_each_step_sets_its_completions_lengths_truncation_and_padding() -> None
     assert found["timeshare_completion_tokens_mean"] == 3.5
     assert found["timeshare_truncated_fraction"] == 0.25
     assert found["timeshare_padding_share"] == 0.4
+
+
+def weights(metrics: Metrics) -> dict[str, float]:
+    text = generate_latest(metrics.registry).decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name in ("timeshare_weights_match", "timeshare_weights_mismatch_total")
+    }
+
+
+def test_each_step_sets_whether_the_weights_matched_and_counts_the_mismatches() -> None:
+    metrics = Metrics(node=1)
+    metrics.stepped(figures(1, 0.0, None))
+    assert weights(metrics) == {"timeshare_weights_match": 1, "timeshare_weights_mismatch_total": 0}
+    other = msgspec.structs.replace(figures(2, 0.0, None), weights_match=False)  # under "warn"
+    metrics.stepped(other)
+    metrics.stepped(msgspec.structs.replace(other, step=3))
+    assert weights(metrics) == {"timeshare_weights_match": 0, "timeshare_weights_mismatch_total": 2}
+    metrics.stepped(figures(4, 0.0, None))
+    assert weights(metrics) == {"timeshare_weights_match": 1, "timeshare_weights_mismatch_total": 2}
+
+
+def test_a_run_failed_by_a_weights_mismatch_counts_it() -> None:
+    """Under "fail" the step's figures never come: its SYNC ended the run."""
+    metrics = Metrics(node=1)
+    metrics.stepped(figures(1, 0.0, None))
+    metrics.failed("WorkerDied")
+    assert weights(metrics) == {"timeshare_weights_match": 1, "timeshare_weights_mismatch_total": 0}
+    metrics.failed("WeightsMismatch")
+    assert weights(metrics) == {"timeshare_weights_match": 0, "timeshare_weights_mismatch_total": 1}

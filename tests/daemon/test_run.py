@@ -200,6 +200,50 @@ def test_a_bad_config_is_one_line_and_exit_2(runtime_dir: Path) -> None:
     assert not (runtime_dir / "run").exists()
 
 
+@pytest.mark.parametrize("on_mismatch", ["fail", "warn"])
+def test_a_rollout_holding_other_weights_fails_the_run_or_warns(
+    runtime_dir: Path, on_mismatch: str
+) -> None:
+    """Rank 1's simulated rollout really loads other weights from version 2 on (one value of a
+    tensor changed after loading): "fail" ends the run at step 2's SYNC naming it, exit 1,
+    before any sample is drawn from them, what the summary holds kept; "warn" runs on,
+    weights_match false, a warning each such step. (The simulated trainer keeps no checkpoints:
+    a failed run keeps its committed steps, test_a_killed_run_resumes_from_its_committed_step.)"""
+    log = runtime_dir / "log.jsonl"
+    config = toml_file(
+        runtime_dir,
+        FAST,
+        job={"ranks": 2, "steps": 3},
+        log={"file": str(log)},
+        engine={"simulated": {"corrupt_weights": {"1": 2}}},
+        checks={"on_weights_mismatch": on_mismatch},
+    )
+    summary = runtime_dir / "summary.json"
+    done = timeshare_run(config, summary, timeout_s=90)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    if on_mismatch == "fail":
+        assert done.returncode == 1, done.stderr
+        failed = "rollout rank 1 failed in phase sync: WeightsMismatch: rollout rank 1: "
+        assert f"{failed}the engine holds xxh3-128:" in done.stderr
+        assert [(s["step"], s["weights_match"]) for s in steps_of(summary)] == [(1, True)]
+        phases = [e["record"] for e in events if e["event"] == "cycle.phase.ended"]
+        rollouts = {p["step"] for p in phases if p["phase"] == "rollout"}
+        assert rollouts == {0, 1}  # none drawn from the other weights
+    else:
+        assert done.returncode == 0, done.stderr
+        assert [(s["step"], s["weights_match"]) for s in steps_of(summary)] == [
+            (1, True),
+            (2, False),
+            (3, False),
+        ]
+        warned = [e for e in events if e["event"] == "cycle.weights.mismatch"]
+        assert [(e["level"], e["step"], e["rank"]) for e in warned] == [
+            ("warning", 2, 1),
+            ("warning", 3, 1),
+        ]
+    assert_nothing_left(runtime_dir)
+
+
 def test_log_rotation_keys_reach_the_front_and_every_worker(runtime_dir: Path) -> None:
     """[log] max_mb and keep: the front and the workers all write the one log, rotated at the
     size asked, and what they wrote is read back across the generations."""
