@@ -337,21 +337,31 @@ def test_a_run_dir_without_a_summary_or_a_log_is_exit_2_naming_what_is_missing(
     assert not (tmp_path / "trace.json").exists()
 
 
-def test_reading_a_run_imports_no_torch(tmp_path: Path) -> None:
-    """`timeshare report` and `timeshare trace` read files: torch's import (seconds on a loaded
-    machine) is not theirs to pay."""
+@pytest.mark.slow
+def test_reading_a_run_imports_no_torch(run: FinishedRun, tmp_path: Path) -> None:
+    """`timeshare report` (the table and the picture) and `timeshare trace` read a run's files
+    (its summary.json and log.jsonl, as `timeshare run` wrote them): torch's import (seconds on
+    a loaded machine) is not theirs to pay. Each reads the run through, to its output."""
+    shutil.copy(run.root / "summary.json", tmp_path)
+    shutil.copy(run.root / "log.jsonl", tmp_path)
+    png, trace_file = tmp_path / "report.png", tmp_path / "rebuilt.json"
     probe = (
         "import sys; from timeshare.daemon import cli; "
         "from timeshare.report import picture, run_dir, table, trace; "
-        "cli.main(['report', sys.argv[1], '--text']); "
-        "print([m for m in ('torch', 'torch.distributed') if m in sys.modules])"
+        "codes = [cli.main(['report', sys.argv[1], '--text']), "
+        "cli.main(['report', sys.argv[1], '--out', sys.argv[2]]), "
+        "cli.main(['trace', sys.argv[1], '--out', sys.argv[3]])]; "
+        "print(codes, [m for m in ('torch', 'torch.distributed') if m in sys.modules])"
     )
     done = subprocess.run(
-        [sys.executable, "-c", probe, str(tmp_path)],
+        [sys.executable, "-c", probe, str(tmp_path), str(png), str(trace_file)],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
-    assert "holds no summary.json" in done.stderr, done.stderr
-    assert done.stdout.strip() == "[]", done.stdout
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"{tmp_path}: steps 1-{STEPS} ({STEPS}), 2 ranks", done.stderr
+    assert lines[-1] == "[0, 0, 0] []", done.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert trace_file.read_bytes() == run.trace.read_bytes()

@@ -28,6 +28,7 @@ from timeshare.engines.base import (
     until_stop,
 )
 from timeshare.engines.digest import weights_digest
+from timeshare.engines.inlet import LocalInlet
 from timeshare.errors import (
     GenerateTimeout,
     LoaderFailed,
@@ -36,6 +37,7 @@ from timeshare.errors import (
     UnsupportedInput,
     WeightsTorn,
 )
+from timeshare.protocols.commands.results import WorkerLoad
 from timeshare.protocols.weights.layout import Weight
 from timeshare.task.vocab import EOS
 
@@ -87,18 +89,21 @@ def test_weights_arrive_bit_for_bit_under_the_trainers_names(
 def test_every_worker_of_the_engine_loads_every_version_whole(
     tp_rollout_engine: RolloutHarness,
 ) -> None:
-    """An engine whose weights load in several workers (tensor parallelism) reports what each
-    worker's loader got; each holds the trainer's weights bit for bit. One that loads in one
-    process reports at most that one."""
+    """An engine whose weights load in its own processes (vLLM's and SGLang's workers, one per
+    tensor-parallel rank) reports what each worker's loader got; each holds the trainer's
+    weights bit for bit. One that loads in the worker's process (a `LocalInlet`) has no worker
+    to report: its one loader is the engine itself, which holds them so."""
     engine = tp_rollout_engine.engine
     workers = tp_rollout_engine.spec.rollout_workers()
     weights = tp_rollout_engine.weights(tp_rollout_engine.variant)
-    sent, _ = tp_rollout_engine.sync(tp_rollout_engine.variant).reports()
+    sent, received = tp_rollout_engine.sync(tp_rollout_engine.variant).reports()
     loads = engine.worker_loads
-    if workers > 1 or loads:
-        assert [load.worker for load in loads] == list(range(workers))
-    assert all(load.digest == weights_digest(tensors(weights)) for load in loads)
-    assert all(load.bytes == sent.bytes for load in loads)
+    if isinstance(tp_rollout_engine.inlet, LocalInlet):
+        assert (workers, loads) == (1, []), loads
+        loads = [WorkerLoad(0, received.bytes, engine.digest())]
+    assert [load.worker for load in loads] == list(range(workers))
+    assert [load.digest for load in loads] == [weights_digest(tensors(weights))] * workers
+    assert [load.bytes for load in loads] == [sent.bytes] * workers
 
 
 def test_seeded_generation_is_reproducible(rollout_engine: RolloutHarness) -> None:

@@ -3,7 +3,8 @@
 Reads one JSON object from argv[1] and prints one JSON line per event on stdout:
 {"event": "received", ...} / {"event": "sent", ...} / {"event": "error", "type", "message"}.
 Behaviours (`mode`) make it fail the way a real engine or trainer would: raise in on_bucket,
-raise in finalize, keep a view of staging, hang, or SIGKILL itself mid-transfer.
+raise in finalize (at once, or after `finalize_sleep_s`), take `finalize_sleep_s` to finalize,
+keep a view of staging, hang, or SIGKILL itself mid-transfer.
 """
 
 from __future__ import annotations
@@ -180,10 +181,10 @@ class FaultyLoader:
             self.digests[name] = digest(tensor)
 
     def finalize(self) -> None:
-        if self.mode == "raise_in_finalize":
-            raise ValueError("post-load processing failed")
-        if self.mode == "slow_finalize":
+        if self.mode in ("slow_finalize", "slow_raise_in_finalize"):
             time.sleep(self.sleep_s)
+        if self.mode in ("raise_in_finalize", "slow_raise_in_finalize"):
+            raise ValueError("post-load processing failed")
 
 
 async def run_sender(args: dict[str, Any]) -> None:

@@ -2,8 +2,9 @@
 
 Real processes: the receivers (members 0 and 1 of a session) each run in their own process,
 the sender in the test. Each bucket is packed once into staging that both map; a buffer is
-reused only once every member has ACKed it; staging's names go once both have mapped it; a
-member that fails, dies or stays silent ends the session for all, named, within the deadlines.
+reused only once every member has ACKed it; staging's names go once both have mapped it;
+FINALIZED is reached once both have finalized; a member that fails (in finalize too, the other
+done), dies or stays silent ends the session for all, named, within the deadlines.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ CFG: dict[str, Any] = {
     "checksum": True,
 }
 WEIGHTS = "mb:2:0.125"  # 16 tensors of 128 KiB: 8 buckets of 0.25 MiB
+FINALIZE_S = 2.0  # how long a slow member takes to finalize
 
 
 def digests(spec: str, seed: int) -> dict[str, list[Any]]:
@@ -133,6 +135,55 @@ async def test_a_member_that_fails_ends_the_session_for_all_naming_it(
     assert (event["event"], event["type"]) == ("error", "TransferError"), event
     assert "sender aborted the transfer of version 1" in event["message"]
     assert "receiver 1 of 2" in event["message"]
+    for peer in peers:
+        assert peer.wait() == 0
+    assert socket_files(runtime_dir) == [] and staging_segments(runtime_dir) == set()
+
+
+@pytest.mark.asyncio
+async def test_finalized_waits_for_the_member_that_finalizes_last(
+    runtime_dir: Path, stack: ExitStack
+) -> None:
+    """Member 0 finalizes at once, member 1 takes FINALIZE_S: the sender returns only once
+    both have (its FINALIZED wait spans member 1's), each holding the version whole. Had it
+    returned on member 0's FINALIZED, its finalize would have lasted a moment."""
+    url = endpoint(runtime_dir)
+    slow: dict[str, Any] = {"transfers": 1, "mode": "slow_finalize", "finalize_sleep_s": FINALIZE_S}
+    peers = members(stack, url, 2, {0: {"transfers": 1}, 1: slow})
+    with WeightSender(url, TransferConfig(**CFG), receivers=2) as sender:
+        report = await sender.send(make_weights(WEIGHTS, 5), version=5)
+    finalize_s = sum(span.seconds for span in report.spans if span.name == "finalize")
+    assert finalize_s >= FINALIZE_S, report.spans
+    for peer in peers:
+        event = peer.next_event()
+        assert event["event"] == "received", event
+        assert (event["version"], event["digests"]) == (5, digests(WEIGHTS, 5))
+
+
+@pytest.mark.asyncio
+async def test_a_member_failing_in_finalize_fails_the_transfer_the_other_finalized(
+    runtime_dir: Path, stack: ExitStack
+) -> None:
+    """Member 0 finalizes at once; member 1's post-load processing raises after FINALIZE_S.
+    The sender waits past member 0's FINALIZED for member 1's answer, and fails naming it."""
+    url = endpoint(runtime_dir)
+    fails: dict[str, Any] = {
+        "transfers": 1,
+        "mode": "slow_raise_in_finalize",
+        "finalize_sleep_s": FINALIZE_S,
+    }
+    peers = members(stack, url, 2, {0: {"transfers": 1}, 1: fails})
+    with WeightSender(url, TransferConfig(**CFG), receivers=2) as sender:
+        started = time.monotonic()
+        with pytest.raises(PeerError, match=r"receiver 1 of 2 .* failed") as failed:
+            await sender.send(make_weights(WEIGHTS, 1), version=1)
+        assert time.monotonic() - started >= FINALIZE_S
+    assert failed.value.remote_type == "ValueError"
+    assert "post-load processing failed" in failed.value.remote_message
+    event = peers[0].next_event()
+    assert (event["event"], event["version"]) == ("received", 1), event
+    event = peers[1].next_event()
+    assert (event["event"], event["type"]) == ("error", "ValueError"), event
     for peer in peers:
         assert peer.wait() == 0
     assert socket_files(runtime_dir) == [] and staging_segments(runtime_dir) == set()
