@@ -1,14 +1,20 @@
 """One case of the batch-invariance switch, in a process of its own (the switch changes MKL for
-the whole process, once): `python -m tests.engines.invariance_probe on|off TRAINER` (torch_ref,
-fsdp or megatron).
+the whole process, once): `python -m tests.engines.invariance_probe on|off|late TRAINER`
+(torch_ref, fsdp or megatron).
 
 It builds the trainer (torch_ref, or FSDP over a transformers directory of the same model) and
 the reference rollout through the registry, as a worker does, with `[engine] batch_invariant`
-on or off; says what the switch installed (MKL's setting, which of the models' linear layers
-and attentions run the mode); samples a batch, and compares the logprobs the rollout sampled
-with the trainer's and with the rollout's own re-scoring of a sequence alone and beside other
-neighbours; then the trainer's logprobs of rows of differing lengths (right-padded) as one
-batch and each alone, and the rollout's of them. Its last line on stdout is a JSON object.
+on or off; says what the switch installed (MKL's setting in the environment and the mode MKL
+says it runs, which of the models' linear layers and attentions run the mode) and what the
+process and a process it starts (as vLLM's engine is started) see of the switches it may have
+inherited; samples a batch, and compares the logprobs the rollout sampled with the trainer's and
+with the rollout's own re-scoring of a sequence alone and beside other neighbours; runs the
+drift probe (drift.py) on the batch, and again once a weight of the rollout is perturbed; then
+the trainer's logprobs of rows of differing lengths (right-padded) as one batch and each alone,
+and the rollout's of them. Its last line on stdout is a JSON object.
+
+`late`: MKL computes a GEMM first, then the trainer is built with the switch on; the object
+says what the build raised.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -26,8 +33,15 @@ from megatron.core.models.gpt import GPTModel
 
 from timeshare.engines.base import RolloutSample, TrainerEngine
 from timeshare.engines.context import EngineContext
+from timeshare.engines.drift import drift
 from timeshare.engines.fsdp.trainer import FsdpTrainer
-from timeshare.engines.invariance import CBWR_ENV, PaddedLinear, gemm_is_row_invariant
+from timeshare.engines.invariance import (
+    CBWR_ENV,
+    SWITCH_VARIABLES,
+    PaddedLinear,
+    gemm_is_row_invariant,
+    mkl_cbwr_mode,
+)
 from timeshare.engines.megatron.cpu import RowLocalAttention, SdpaAttention
 from timeshare.engines.megatron.trainer import MegatronTrainer
 from timeshare.engines.model_dir import ModelShape, init_model_dir
@@ -37,6 +51,7 @@ from timeshare.engines.task import TaskWorkload
 from timeshare.engines.torch_ref.model import Attention, CausalLM
 from timeshare.engines.torch_ref.rollout import TorchRefRollout
 from timeshare.engines.torch_ref.trainer import TorchRefTrainer
+from timeshare.errors import TimeshareError
 from timeshare.protocols.store import JobStore
 from timeshare.protocols.weights.layout import Weight
 from timeshare.task.vocab import BOS, DIGITS, EOS, PROMPT_DIGITS, SEP
@@ -49,6 +64,8 @@ TASK = {
     "temperature": 1.0,
 }
 MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4}
+PROBED = 4  # sequences the drift probe re-scores ([checks] invariance_samples' default)
+PERTURBATION = 1e-3  # the relative change of the rollout's lm_head.weight
 SHAPE = ModelShape(hidden=64, intermediate=128, heads=4, kv_heads=4)  # MODEL, as a directory
 
 
@@ -75,11 +92,12 @@ def largest_difference(a: list[tuple[float, ...]], b: list[tuple[float, ...]]) -
     return max(abs(one - other) for row in pairs for one, other in row)
 
 
-def probe(on: bool, trainer_kind: str, scratch: Path) -> dict[str, Any]:
+def context_of(on: bool, trainer_kind: str, scratch: Path) -> EngineContext:
     sections: dict[str, Any] = {"torch_ref": {"kv_cache_len": 16}}
     if trainer_kind in ("fsdp", "megatron"):  # the same model, from a transformers directory
         model_dir = str(init_model_dir(scratch / "model", SHAPE, seed=0))
-        sections[trainer_kind] = {"model_dir": model_dir}
+        # on the CPU, where a GPU is too: the project's mode is a CPU mode
+        sections[trainer_kind] = {"model_dir": model_dir, "device": "cpu"}
     else:
         sections["torch_ref"]["model"] = MODEL
     spec = engine_spec(
@@ -90,8 +108,36 @@ def probe(on: bool, trainer_kind: str, scratch: Path) -> dict[str, Any]:
         grpo={"kl_coef": 0.02},  # (a reference model too)
         **sections,
     )
-    store = JobStore.host()
-    context = EngineContext(spec=spec, rank=0, world_size=1, store=store)
+    return EngineContext(spec=spec, rank=0, world_size=1, store=JobStore.host())
+
+
+def late(trainer_kind: str, scratch: Path) -> dict[str, Any]:
+    """The trainer built with the switch on after MKL computed a GEMM in this process: what it
+    raised ("": nothing)."""
+    torch.nn.functional.linear(torch.ones(8, 8), torch.ones(8, 8))  # MKL's first GEMM
+    context = context_of(True, trainer_kind, scratch)
+    try:
+        build_trainer(context)
+    except TimeshareError as exc:
+        return {"refused": str(exc)}
+    return {"refused": ""}
+
+
+def switches_seen() -> dict[str, Any]:
+    """The batch-invariance switches in this process's environment, and in that of a process
+    it starts now (as an engine starts its own: vLLM's)."""
+    shows = "import json, os; print(json.dumps(dict(os.environ)))"
+    child = subprocess.run([sys.executable, "-c", shows], capture_output=True, check=True)
+    inherited = json.loads(child.stdout)
+    return {
+        "here": {name: os.environ.get(name) for name in SWITCH_VARIABLES},
+        "child": {name: inherited.get(name) for name in SWITCH_VARIABLES},
+    }
+
+
+def probe(on: bool, trainer_kind: str, scratch: Path) -> dict[str, Any]:
+    context = context_of(on, trainer_kind, scratch)
+    spec = context.spec
     trainer = build_trainer(context)
     trainer.bootstrap(scratch / "checkpoints")
     trainer.onload()
@@ -114,8 +160,10 @@ def probe(on: bool, trainer_kind: str, scratch: Path) -> dict[str, Any]:
     uneven = uneven_batch(samples)
     uneven_together = trainer.logprobs(uneven)
     uneven_alone = [trainer.logprobs([sample])[0] for sample in uneven]
-    return {
+    result: dict[str, Any] = {
         "cbwr": os.environ.get(CBWR_ENV),
+        "mkl_cbwr": mkl_cbwr_mode(),
+        "switches": switches_seen(),
         "gemm_row_invariant": gemm_is_row_invariant(),
         "flagged": {
             "trainer": flagged(models(trainer)[0]),
@@ -130,7 +178,16 @@ def probe(on: bool, trainer_kind: str, scratch: Path) -> dict[str, Any]:
         "uneven_lengths": sorted({(len(s.prompt_tokens), len(s.tokens)) for s in uneven}),
         "trainer_uneven_alone_vs_batch": largest_difference(uneven_alone, uneven_together),
         "trainer_vs_rollout_uneven": largest_difference(uneven_together, rescored(uneven)),
+        # the drift probe on this batch, as the worker runs it (RolloutWorker.drift)
+        "drift": drift(samples, rescored, PROBED),
     }
+    # and once a weight of the rollout moved since it sampled the batch (what a rollout whose
+    # numbers changed under the batch would show); last: nothing after it uses the model
+    assert rollout.model is not None
+    with torch.no_grad():
+        rollout.model.lm_head.weight.mul_(1 + PERTURBATION)
+    result["drift_perturbed"] = drift(samples, rescored, PROBED)
+    return result
 
 
 def uneven_batch(samples: list[RolloutSample]) -> list[RolloutSample]:
@@ -174,4 +231,7 @@ def models(trainer: TrainerEngine) -> tuple[torch.nn.Module | None, torch.nn.Mod
 
 if __name__ == "__main__":
     with tempfile.TemporaryDirectory(prefix="ts-inv-") as directory:
-        print(json.dumps(probe(sys.argv[1] == "on", sys.argv[2], Path(directory))))
+        if sys.argv[1] == "late":
+            print(json.dumps(late(sys.argv[2], Path(directory))))
+        else:
+            print(json.dumps(probe(sys.argv[1] == "on", sys.argv[2], Path(directory))))

@@ -9,42 +9,119 @@ prefill and a decode, and with masked keys. What this mode does instead, in the 
 engine that turns it on:
 
 - MKL's conditional numerical reproducibility, strict (`MKL_CBWR`), set before its first GEMM
-  and then checked: with it, a GEMM of at least `MIN_GEMM_ROWS` rows rounds each row alike on
-  any number of threads (plain MKL does on one thread only), and on any CPU of the AVX2 family
-  (the trainer and the rollout of a rank may run on machines of different instruction sets);
+  and then checked (MKL is asked which mode it runs): with it, a GEMM of at least
+  `MIN_GEMM_ROWS` rows rounds each row alike on any number of threads (plain MKL does on one
+  thread only), and on any CPU of the AVX2 family (the trainer and the rollout of a rank may
+  run on machines of different instruction sets);
 - every linear call of the model gets at least that many rows (`padded_linear`: a decode batch of
   fewer is padded with zero rows);
 - attention as sums over each query's own visible keys (`row_local_attention`): the same shapes
   and the same reductions for a query whether it came in a prefill, a decode or a whole sequence.
 
 RMSNorm, rotary embeddings and log_softmax are row-invariant as they are.
+
+It is a CPU mode: an engine on CUDA computes its GEMMs with cuBLAS, which no setting here makes
+match a rollout's kernels (the config refuses it there: spec.py `check_batch_invariant`).
+
+The switch comes from the job's config alone: a worker removes the switches it inherited
+(`SWITCH_VARIABLES`) before it builds its engine (pairs.py), so that with the switch off neither
+its MKL nor the processes an engine starts (vLLM's) read one by accident; an engine turns on
+its own.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+from pathlib import Path
 
+import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from timeshare.errors import TimeshareError
+from timeshare.engines.spec import off_cpu_refusal
+from timeshare.errors import ConfigError, TimeshareError
+
+log = structlog.get_logger(__name__)
 
 CBWR_ENV = "MKL_CBWR"
 STRICT_CBWR = "AVX2,STRICT"
 MIN_GEMM_ROWS = 4  # with STRICT_CBWR, MKL rounds a row alike in every GEMM of 4 rows or more
+# What MKL answers for STRICT_CBWR (mkl_service.h: MKL_CBWR_AVX2 | MKL_CBWR_STRICT)
+STRICT_CBWR_MODE = 0xA | 0x10000
+_CBWR_ALL = -1  # MKL_CBWR_ALL (~0): the branch and the strict flag
+# The batch-invariance switches an engine's process could inherit: MKL's, and vLLM's (which
+# every process vLLM starts would read; vllm/spec.py's BATCH_INVARIANT_ENV, named here as a
+# string: shared modules name no engine)
+SWITCH_VARIABLES = (CBWR_ENV, "VLLM_BATCH_INVARIANT")
+
+
+def remove_inherited_switches() -> list[str]:
+    """Remove from this process's environment the switches of `SWITCH_VARIABLES` it
+    inherited, before its engine is built (and its first GEMM: MKL reads its setting then);
+    which were there. The engine sets its own from `[engine] batch_invariant`."""
+    removed = [name for name in SWITCH_VARIABLES if os.environ.pop(name, None) is not None]
+    if removed:
+        log.warning(
+            "engine.inherited_switch_removed",
+            removed=removed,
+            why="[engine] batch_invariant alone turns batch invariance on",
+        )
+    return removed
+
+
+def mkl_cbwr_mode() -> int | None:
+    """The reproducibility mode torch's MKL runs in this process (`mkl_cbwr_get(MKL_CBWR_ALL)`:
+    `STRICT_CBWR_MODE` under the mode), None where torch has no MKL to ask. MKL fixes its mode
+    the first time it is asked or computes, from `MKL_CBWR` as it is then: ask only after it
+    was set."""
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        torch_cpu = ctypes.CDLL(str(library))
+    except OSError:
+        return None
+    for name in ("mkl_cbwr_get", "mkl_serv_cbwr_get"):  # (torch links MKL statically)
+        get = getattr(torch_cpu, name, None)
+        if get is not None:
+            get.argtypes, get.restype = [ctypes.c_int], ctypes.c_int
+            mode: int = get(_CBWR_ALL)
+            return mode
+    return None
 
 
 def enable_strict_gemm() -> None:
     """Turn MKL's strict reproducibility on in this process, and check that it took: MKL reads
-    the setting once, at its first GEMM, and a process that computed before keeps its own."""
+    the setting once, at its first GEMM, and a process that computed before keeps its own.
+    MKL is asked which mode it runs (where torch's MKL can be asked), and a GEMM probe checks
+    the rows round alike (which plain MKL may do too on some CPUs: the probe alone cannot tell
+    that MKL ran before)."""
     os.environ[CBWR_ENV] = STRICT_CBWR
-    if not gemm_is_row_invariant():
+    mode = mkl_cbwr_mode()
+    if (mode is not None and mode != STRICT_CBWR_MODE) or not gemm_is_row_invariant():
+        running = "" if mode is None else f" (MKL runs mode {mode:#x}, not {STRICT_CBWR_MODE:#x})"
         raise TimeshareError(
-            f"engine.batch_invariant: {CBWR_ENV}={STRICT_CBWR} did not take in this process "
-            "(MKL ran a GEMM before the engine was built); a GEMM's rows still round by the "
-            "number of rows"
+            f"engine.batch_invariant: {CBWR_ENV}={STRICT_CBWR} did not take in this process"
+            f"{running}: MKL ran a GEMM before the engine was built, and a GEMM's rows may "
+            "still round by the number of rows"
         )
+
+
+def auto_device_problem(key: str) -> str:
+    """The config's probe of an engine whose device `key` is "auto", under the switch: refused
+    where this process's torch sees a CUDA device (where the worker's "auto" is CUDA too:
+    sharded_trainer.pick_device), "" where it sees none."""
+    if torch.cuda.is_available():
+        return off_cpu_refusal(key, f'{key} = "auto" is cuda here (torch sees a CUDA device)')
+    return ""
+
+
+def require_cpu(device: torch.device, key: str, value: str) -> None:
+    """A `ConfigError` unless `device` (what `key` = `value` means in this process) is the
+    CPU: the mode is a CPU mode. The config refuses it before any worker starts; this is for a
+    process that resolves "auto" otherwise than the config's check did."""
+    if device.type != "cpu":
+        raise ConfigError(off_cpu_refusal(key, f'{key} = "{value}" is {device.type} here'))
 
 
 def gemm_is_row_invariant() -> bool:

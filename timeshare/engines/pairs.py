@@ -12,6 +12,7 @@ import torch
 from timeshare.engines import registry
 from timeshare.engines.base import RolloutEngine, TrainerEngine
 from timeshare.engines.context import EngineContext
+from timeshare.engines.invariance import remove_inherited_switches
 from timeshare.engines.task import Workload, workload
 
 
@@ -42,6 +43,9 @@ def workload_of(context: EngineContext) -> Workload:
 
 
 def _built(context: EngineContext, name: str, role: registry.Role) -> object:
+    # `[engine] batch_invariant` alone turns the mode on: the engine sets what it needs, none
+    # inherited stays (invariance.py)
+    remove_inherited_switches()
     torch.set_num_threads(context.spec.torch_threads)
     engine: object = registry.find(name, role).builder(role)(context)
     return engine

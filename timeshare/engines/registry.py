@@ -108,6 +108,7 @@ ENGINES: dict[str, EngineEntry] = {
         family="causal_lm",
         summary="SGLang's Engine; weights through timeshare's loader in SGLang's scheduler",
         rollout="timeshare.engines.sglang.engine:build",
+        check="timeshare.engines.sglang.spec:check",
         probe="timeshare.engines.sglang.args:probe",
         extra="sglang (its own venv: make .venv-sglang/.installed)",
         batch_invariant="native",

@@ -379,7 +379,10 @@ INVARIANT_THREADS = 1
 
 
 def check_batch_invariant(spec: EngineChoice, source_of: Sources) -> None:
-    """Every engine of the job has a batch-invariant mode, and what it needs is set."""
+    """Every engine of the job has a batch-invariant mode, and what it needs is set. The
+    project's own mode is a CPU mode: an engine that runs it on a device it names "cuda" is
+    refused here; "auto" is resolved by the engine's probe, which asks torch in a child process
+    as the worker would (fsdp/check.py, megatron/check.py), and by the worker itself."""
     for name in spec.roles():
         way = registry.ENGINES[name].batch_invariant
         if not way:
@@ -387,12 +390,30 @@ def check_batch_invariant(spec: EngineChoice, source_of: Sources) -> None:
                 f"engine.batch_invariant (from {source_of('engine.batch_invariant')}): the "
                 f"{name} engine has no batch-invariant mode"
             )
-        if way == "own" and spec.torch_threads > INVARIANT_THREADS:
+        if way != "own":
+            continue
+        if spec.torch_threads > INVARIANT_THREADS:
             raise ConfigError(
                 f"engine.torch_threads ({spec.torch_threads}, from "
                 f"{source_of('engine.torch_threads')}): engine.batch_invariant runs "
                 f"{name} with {INVARIANT_THREADS} intra-op thread"
             )
+        # (an engine's table names its device `device`: fsdp's, megatron's; torch_ref has none)
+        device = getattr(spec.section(name), "device", "cpu")
+        if device not in ("cpu", "auto"):
+            key = f"engine.{name}.device"
+            raise ConfigError(off_cpu_refusal(key, f'{key} = "{device}" (from {source_of(key)})'))
+
+
+def off_cpu_refusal(key: str, stated: str) -> str:
+    """Why the project's own mode is refused for an engine whose device `key` is not the CPU
+    (`stated`: its value, and where it came from or what it means here)."""
+    return (
+        f"{stated}: engine.batch_invariant runs this engine in the project's own mode, a CPU "
+        "mode (strict MKL, padded linears, row-local attention); on CUDA its GEMMs are "
+        "cuBLAS's, which no rollout's kernels match to the bit. Set "
+        f'{key} = "cpu", or engine.batch_invariant = false'
+    )
 
 
 def check_rollout_group(spec: EngineChoice, source_of: Sources, ranks_per_node: int) -> None:

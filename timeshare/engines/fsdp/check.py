@@ -2,18 +2,19 @@
 
 `check_model_dir` runs this module in a child process (child_check.py says why):
 
-    python -m timeshare.engines.fsdp.check '"<model_dir>"'
+    python -m timeshare.engines.fsdp.check '{"model_dir": ..., "cpu_only": ...}'
 
 The child reads the config with transformers, builds the model on the meta device (no memory, no
 weights read) and compares its state dict with the names and shapes in the safetensors headers.
 The first problem found is the answer, naming the path: no config.json, a config transformers
 cannot read, an architecture it does not know or that is not a causal LM, no weights, tensors
-missing, unexpected or of the wrong shape.
+missing, unexpected or of the wrong shape. With `cpu_only` (`[engine] batch_invariant`, device
+"auto") it first asks torch whether "auto" is CUDA here: the project's batch-invariant mode is a
+CPU mode (engines/invariance.py).
 """
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,11 @@ if TYPE_CHECKING:
     from timeshare.engines.spec import EngineChoice
 
 CHECK_TIMEOUT_S = 120.0  # importing transformers and torch on a loaded machine
+
+
+class ProbeRequest(msgspec.Struct, frozen=True):
+    model_dir: str
+    cpu_only: bool = False  # the switch on, device "auto": refused where that is CUDA
 
 
 def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
@@ -49,15 +55,19 @@ def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
 
 
 def probe(spec: EngineChoice, roles: frozenset[Role]) -> None:
-    """The registry's probe (registry.py): transformers loads the model directory."""
-    check_model_dir(spec.settings("fsdp", FsdpSpec).model_dir)
+    """The registry's probe (registry.py): transformers loads the model directory; under
+    `[engine] batch_invariant`, device "auto" is not CUDA here ("cuda" itself is refused by
+    spec.py's check)."""
+    fsdp = spec.settings("fsdp", FsdpSpec)
+    check_model_dir(fsdp.model_dir, cpu_only=spec.batch_invariant and fsdp.device == "auto")
 
 
-def check_model_dir(model_dir: str) -> None:
-    """A `ConfigError` naming the path if transformers cannot load `model_dir` as a causal LM."""
+def check_model_dir(model_dir: str, *, cpu_only: bool = False) -> None:
+    """A `ConfigError` naming the path if transformers cannot load `model_dir` as a causal LM
+    (`cpu_only`: naming engine.fsdp.device if "auto" is CUDA here)."""
     ask_child(
         "timeshare.engines.fsdp.check",
-        json.dumps(model_dir),
+        msgspec.json.encode(ProbeRequest(model_dir, cpu_only)).decode(),
         f"engine.fsdp.model_dir {model_dir}",
         CHECK_TIMEOUT_S,
     )
@@ -100,13 +110,18 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-def _verdict(model_dir: str) -> dict[str, Any]:
-    problem = model_dir_problem(Path(model_dir))
+def _verdict(request: ProbeRequest) -> dict[str, Any]:
+    problem = ""
+    if request.cpu_only:  # (imported in the checking child only: it imports torch)
+        from timeshare.engines.invariance import auto_device_problem  # noqa: PLC0415
+
+        problem = auto_device_problem("engine.fsdp.device")
+    problem = problem or model_dir_problem(Path(request.model_dir))
     return {"ok": not problem, "error": problem}
 
 
 def main() -> None:
-    answer(_verdict(msgspec.json.decode(sys.argv[1], type=str)))
+    answer(_verdict(msgspec.json.decode(sys.argv[1], type=ProbeRequest)))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from timeshare.engines.fsdp.gather import gathered_parameters, lent_parameters
 from timeshare.engines.fsdp.spec import FsdpSpec
 from timeshare.engines.grpo import GrpoBatch, completion_logprobs, figures_kept
 from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
-from timeshare.engines.invariance import enable_strict_gemm, pad_linears
+from timeshare.engines.invariance import enable_strict_gemm, pad_linears, require_cpu
 from timeshare.engines.sequences import Sequences, pack, unpadded
 from timeshare.engines.sharded_trainer import ShardedTrainer, pick_device, widened
 from timeshare.engines.spec import EngineChoice
@@ -119,6 +119,7 @@ class FsdpTrainer(ShardedTrainer):
         self.model_dir = Path(spec.model_dir)
         self.batch_invariant = engine.batch_invariant
         if self.batch_invariant:
+            require_cpu(self.device, "engine.fsdp.device", spec.device)  # (a CPU mode)
             enable_strict_gemm()  # before the first GEMM of this process
         self._optimizer: torch.optim.Optimizer | None = None  # built in `bootstrap`
 

@@ -3,12 +3,14 @@
 `check` (quick, no torch): a model directory named, micro-batches that divide a tensor-parallel
 group's minibatch. `probe` runs this module in a child process (child_check.py says why):
 
-    python -m timeshare.engines.megatron.check '{"model_dir": ..., "tp": ...}'
+    python -m timeshare.engines.megatron.check '{"model_dir": ..., "tp": ..., "cpu_only": ...}'
 
 The child imports megatron-core (is the extra installed?), reads config.json (an architecture
 names.py maps, no rope scaling, silu), checks that heads, KV heads, the MLP and the vocabulary
 split over the tensor-parallel ranks, and compares the safetensors headers with the HF names and
 shapes the mapping will read. The first problem found is the answer, naming the key or path.
+With `cpu_only` (`[engine] batch_invariant`, device "auto") it first asks torch whether "auto"
+is CUDA here: the project's batch-invariant mode is a CPU mode (engines/invariance.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ CHECK_TIMEOUT_S = 120.0  # importing torch and megatron-core on a loaded machine
 class ProbeRequest(msgspec.Struct, frozen=True):
     model_dir: str
     tp: int
+    cpu_only: bool = False  # the switch on, device "auto": refused where that is CUDA
 
 
 def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
@@ -60,9 +63,12 @@ def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
 
 
 def probe(spec: EngineChoice, roles: frozenset[Role]) -> None:
-    """The registry's probe: megatron-core imports, and the model directory maps and splits."""
+    """The registry's probe: megatron-core imports, and the model directory maps and splits;
+    under `[engine] batch_invariant`, device "auto" is not CUDA here (the project's mode is a
+    CPU mode; "cuda" itself is refused by spec.py's check)."""
     megatron = spec.settings("megatron", MegatronSpec)
-    request = ProbeRequest(megatron.model_dir, megatron.tensor_parallel_size)
+    cpu_only = spec.batch_invariant and megatron.device == "auto"
+    request = ProbeRequest(megatron.model_dir, megatron.tensor_parallel_size, cpu_only)
     ask_child(
         "timeshare.engines.megatron.check",
         msgspec.json.encode(request).decode(),
@@ -93,11 +99,18 @@ def model_dir_problem(directory: Path, tp: int) -> str:
     return weights_problem(directory, where, shape.hf_shapes())
 
 
+def _verdict(request: ProbeRequest) -> dict[str, Any]:
+    problem = ""
+    if request.cpu_only:  # (imported in the checking child only: it imports torch)
+        from timeshare.engines.invariance import auto_device_problem  # noqa: PLC0415
+
+        problem = auto_device_problem("engine.megatron.device")
+    problem = problem or model_dir_problem(Path(request.model_dir), request.tp)
+    return {"ok": not problem, "error": problem}
+
+
 def main() -> None:
-    request = msgspec.json.decode(sys.argv[1], type=ProbeRequest)
-    problem = model_dir_problem(Path(request.model_dir), request.tp)
-    verdict: dict[str, Any] = {"ok": not problem, "error": problem}
-    answer(verdict)
+    answer(_verdict(msgspec.json.decode(sys.argv[1], type=ProbeRequest)))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from timeshare.engines.grpo import (
     scored_rows,
 )
 from timeshare.engines.handoff import COLLECTIVE_TIMEOUT_S
-from timeshare.engines.invariance import MIN_GEMM_ROWS, enable_strict_gemm
+from timeshare.engines.invariance import MIN_GEMM_ROWS, enable_strict_gemm, require_cpu
 from timeshare.engines.megatron import checkpoint, parallel
 from timeshare.engines.megatron.gather import lent_weights
 from timeshare.engines.megatron.hf_config import HfShape
@@ -98,6 +98,7 @@ class MegatronTrainer(ShardedTrainer):
         self.model_dir = Path(spec.model_dir)
         self.batch_invariant = engine.batch_invariant
         if self.batch_invariant:
+            require_cpu(self.device, "engine.megatron.device", spec.device)  # (a CPU mode)
             enable_strict_gemm()  # before the first GEMM of this process
         self.shape = HfShape.read(self.model_dir)
         self._model: GPTModel | None = None

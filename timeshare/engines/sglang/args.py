@@ -59,8 +59,16 @@ def probe(spec: EngineChoice, roles: frozenset[Role]) -> None:
         )
     trained = spec.served_model()
     own = spec.settings("sglang", SglangSpec).starting_from(trained)
-    check = _Check(own, trained.config, spec.batch_invariant)
-    payload = msgspec.json.encode(check).decode()
+    check_server_args(own, trained.config, batch_invariant=spec.batch_invariant)
+
+
+def check_server_args(
+    spec: SglangSpec, model: ModelConfig, *, batch_invariant: bool = False
+) -> None:
+    """A `ConfigError` naming the key if SGLang, asked in a child process, refuses `spec` for
+    `model` (`batch_invariant`: with its deterministic inference, on the device "auto" means
+    there)."""
+    payload = msgspec.json.encode(_Check(spec, model, batch_invariant)).decode()
     ask_child(
         "timeshare.engines.sglang.args", payload, "engine.sglang: SGLang's check", CHECK_TIMEOUT_S
     )
@@ -77,7 +85,16 @@ def _verdict(check: _Check) -> dict[str, Any]:
     if device == "cpu":
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # before SGLang is imported: it reads it then
     from sglang.srt.arg_groups.pipeline import run_resolution_pipeline  # noqa: PLC0415
-    from sglang.srt.server_args import ServerArgs  # noqa: PLC0415
+    from sglang.srt.server_args import (  # noqa: PLC0415
+        DETERMINISTIC_ATTENTION_BACKEND_CHOICES,
+        ServerArgs,
+    )
+
+    if check.batch_invariant:  # (SGLang's own refusal would not name the key)
+        takes = DETERMINISTIC_ATTENTION_BACKEND_CHOICES
+        problem = check.spec.deterministic_problem(device, takes)
+        if problem:
+            return {"ok": False, "error": problem}
 
     with tempfile.TemporaryDirectory(prefix="timeshare-sglang-check-") as scratch:
         model_dir = check.spec.model_dir or str(write_config_dir(check.model, Path(scratch)))

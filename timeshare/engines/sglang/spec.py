@@ -8,7 +8,8 @@ keys and values of `server_args` is asked of SGLang itself, once, before any wor
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 
@@ -16,6 +17,10 @@ from timeshare.engines.footprint import DTYPE_BYTES, RolloutFootprint
 from timeshare.engines.model_config import TrainedModel
 from timeshare.errors import ConfigError
 from timeshare.units import Seconds
+
+if TYPE_CHECKING:
+    from timeshare.engines.registry import Role
+    from timeshare.engines.spec import EngineChoice
 
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -40,6 +45,13 @@ TYPED_ARGS = {
     "random_seed": "seed",
     "device": "device",
 }
+
+
+# SGLang's CPU engine's attention backend, which its deterministic inference refuses
+TORCH_NATIVE = "torch_native"
+# What to set instead on CUDA (SGLang's list, DETERMINISTIC_ATTENTION_BACKEND_CHOICES, is asked
+# by the probe; fa3 needs Hopper)
+DETERMINISTIC_ON_CUDA = "triton, flashinfer or fa3"
 
 
 class SglangSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -95,6 +107,21 @@ class SglangSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                     f"engine.sglang.server_args.{key}: use engine.sglang.{TYPED_ARGS[key]} instead"
                 )
 
+    def deterministic_problem(self, device: str, takes: Collection[str] = ()) -> str:
+        """Why SGLang's deterministic inference (`[engine] batch_invariant`) cannot run with
+        `attention_backend` on `device` (what "auto" resolved to), "" if it can: torch_native
+        never, another backend where `takes` (SGLang's own list, when asked) leaves it out.
+        (On a CPU SGLang has no such mode at all: args.py refuses it.)"""
+        backend = self.attention_backend
+        if device != "cuda" or (backend != TORCH_NATIVE and (not takes or backend in takes)):
+            return ""
+        choices = ", ".join(sorted(takes)) if takes else DETERMINISTIC_ON_CUDA
+        return (
+            f"engine.sglang.attention_backend ({backend!r}): engine.batch_invariant runs "
+            "SGLang with its deterministic inference, which does not take that backend; set "
+            f"engine.sglang.attention_backend to one it takes on cuda ({choices})"
+        )
+
     def typed_args(self, device: str) -> dict[str, object]:
         """The typed keys as SGLang's server arguments, on `device` (what "auto" resolved to)."""
         args: dict[str, object] = {
@@ -115,3 +142,14 @@ class SglangSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         if self.model_dir or not trained.directory:
             return self
         return msgspec.structs.replace(self, model_dir=trained.directory)
+
+
+def check(spec: EngineChoice, roles: frozenset[Role]) -> None:
+    """The registry's check (registry.py): under `[engine] batch_invariant` on a device set to
+    "cuda", an attention backend SGLang's deterministic inference takes ("auto" is resolved,
+    and SGLang's own list asked, by the probe: args.py)."""
+    sglang = spec.settings("sglang", SglangSpec)
+    if spec.batch_invariant and sglang.device == "cuda":
+        problem = sglang.deterministic_problem("cuda")
+        if problem:
+            raise ConfigError(problem)

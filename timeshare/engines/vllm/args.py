@@ -64,6 +64,8 @@ def _verdict(check: _Check) -> dict[str, Any]:
         if not current_platform.is_cuda():
             return {"ok": False, "error": no_batch_invariance(current_platform.device_type)}
         os.environ[BATCH_INVARIANT_ENV] = "1"  # (this child's alone: its engine config checks)
+    else:  # as the engine starts: none inherited (invariance.remove_inherited_switches)
+        os.environ.pop(BATCH_INVARIANT_ENV, None)
     with tempfile.TemporaryDirectory(prefix="timeshare-vllm-check-") as scratch:
         model_dir = check.spec.model_dir or str(write_config_dir(check.model, Path(scratch)))
         args = engine_args(check.spec, model_dir, sleep_mode=False)

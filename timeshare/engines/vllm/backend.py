@@ -258,6 +258,14 @@ class TimeshareWorkerExtension:
             return f"{kind}: {message}"
         return None
 
+    def timeshare_batch_invariant(self) -> bool:
+        """Whether vLLM runs this worker with its batch-invariant kernels: VLLM_BATCH_INVARIANT
+        as vLLM reads it in this process (a forked process's /proc/<pid>/environ would show
+        its parent's environment as it was exec'd, not this)."""
+        from vllm import envs  # noqa: PLC0415
+
+        return bool(envs.VLLM_BATCH_INVARIANT)
+
     def timeshare_report(self) -> bytes | None:
         """The last whole version this worker received, a `LoadReport` as msgpack (None:
         none, or the last one failed)."""

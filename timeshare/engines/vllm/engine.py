@@ -72,6 +72,7 @@ log = structlog.get_logger(__name__)
 EXTENSION = "timeshare.engines.vllm.backend.TimeshareWorkerExtension"
 EXTENSION_REPORT = "timeshare_report"  # its method that returns the last version's report
 EXTENSION_STEP = "timeshare_step"  # its method that runs one weight-transfer step
+EXTENSION_INVARIANT = "timeshare_batch_invariant"  # whether a worker runs batch-invariant
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # its CPU workers' thread binding (cpu_binding.py)
 # The shared memory vLLM's processes map: Python's SharedMemory (its message queues), its CPU
 # TP workers' all-reduce buffers (vllm_dist_*-cpushm_<rank>, which a SIGKILLed worker leaves),
@@ -158,6 +159,12 @@ class VllmRollout(ForeignRollout):
             tensor_parallel=spec.tensor_parallel_size,
             **self.binding,
         )
+
+    def batch_invariant_workers(self) -> list[bool]:
+        """Whether each of vLLM's workers runs its batch-invariant kernels, as it says."""
+        llm = self.llm
+        answers = self.call("batch_invariant", lambda: llm.collective_rpc(EXTENSION_INVARIANT))
+        return [bool(answer) for answer in answers]
 
     # -- weights --------------------------------------------------------------------------------
 
