@@ -3,14 +3,18 @@
 ARGS (JSON): work, control (endpoints), role, rank, heartbeat_s. Handlers: echo, work (sleeps
 in steps, reporting progress), hang (waits forever without progress), wait_on_peer (sleeps
 marked as a wait on its peer), hang_hard (a hang that an abort does not end, as in C code),
-raise, die (SIGKILL self).
+compute (CPU work without progress), spin (an endless loop in Python), spin_in_c (an endless
+loop in C code holding the GIL: no heartbeat, no abort), start_engine and stop_engine (busy
+processes under the worker, as an engine's are), raise, die (SIGKILL self).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -24,6 +28,9 @@ from timeshare.errors import Aborted
 from timeshare.protocols.commands import WorkerServer
 
 structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+
+# An engine's process that wants a CPU all the time, until the worker that started it is gone.
+BUSY = "import os\nworker = os.getppid()\nwhile os.getppid() == worker: pass\n"
 
 
 def as_mapping(handler: Callable[[dict[str, Any]], Any]) -> Callable[[msgspec.Raw], Any]:
@@ -56,6 +63,25 @@ def main() -> None:
     def spin(params: dict[str, Any]) -> Any:
         while True:  # an endless loop that makes no progress (interruptible: Python code)
             pass
+
+    def spin_in_c(params: dict[str, Any]) -> Any:
+        # Backtracking without end (2^64 ways to fail) inside the regex engine, which holds the
+        # GIL throughout: the control thread sends no heartbeat and cannot deliver an abort.
+        return re.match(r"(a*)*b", "a" * 64) is not None
+
+    engine: list[subprocess.Popen[bytes]] = []
+
+    def start_engine(params: dict[str, Any]) -> Any:
+        """`processes` processes under this one, each wanting a CPU all the time."""
+        for _ in range(params["processes"]):
+            engine.append(subprocess.Popen([sys.executable, "-c", BUSY]))
+        return [process.pid for process in engine]
+
+    def stop_engine(params: dict[str, Any]) -> Any:
+        for process in engine:
+            process.kill()
+            process.wait()
+        engine.clear()
 
     def hang(params: dict[str, Any]) -> Any:
         threading.Event().wait()  # never set: an engine stuck waiting
@@ -92,6 +118,9 @@ def main() -> None:
                 "hang": hang,
                 "compute": compute,
                 "spin": spin,
+                "spin_in_c": spin_in_c,
+                "start_engine": start_engine,
+                "stop_engine": stop_engine,
                 "wait_on_peer": wait_on_peer,
                 "hang_hard": hang_hard,
                 "raise": fail,

@@ -8,8 +8,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,13 +29,73 @@ from timeshare.errors import (
     WorkerStalled,
 )
 from timeshare.protocols.commands import WorkerId, WorkerLanes, frames, watch_process
-from timeshare.protocols.commands.cpu_wait import process_cpu_wait_ns
-from timeshare.protocols.commands.driver_side import ABORT_S
+from timeshare.protocols.commands.cpu_wait import cpus, tree_cpu_time
+from timeshare.protocols.commands.driver_side import ABORT_S, CHECK_S
+from timeshare.protocols.commands.lane_server import PendingCall
 from timeshare.protocols.commands.lane_socket import HEADER, MAX_FRAME, FrameReader, pack
 from timeshare.protocols.commands.results import WorkerStatus
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = WorkerId("trainer", 1)
+BEAT_S = 0.1  # lane_worker's heartbeat
+# The call's way to the worker and the heartbeat's back (a frame on a UNIX socket each), and
+# the worker's reading of its tree at that beat (its GIL shared with the call's loop).
+LATENCY_S = 0.2
+OWN_SCHEDSTAT = Path("/proc/thread-self/schedstat")
+
+
+@dataclass
+class Stretch:
+    """A stretch of a test: how long it took, and what the worker's process tree did with the
+    CPUs meanwhile (summed over its threads, as cpu_wait.py reads them)."""
+
+    took_s: float = 0.0
+    ran_s: float = 0.0  # on a CPU
+    waited_s: float = 0.0  # runnable, waiting for one
+    cpus: int = 1  # that it may run on
+    own_wait_s: float = 0.0  # this test's thread's (the driver's) wait for a CPU
+
+    @property
+    def others_s(self) -> float:
+        """For a tree that wanted all its CPUs all the stretch: how long the machine's other
+        work held them (the CPU time of them it did not get, per CPU)."""
+        return max(0.0, self.took_s - self.ran_s / self.cpus)
+
+
+@contextmanager
+def until_given_up(lanes: WorkerLanes, pid: int) -> Iterator[Stretch]:
+    """From now until the driver gives up on a call of the worker `pid` (it is about to abort
+    it: the time its answer to the abort takes is not counted), or the block's end."""
+    stretch = Stretch(cpus=cpus(pid))
+    then, own_then, started = tree_cpu_time(pid), _own_wait_ns(), time.monotonic()
+
+    def end() -> None:
+        if stretch.took_s == 0.0:
+            now = tree_cpu_time(pid)
+            stretch.took_s = time.monotonic() - started
+            stretch.ran_s = (now.ran_ns - then.ran_ns) * 1e-9
+            stretch.waited_s = (now.waited_ns - then.waited_ns) * 1e-9
+            stretch.own_wait_s = (_own_wait_ns() - own_then) * 1e-9
+
+    abort = lanes._abort
+
+    async def ending(pending: PendingCall) -> None:
+        end()
+        await abort(pending)
+
+    setattr(lanes, "_abort", ending)  # noqa: B010 - (a method, replaced for the block)
+    try:
+        yield stretch
+    finally:
+        setattr(lanes, "_abort", abort)  # noqa: B010
+        end()
+
+
+def _own_wait_ns() -> int:
+    try:
+        return int(OWN_SCHEDSTAT.read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 @asynccontextmanager
@@ -115,14 +176,15 @@ async def test_no_progress_is_a_stall_but_slow_progress_is_alive(runtime_dir: Pa
         assert await lanes.call(
             TRAINER, "work", {"seconds": 2.5}, deadline_s=30.0, returns=object
         ) == {"steps": 25}
-        started, waited_ns = time.monotonic(), process_cpu_wait_ns(worker.pid)
-        with pytest.raises(WorkerStalled, match="made no progress in hang for 1 s"):
+        with (
+            until_given_up(lanes, worker.pid) as hung,
+            pytest.raises(WorkerStalled, match="made no progress in hang for 1 s"),
+        ):
             await lanes.call(TRAINER, "hang", deadline_s=30.0, returns=object)
         # Within the stall timeout and a beat of the worker's own time, not counting the time
         # its threads waited for a CPU (on a machine loaded past its cores; left out of its
         # idleness on purpose): far below the call's deadline of 30 s.
-        waited_s = (process_cpu_wait_ns(worker.pid) - waited_ns) / 1e9
-        assert time.monotonic() - started - waited_s < 1.0 + 1.0
+        assert hung.took_s - hung.waited_s < 1.0 + 1.0, hung
         # The stalled call was aborted before the error: the worker is free again (a hang that
         # went on would leave it busy, and this echo unanswered behind it).
         status = await lanes.control(TRAINER, "status", timeout_s=5.0, returns=WorkerStatus)
@@ -338,11 +400,68 @@ async def test_a_call_starved_of_cpu_is_slow_not_stalled(runtime_dir: Path) -> N
 async def test_an_endless_loop_is_a_stall_within_the_timeout_and_a_beat(
     runtime_dir: Path,
 ) -> None:
-    async with one_worker(runtime_dir, stall_timeout_s=1.0) as (lanes, _):
-        started = time.monotonic()
-        with pytest.raises(WorkerStalled, match="made no progress in spin for 1 s"):
+    async with one_worker(runtime_dir, stall_timeout_s=1.0) as (lanes, worker):
+        with (
+            until_given_up(lanes, worker.pid) as spun,
+            pytest.raises(WorkerStalled, match="made no progress in spin for 1 s"),
+        ):
             await lanes.call(TRAINER, "spin", deadline_s=30.0, returns=object)
-        # The stall timeout and one heartbeat (0.1 s here), and the driver's check. On a machine
-        # loaded past its cores the loop's own waits for a CPU are the machine's time, left out
-        # of its idleness: then it takes longer, yet far less than the deadline (30 s).
-        assert time.monotonic() - started < 1.0 + 0.1 + 10.0
+    # Given up on after the stall timeout, a heartbeat and the driver's check, of the time the
+    # loop could run: on a machine loaded past its cores, its waits for a CPU are the machine's
+    # time, left out of its idleness (one thread wanting a CPU: what its tree waited), as are
+    # this test's own.
+    spent_s = spun.took_s - spun.waited_s - spun.own_wait_s
+    assert spent_s < 1.0 + BEAT_S + CHECK_S + LATENCY_S, spun
+
+
+@pytest.mark.asyncio
+async def test_a_call_spinning_beside_its_busy_engine_is_a_stall(runtime_dir: Path) -> None:
+    """The worker's engine runs four busy processes per CPU, and the call spins beside them:
+    every thread of the tree waits for a CPU most of the time, but for its own threads, not for
+    the machine. That is no time to forgive: the stall is seen after the stall timeout and a
+    beat, late only by the time the machine's other work held the tree's CPUs. (Forgiving the
+    largest wait of any one thread, the loop is forgiven three quarters of every interval; the
+    sum of them, all of it.)"""
+    async with one_worker(runtime_dir, stall_timeout_s=1.0) as (lanes, worker):
+        processes = 4 * cpus(worker.pid)
+        await lanes.call(
+            TRAINER, "start_engine", {"processes": processes}, deadline_s=60.0, returns=object
+        )
+        with (
+            until_given_up(lanes, worker.pid) as spun,
+            pytest.raises(WorkerStalled, match="made no progress in spin for 1 s"),
+        ):
+            await lanes.call(TRAINER, "spin", deadline_s=30.0, returns=object)
+        await lanes.call(TRAINER, "stop_engine", deadline_s=30.0, returns=object)
+    # The tree wanted more than its CPUs all along: its threads waited for them, in all, for
+    # more than the CPUs' own time.
+    assert spun.waited_s > spun.cpus * spun.took_s, spun
+    spent_s = spun.took_s - spun.others_s - spun.own_wait_s
+    assert spent_s < 1.0 + BEAT_S + CHECK_S + LATENCY_S, spun
+
+
+@pytest.mark.asyncio
+async def test_a_worker_stuck_in_c_code_beside_its_busy_engine_is_silent_and_stalled(
+    runtime_dir: Path,
+) -> None:
+    """As above, with the loop in C code holding the GIL: no heartbeat comes, and the driver
+    reads the tree's CPU wait since the last one by the same rule. Its threads waited for each
+    other: the silence is the worker's, seen after the stall timeout (then the abort, which
+    it cannot take, is waited for). Forgiving the sum of the worker's threads' waits (as the
+    driver did) forgave the loop most of its silence."""
+    async with one_worker(runtime_dir, stall_timeout_s=1.0) as (lanes, worker):
+        processes = 4 * cpus(worker.pid)
+        await lanes.call(
+            TRAINER, "start_engine", {"processes": processes}, deadline_s=60.0, returns=object
+        )
+        with (
+            until_given_up(lanes, worker.pid) as stuck,
+            pytest.raises(WorkerStalled, match="sent no heartbeat in spin_in_c for 1 s"),
+        ):
+            await lanes.call(TRAINER, "spin_in_c", deadline_s=30.0, returns=object)
+        worker.kill()  # (its engine's processes end with it)
+        await anyio.to_thread.run_sync(worker.wait)
+    assert stuck.waited_s > stuck.cpus * stuck.took_s, stuck
+    # Its last heartbeat came at most a beat after the call did.
+    spent_s = stuck.took_s - stuck.others_s - stuck.own_wait_s
+    assert spent_s < 1.0 + BEAT_S + CHECK_S + LATENCY_S, stuck

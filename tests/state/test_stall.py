@@ -10,6 +10,7 @@ from timeshare.state.stall import (
     CallHealth,
     CallSeen,
     call_idle_s,
+    cpu_wait_s,
     held_up_s,
     judge_call,
     machine_time_s,
@@ -83,6 +84,43 @@ def test_the_machines_time_in_an_interval_is_left_out_once(
     interval_s: float, held: float, cpu_wait: float, left_out: float
 ) -> None:
     assert machine_time_s(interval_s, held, cpu_wait) == pytest.approx(left_out)
+
+
+# (interval_s, ran_s, waited_s, cpus) -> the CPU wait forgiven: ran and waited summed over
+# the threads of the worker's process tree.
+CPU_WAITS: list[tuple[str, tuple[float, float, float, int], float]] = [
+    ("one thread, a machine to itself", (1.0, 1.0, 0.0, 2), 0.0),
+    ("one thread, its CPU shared half with others", (1.0, 0.5, 0.5, 2), 0.5),
+    ("a tenth of a CPU (a quota), one busy thread", (1.0, 0.1, 0.9, 2), 0.9),
+    # Threads that waited together are one wait: the interval, once, not four times.
+    ("four threads starved outright", (1.0, 0.0, 4.0, 2), 1.0),
+    # Waits for its own threads are the tree's: an engine's nine busy threads on two CPUs.
+    ("a tree oversubscribing its own CPUs", (1.0, 2.0, 7.0, 2), 0.0),
+    ("the same tree, others holding half its CPUs", (1.0, 1.0, 8.0, 2), 0.5),
+    ("two threads on four CPUs, each shared half", (1.0, 1.0, 1.0, 4), 0.5),
+    # Held up only while it wanted a CPU: a thread asleep most of the interval.
+    ("wanting a CPU a fifth of the time", (1.0, 0.1, 0.1, 2), 0.1),
+    ("stopped: waiting for none", (1.0, 0.0, 0.0, 2), 0.0),
+    ("(read across a step of the clock: never below 0)", (1.0, 2.5, 0.5, 2), 0.0),
+]
+
+
+@pytest.mark.parametrize(
+    ("read", "forgiven"), [c[1:] for c in CPU_WAITS], ids=[c[0] for c in CPU_WAITS]
+)
+def test_the_cpu_wait_is_the_machines_share_of_the_interval(
+    read: tuple[float, float, float, int], forgiven: float
+) -> None:
+    assert cpu_wait_s(*read) == pytest.approx(forgiven)
+
+
+def test_the_cpu_wait_is_never_more_than_the_interval_nor_the_threads_waits() -> None:
+    steps = [0.0, 0.05, 0.3, 1.0, 2.5, 9.0]
+    for ran in steps:
+        for waited in steps:
+            for cpus in (1, 2, 8):
+                forgiven = cpu_wait_s(1.0, ran, waited, cpus)
+                assert 0.0 <= forgiven <= min(1.0, waited), (ran, waited, cpus)
 
 
 def test_a_call_is_idle_only_while_busy_and_not_waiting_on_its_peer() -> None:

@@ -3,7 +3,7 @@ UNIX stream socket of length-prefixed frames (lane_socket.py).
 
 driver_side.py: `WorkerLanes` (calls with deadlines; exits and stalls seen, by state/stall.py).
 lane_server.py: what serves it (a listening socket per lane; each worker's liveness; replies).
-cpu_wait.py: how long a worker's threads waited for a CPU (the machine's time, not a stall).
+cpu_wait.py: how long the machine kept a worker's process tree from a CPU (not a stall).
 processes.py: `WorkerId`, and `watch_process` (a worker's exit, seen the moment it happens).
 worker_side.py: `WorkerServer` (connects per lane; work in the main thread, control in its own).
 frames.py: the typed msgpack frames both speak.

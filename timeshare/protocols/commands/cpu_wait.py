@@ -1,68 +1,81 @@
-"""How long a worker's threads, and those of the processes under it (an engine's own processes:
-vLLM's engine core and TP workers, SGLang's schedulers), waited for a CPU while runnable.
+"""How long a worker's process tree (its threads, and those of the processes under it: an
+engine's own processes, vLLM's engine core and TP workers, SGLang's schedulers) was kept from a
+CPU: what state/stall.py's `cpu_wait_s` leaves out of a call's idleness and of its silence.
 
-Linux counts it per thread in /proc/<pid>/task/<tid>/schedstat (its second field, run_delay, in
-ns), and counts a CPU quota's throttled time there too. Time a thread waited for a CPU is the
-machine's, not the call's (state/stall.py). For the worker's idleness, `CpuWait.since_last()`
-says how much of it passed since it was last asked, as the largest wait of any one thread:
-threads that waited together are one wait, not their sum. For the driver's silence rule,
-`process_cpu_wait_ns` sums one process's threads.
+Linux counts per thread, in /proc/<pid>/task/<tid>/schedstat, the time it ran on a CPU (the
+first field) and the time it waited for one while runnable (the second, run_delay, which
+counts a CPU quota's throttled time too), in ns. A `CpuTime` is the tree's threads' two sums
+as one scan read them; the wait over a stretch is the rule applied to how much they grew, on
+the CPUs the tree may run on (`cpu_wait_between`). The worker reads its tree at every
+heartbeat, judges the stretch since its call's last progress, and sends the sums it read; a
+driver that hears nothing for a while reads the tree again and judges the stretch since that
+heartbeat (`cpu_wait_since`): one reading, one rule, on both sides.
 
-Where the kernel keeps no schedstat (not Linux, or built without CONFIG_SCHED_INFO) nothing is
-measured and every wait reads 0: a starved worker is then judged as if it ran.
+The kernel adds a wait to run_delay once the thread gets its CPU: a reading misses the waits
+still going on, which the next one counts whole. The sums are of the threads there at each
+reading: a thread or process that ended meanwhile takes its counts with it, so a growth is read
+as no less than zero, and a new one counts whole (all its time is in the stretch). Where the
+kernel keeps no schedstat (not Linux, or built without CONFIG_SCHED_INFO) every sum reads 0 and
+so does every wait: a starved worker is then judged as if it ran.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
+
+from timeshare.state.stall import cpu_wait_s
 
 PROC = Path("/proc")
 NS = 1e-9
 
 
-class CpuWait:
-    def __init__(self, pid: int | None = None) -> None:
-        self.pid = os.getpid() if pid is None else pid
-        self.measured = (PROC / str(self.pid) / "schedstat").exists()
-        # The process's own threads' run_delay, summed, as the last scan read it: what its
-        # heartbeat tells the driver (process_cpu_wait_ns's figure, without a second read).
-        self.own_ns = 0
-        self._last: dict[int, int] = self._run_delays() if self.measured else {}
+class CpuTime(NamedTuple):
+    """A process tree's threads' time on a CPU and waiting for one, summed, so far (ns)."""
 
-    def since_last(self) -> float:
-        """Seconds the longest-waiting thread of the tree waited for a CPU since the last call
-        (a thread new since then is counted from now on)."""
-        if not self.measured:
-            return 0.0
-        delays = self._run_delays()
-        last = self._last
-        waited = max((ns - last[tid] for tid, ns in delays.items() if tid in last), default=0)
-        self._last = delays
-        return max(0, waited) * NS
-
-    def _run_delays(self) -> dict[int, int]:
-        """Every thread of the process tree: its run_delay so far, in ns."""
-        delays: dict[int, int] = {}
-        pending = [self.pid]
-        while pending:
-            pid = pending.pop()
-            for task in _tasks(pid):
-                delay = _run_delay(task)
-                if delay is not None:
-                    delays[int(task.name)] = delay
-                pending.extend(_children(task))
-            if pid == self.pid:
-                self.own_ns = sum(delays.values())  # (its threads are the first read)
-        return delays
+    ran_ns: int
+    waited_ns: int
 
 
-def process_cpu_wait_ns(pid: int) -> int:
-    """The run_delay of every thread of process `pid` (not of its children), summed: how long
-    they have waited for a CPU so far, in ns (0 for a process that is gone, or where the kernel
-    keeps no schedstat). For the driver: a worker's silence spent waiting for a CPU is the
-    machine's, not the worker's."""
-    return sum(delay for task in _tasks(pid) if (delay := _run_delay(task)) is not None)
+def tree_cpu_time(pid: int) -> CpuTime:
+    """Every thread of process `pid` and of the processes under it, summed (0, 0 for a process
+    that is gone, or where the kernel keeps no schedstat)."""
+    ran = waited = 0
+    pending, seen = [pid], set()
+    while pending:
+        process = pending.pop()
+        if process in seen:
+            continue
+        seen.add(process)
+        for task in _tasks(process):
+            stat = _schedstat(task)
+            if stat is not None:
+                ran, waited = ran + stat[0], waited + stat[1]
+            pending.extend(_children(task))
+    return CpuTime(ran, waited)
+
+
+def cpus(pid: int) -> int:
+    """How many CPUs process `pid` may run on (this process's where it is gone)."""
+    try:
+        return len(os.sched_getaffinity(pid))
+    except OSError:
+        return len(os.sched_getaffinity(0))
+
+
+def cpu_wait_between(then: CpuTime, now: CpuTime, stretch_s: float, on_cpus: int) -> float:
+    """Seconds of a stretch of `stretch_s` that the machine kept a tree from a CPU, from its
+    CpuTime at its start and end (state/stall.py's rule)."""
+    ran_ns = max(0, now.ran_ns - then.ran_ns)
+    waited_ns = max(0, now.waited_ns - then.waited_ns)
+    return cpu_wait_s(stretch_s, ran_ns * NS, waited_ns * NS, on_cpus)
+
+
+def cpu_wait_since(pid: int, then: CpuTime, stretch_s: float) -> float:
+    """Seconds of the last `stretch_s` that the machine kept `pid`'s tree from a CPU, read
+    against `then`, its CpuTime that long ago."""
+    return cpu_wait_between(then, tree_cpu_time(pid), stretch_s, cpus(pid))
 
 
 def _tasks(pid: int) -> list[Path]:
@@ -72,9 +85,11 @@ def _tasks(pid: int) -> list[Path]:
         return []
 
 
-def _run_delay(task: Path) -> int | None:
+def _schedstat(task: Path) -> tuple[int, int] | None:
+    """The thread's time on a CPU and its run_delay so far, in ns."""
     try:
-        return int((task / "schedstat").read_text().split()[1])
+        fields = (task / "schedstat").read_text().split()
+        return int(fields[0]), int(fields[1])
     except (OSError, IndexError, ValueError):
         return None
 

@@ -42,7 +42,7 @@ from timeshare.errors import (
     WorkerStalled,
 )
 from timeshare.protocols.commands import frames
-from timeshare.protocols.commands.cpu_wait import process_cpu_wait_ns
+from timeshare.protocols.commands.cpu_wait import cpu_wait_since
 from timeshare.protocols.commands.lane_server import LANES, LaneServer, PendingCall
 from timeshare.protocols.commands.params import encode as encode_params
 from timeshare.protocols.commands.processes import WorkerId, describe_exit
@@ -266,9 +266,11 @@ class WorkerLanes:
             now=now,
         )
         health = judge_call(seen, limit)
-        if health is CallHealth.SILENT and liveness.pid is not None and liveness.cpu_wait_ns:
-            starved_ns = process_cpu_wait_ns(liveness.pid) - liveness.cpu_wait_ns
-            health = judge_call(dataclasses.replace(seen, starved_s=starved_ns * 1e-9), limit)
+        if health is CallHealth.SILENT and liveness.pid is not None and liveness.cpu_time.ran_ns:
+            # Since its last heartbeat, by the rule its heartbeats' idleness was judged by.
+            since_s = now - liveness.heard_at
+            starved_s = cpu_wait_since(liveness.pid, liveness.cpu_time, since_s)
+            health = judge_call(dataclasses.replace(seen, starved_s=starved_s), limit)
         worker, command = pending.worker, pending.command
         if health is CallHealth.NO_PROGRESS:
             return f"{worker} made no progress in {command} for {limit:g} s"

@@ -54,10 +54,12 @@ class Heartbeat(_Frame, frozen=True, tag="heartbeat"):
     # Seconds the busy call has gone without progress, by the worker's own clock (0 while it
     # waits on its peer): the driver's stall rule reads this, not its own clock.
     idle_s: float = 0.0
-    # Nanoseconds this worker's threads have waited for a CPU so far (their run_delay, summed;
-    # 0 where the kernel keeps none): a driver that hears nothing for a while reads it again
-    # to tell a worker starved of CPU from one stopped or stuck (state/stall.py).
+    # Nanoseconds the threads of this worker's process tree (its engine's processes included)
+    # have waited for a CPU, and run on one, so far (summed; 0 where the kernel keeps no
+    # schedstat): a driver that hears nothing for a while reads the tree again to tell a worker
+    # starved of CPU from one stopped or stuck (cpu_wait.py; the rule is state/stall.py's).
     cpu_wait_ns: int = 0
+    cpu_ran_ns: int = 0
 
 
 ToWorker = Call

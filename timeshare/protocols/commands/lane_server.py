@@ -20,6 +20,7 @@ import structlog
 
 from timeshare.errors import ProtocolError
 from timeshare.protocols.commands import frames
+from timeshare.protocols.commands.cpu_wait import CpuTime
 from timeshare.protocols.commands.lane_socket import DriverConnection
 from timeshare.protocols.commands.processes import WorkerId
 from timeshare.runtime import Endpoint
@@ -40,7 +41,8 @@ class Liveness:
     heard_at: float = field(default_factory=time.monotonic)  # its last heartbeat
     busy: int | None = None  # the call its last heartbeat was about
     idle_s: float = 0.0  # how long that call had gone without progress, by the worker's clock
-    cpu_wait_ns: int = 0  # its threads' wait for a CPU so far, as its last heartbeat said
+    # Its process tree's CPU time, as its last heartbeat said (cpu_wait.py).
+    cpu_time: CpuTime = field(default_factory=lambda: CpuTime(0, 0))
     returncode: int | None = None
     why: str | None = None  # what ended it, when its exit status alone does not say
     exited: anyio.Event = field(default_factory=anyio.Event)
@@ -193,7 +195,7 @@ class LaneServer:
             liveness = self.liveness(worker)
             liveness.heard_at = time.monotonic()
             liveness.busy, liveness.idle_s = frame.busy, frame.idle_s
-            liveness.cpu_wait_ns = frame.cpu_wait_ns
+            liveness.cpu_time = CpuTime(frame.cpu_ran_ns, frame.cpu_wait_ns)
         else:
             pending = self.pending.get(frame.id)
             if pending is None:

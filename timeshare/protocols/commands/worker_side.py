@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
-from typing import TypeAlias
+from typing import NamedTuple, TypeAlias
 
 import msgspec
 import structlog
@@ -31,7 +31,7 @@ import structlog
 from timeshare import logs
 from timeshare.errors import Aborted, ProtocolError, UnknownCommand
 from timeshare.protocols.commands import frames, params
-from timeshare.protocols.commands.cpu_wait import CpuWait
+from timeshare.protocols.commands.cpu_wait import CpuTime, cpu_wait_between, cpus, tree_cpu_time
 from timeshare.protocols.commands.lane_socket import WorkerSocket
 from timeshare.protocols.commands.results import WorkerStatus
 from timeshare.runtime import Endpoint
@@ -46,6 +46,15 @@ ABORT_SIGNAL = signal.SIGUSR1
 POLL_SLICE_S = 0.05
 CONNECT_S = 10.0  # the driver listens before it starts a worker: this is for a slow start
 SHUTDOWN = "shutdown"  # answered at once, or after the worker's own `shutdown` handler ran
+
+
+class Reading(NamedTuple):
+    """What the control thread read at a heartbeat: when, its process tree's CPU time
+    (cpu_wait.py), and how long it had been held up so far (state/stall.py's `held_up_s`)."""
+
+    at: float
+    cpu: CpuTime
+    held_s: float
 
 
 class WorkerServer:
@@ -67,11 +76,11 @@ class WorkerServer:
         self._heartbeat_s = heartbeat_s
         self._endpoints = {"work": work_endpoint, "control": control_endpoint}
         self._progress = 0
-        # The machine's time (state/stall.py) so far, the control thread's to add to; and the
-        # running call's last progress (or start) with that total then, set as one tuple.
+        self._progress_at = time.monotonic()  # the running call's last progress (or start)
+        # The control thread's: its last reading, the one its stretch since that progress is
+        # measured from (its first after it), and the machine's time in that stretch.
+        self._reading = self._stretch = Reading(time.monotonic(), CpuTime(0, 0), 0.0)
         self._machine_s = 0.0
-        self._progress_mark = (time.monotonic(), 0.0)
-        self._cpu_wait_ns = 0  # this process's threads' wait for a CPU, as the last beat read it
         self._waiting = False
         self._busy: frames.Call | None = None
         self._armed = False  # an abort signal may raise Aborted now
@@ -85,7 +94,7 @@ class WorkerServer:
         self._mark_progress()
 
     def _mark_progress(self) -> None:
-        self._progress_mark = (time.monotonic(), self._machine_s)
+        self._progress_at = time.monotonic()
 
     @contextmanager
     def waiting_on_peer(self) -> Iterator[None]:
@@ -204,24 +213,19 @@ class WorkerServer:
         except ConnectionError as exc:  # the work lane connected: the driver went meanwhile
             log.warning("worker.lane.lost", role=self.role, rank=self.rank, error=str(exc))
             return
-        next_beat = last_beat = time.monotonic()
-        held_up = 0.0  # in this heartbeat interval
-        cpu_wait = CpuWait()
+        held_s = 0.0  # all the time this thread was held up
+        self._reading = self._stretch = self._read(held_s)
+        next_beat = time.monotonic()
         try:
             while not self._stop.is_set():
                 wait_s = min(POLL_SLICE_S, max(0.0, next_beat - time.monotonic()))
                 waiting_since = time.monotonic()
                 data = control.receive(wait_s)
-                held_up += held_up_s(time.monotonic() - waiting_since, wait_s)
+                held_s += held_up_s(time.monotonic() - waiting_since, wait_s)
                 if data is not None:
                     self._answer_control(control, data)
                 if time.monotonic() >= next_beat:
-                    now = time.monotonic()
-                    self._machine_s += machine_time_s(
-                        now - last_beat, held_up, cpu_wait.since_last()
-                    )
-                    self._cpu_wait_ns = cpu_wait.own_ns
-                    held_up, last_beat = 0.0, now
+                    self._measure(self._read(held_s))
                     control.send(frames.encode(self._heartbeat()))
                     next_beat = time.monotonic() + self._heartbeat_s
         except (ConnectionError, ProtocolError) as exc:  # the work loop sees the same and ends
@@ -229,6 +233,23 @@ class WorkerServer:
                 log.warning("worker.lane.lost", role=self.role, rank=self.rank, error=str(exc))
         finally:
             control.close()
+
+    def _read(self, held_s: float) -> Reading:
+        return Reading(time.monotonic(), tree_cpu_time(os.getpid()), held_s)
+
+    def _measure(self, reading: Reading) -> None:
+        """The machine's time in the stretch since the running call's last progress, as of
+        `reading` (state/stall.py). Judged over the whole stretch, from the first reading after
+        that progress (the machine's time before that reading, a beat's at most, counts as the
+        call's; a pause before the progress does not count for the call after it): the kernel
+        counts a wait for a CPU once it has ended, so stretches cut at every heartbeat, each
+        capped at its own length, would lose the waits counted late."""
+        if self._progress_at > self._reading.at:  # progress since the last reading
+            self._stretch = reading
+        stretch, self._reading = self._stretch, reading
+        stretch_s = reading.at - stretch.at
+        cpu_wait_s = cpu_wait_between(stretch.cpu, reading.cpu, stretch_s, cpus(os.getpid()))
+        self._machine_s = machine_time_s(stretch_s, reading.held_s - stretch.held_s, cpu_wait_s)
 
     def _answer_control(self, control: WorkerSocket, data: bytes) -> None:
         try:
@@ -275,13 +296,16 @@ class WorkerServer:
             progress=self._progress,
         )
 
-    def _heartbeat(self) -> frames.Heartbeat:
+    def _heartbeat(self, now: float | None = None) -> frames.Heartbeat:
+        """The heartbeat as of `now` (a test's; the clock's by default)."""
         busy = self._busy
         waiting = self._waiting
-        progress_at, machine_at = self._progress_mark
-        machine_s = self._machine_s - machine_at
         idle_s = call_idle_s(
-            time.monotonic(), progress_at, machine_s, busy=busy is not None, waiting=waiting
+            time.monotonic() if now is None else now,
+            self._progress_at,
+            self._machine_s,
+            busy=busy is not None,
+            waiting=waiting,
         )
         return frames.Heartbeat(
             None if busy is None else busy.id,
@@ -289,7 +313,8 @@ class WorkerServer:
             self._progress,
             waiting,
             idle_s,
-            self._cpu_wait_ns,
+            self._reading.cpu.waited_ns,
+            self._reading.cpu.ran_ns,
         )
 
     def _connect(self, lane: str) -> WorkerSocket:
