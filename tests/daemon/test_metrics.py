@@ -8,9 +8,10 @@ import msgspec
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from timeshare.cycle.steps import StepFigures, SyncFigures
+from timeshare.cycle.steps import PHASES, StepFigures, SyncFigures
 from timeshare.daemon.metrics import Metrics
-from timeshare.protocols.commands.results import LengthFigures
+from timeshare.protocols.commands.results import LengthFigures, RewardFigures
+from timeshare.report.scalars import scalars_of
 
 
 def figures(step: int, logprob: float | None, drift: float | None) -> StepFigures:
@@ -109,3 +110,44 @@ def test_a_run_failed_by_a_weights_mismatch_counts_it() -> None:
     assert weights(metrics) == {"timeshare_weights_match": 1, "timeshare_weights_mismatch_total": 0}
     metrics.failed("WeightsMismatch")
     assert weights(metrics) == {"timeshare_weights_match": 0, "timeshare_weights_mismatch_total": 1}
+
+
+def test_each_step_sets_its_rewards_the_skipped_share_and_a_validations_reward() -> None:
+    metrics = Metrics(node=1)
+    rewards = RewardFigures(skipped_fraction=0.125, extras={"acc": 0.5}, samples=8)
+    step = msgspec.structs.replace(
+        figures(1, 0.0, None), reward_mean=0.75, rewards=rewards, val_reward_mean=0.6
+    )
+    metrics.stepped(step)
+    found = every_sample(metrics)
+    assert found["timeshare_reward_mean"] == 0.75
+    assert found["timeshare_reward_skipped_fraction"] == 0.125
+    assert found["timeshare_val_reward_mean"] == 0.6
+    metrics.stepped(msgspec.structs.replace(step, val_reward_mean=None, reward_mean=0.8))
+    found = every_sample(metrics)  # not a validation step: the last validation's stays
+    assert found["timeshare_val_reward_mean"] == 0.6 and found["timeshare_reward_mean"] == 0.8
+    scalars = scalars_of(msgspec.structs.replace(step, phases=dict.fromkeys(PHASES, 0.0)))
+    assert scalars["val_reward"] == 0.6
+    assert scalars["reward/skipped_fraction"] == 0.125 and scalars["reward/acc"] == 0.5
+
+
+def test_ranks_reward_figures_combine_weighted_by_their_samples() -> None:
+    combined = RewardFigures.combined(
+        [
+            RewardFigures(skipped_fraction=0.5, extras={"acc": 1.0}, samples=2),
+            RewardFigures(skipped_fraction=0.0, extras={"acc": 0.0, "len": 3.0}, samples=6),
+        ]
+    )
+    assert combined == RewardFigures(
+        skipped_fraction=0.125, extras={"acc": 0.25, "len": 3.0}, samples=8
+    )
+    assert RewardFigures.combined([]) is None
+
+
+def every_sample(metrics: Metrics) -> dict[str, float]:
+    text = generate_latest(metrics.registry).decode()
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
