@@ -217,7 +217,8 @@ def test_the_text_example_runs_as_make_demo_text_runs_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """examples/text/: its data made by its script, the model by `timeshare model init`, the
-    check and two steps of the run (`make demo-text` runs forty, learning from 0.01 to 0.5)."""
+    check and two steps of the run on one rank (`make demo-text` runs forty on two, learning
+    from 0.01 to 0.5)."""
     root = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(tmp_path)  # the example's paths are relative to where make runs
     made = subprocess.run(
@@ -239,10 +240,12 @@ def test_the_text_example_runs_as_make_demo_text_runs_it(
     assert "engine.task.train_files: 2000 rows" in checked.stdout
     monkeypatch.setenv("TIMESHARE_JOB__RUNTIME_DIR", str(tmp_path / "run"))
     monkeypatch.setenv("TIMESHARE_ENGINE__TASK__VAL_EVERY", "2")
-    done = timeshare("run", config, "--steps", "2", "--summary", "runs/text-grpo/summary.json")
+    summary = "runs/text-grpo/summary.json"
+    done = timeshare("run", config, "--steps", "2", "--ranks", "1", "--summary", summary)
     assert done.returncode == 0, done.stderr
     steps = steps_of(Path("runs/text-grpo/summary.json"))
     assert [s["weights_match"] for s in steps] == [True, True]
+    assert len(steps[0]["per_rank"]) == 1
     assert steps[1]["val_reward_mean"] is not None
     assert set(steps[1]["rewards"]["extras"]) == {"right_digit", "stopped"}
     assert Path("runs/text-grpo/samples.jsonl").exists()

@@ -9,7 +9,6 @@ and trains on what it generates.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib.util
 import subprocess
 import sys
@@ -156,10 +155,7 @@ def test_a_new_engine_is_its_package_and_one_entry(
     workload = workload_of(context)
     requests = workload.requests(0, 0)
     samples = rollout.generate(requests)
-    batch = [
-        dataclasses.replace(s, reward=workload.score(r, s))
-        for r, s in zip(requests, samples, strict=True)
-    ]
+    batch = workload.scored(requests, samples, 0, lambda: None)
     figures = trainer.train_step(batch)
     assert (figures.step, figures.samples, figures.reward_mean) == (1, 8, 1.0)
     trainer.close()

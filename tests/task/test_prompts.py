@@ -121,7 +121,7 @@ def test_a_scan_is_kept_under_the_datas_fingerprint_and_read_back(tmp_path: Path
         first = scan(rows, tokenizer, 8, where="w", kept_in=kept_in)
         (kept,) = kept_in.iterdir()
         assert kept.name == f"{data_fingerprint(rows, tokenizer)}.npy"
-        calls = []
+        calls: list[int] = []
         again = scan(rows, tokenizer, 8, where="w", kept_in=kept_in, progress=calls.append)
         assert calls == []  # read back, not scanned
         assert again.lengths.tolist() == first.lengths.tolist()
