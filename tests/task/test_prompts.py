@@ -130,3 +130,22 @@ def test_a_scan_is_kept_under_the_datas_fingerprint_and_read_back(tmp_path: Path
         changed = scan(rows, tokenizer, 8, where="w", kept_in=kept_in)
     assert len(list(kept_in.iterdir())) == 2
     assert changed.lengths.tolist() != first.lengths.tolist()
+
+
+def test_every_request_of_a_dataset_carries_the_stop_set_with_the_models_eos(
+    tmp_path: Path,
+) -> None:
+    """vLLM runs with ignore_eos=True and stops at the request's stop set alone: every train
+    and validation request must carry the tokenizer's EOS and the job's own stop ids."""
+    val = write_rows(tmp_path / "val.jsonl", rows=4)
+    spec = task(tmp_path, val_files=(str(val),), val_every=1, stop_token_ids=(3,))
+    tokenizer = digit_task_tokenizer()
+    workload = DatasetWorkload(spec, tokenizer, ranks=1)
+    try:
+        requests = workload.requests(0, 1) + workload.validation(0, 1)
+        assert len(requests) == 4 * 2 + 4
+        for request in requests:
+            assert tokenizer.eos_id in request.sampling.stop_token_ids
+            assert 3 in request.sampling.stop_token_ids
+    finally:
+        workload.close()

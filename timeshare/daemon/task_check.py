@@ -76,7 +76,8 @@ def check_task(config: Config, *, out: TextIO | None = None) -> TaskCheck:
         )
         found.lines += shown_prompts(prompts, tokenizer)
         found.lines += reward_lines(config, prompts)
-        found.fingerprint = data_fingerprint(train, tokenizer)
+        # (the scan computed it to keep the lengths under it: the files are not hashed again)
+        found.fingerprint = prompts.fingerprint or data_fingerprint(train, tokenizer)
     if task.val_files:
         where = "engine.task.val_files"
         val = PromptRows.open(

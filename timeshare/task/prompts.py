@@ -41,6 +41,7 @@ class PromptScan:
 
     lengths: npt.NDArray[np.int32]
     max_prompt_tokens: int
+    fingerprint: str = ""  # the data's (data_fingerprint), where the scan computed it
 
     @property
     def overlong(self) -> npt.NDArray[np.int64]:
@@ -96,16 +97,17 @@ def scan(
     """Every row read, rendered and tokenized once; `progress(rows done)` now and then.
     `kept_in`: a directory where the lengths are kept under the data's fingerprint (read from
     there when an earlier scan of the same data left them)."""
-    kept = None if kept_in is None else kept_in / f"{data_fingerprint(rows, tokenizer)}.npy"
+    fingerprint = "" if kept_in is None else data_fingerprint(rows, tokenizer)
+    kept = None if kept_in is None else kept_in / f"{fingerprint}.npy"
     if kept is not None and (lengths := _kept_lengths(kept, len(rows))) is not None:
-        return PromptScan(lengths, max_prompt_tokens)
+        return PromptScan(lengths, max_prompt_tokens, fingerprint)
     lengths = _lengths(rows, tokenizer, where, progress)
     if kept is not None:
         kept.parent.mkdir(parents=True, exist_ok=True)
         buffer = io.BytesIO()
         np.save(buffer, lengths)
         write_atomically(kept, buffer.getvalue())
-    return PromptScan(lengths, max_prompt_tokens)
+    return PromptScan(lengths, max_prompt_tokens, fingerprint)
 
 
 def _kept_lengths(path: Path, rows: int) -> npt.NDArray[np.int32] | None:
@@ -147,6 +149,7 @@ class DatasetPrompts:
     kept: npt.NDArray[np.int64]  # the rows in use, by index (overlong ones dropped or none)
     dropped: int
     where: str
+    fingerprint: str = ""  # the scan's (PromptScan.fingerprint)
 
     @classmethod
     def of(
@@ -165,7 +168,7 @@ class DatasetPrompts:
         kept = np.flatnonzero(found.lengths <= found.max_prompt_tokens)
         if not len(kept):
             raise ConfigError(f"{where}: no prompt fits engine.task.max_prompt_tokens")
-        return cls(rows, tokenizer, kept, len(overlong), where)
+        return cls(rows, tokenizer, kept, len(overlong), where, found.fingerprint)
 
     def __len__(self) -> int:
         return len(self.kept)
