@@ -225,6 +225,9 @@ def test_a_rollout_holding_other_weights_fails_the_run_or_warns(
         assert done.returncode == 1, done.stderr
         failed = "rollout rank 1 failed in phase sync: WeightsMismatch: rollout rank 1: "
         assert f"{failed}the engine holds xxh3-128:" in done.stderr
+        # Named by comparing both sides' per-tensor lines: the last of four tensors was altered.
+        tensor = "the first tensor that differs: layer3.weight (torch.float32, shape ("
+        assert f"{tensor}" in done.stderr and "): its bytes differ" in done.stderr
         assert [(s["step"], s["weights_match"]) for s in steps_of(summary)] == [(1, True)]
         phases = [e["record"] for e in events if e["event"] == "cycle.phase.ended"]
         rollouts = {p["step"] for p in phases if p["phase"] == "rollout"}
@@ -241,6 +244,7 @@ def test_a_rollout_holding_other_weights_fails_the_run_or_warns(
             ("warning", 2, 1),
             ("warning", 3, 1),
         ]
+        assert all("layer3.weight" in e["error"] for e in warned)
     assert_nothing_left(runtime_dir)
 
 

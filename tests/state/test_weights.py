@@ -13,6 +13,7 @@ from timeshare.state.weights import (
     Verdict,
     first_mismatch,
     judge_weights,
+    tensor_difference,
 )
 
 D = "xxh3-128:trainer"
@@ -92,3 +93,63 @@ def test_a_mismatch_fails_or_warns_as_the_checks_say_and_a_match_holds_either_wa
     assert judged.verdict is verdict
     assert isinstance(judged.mismatch, Mismatch)
     assert (judged.mismatch.rank, judged.mismatch.worker) == (0, 1)
+
+
+# The trainer's lines of a version, and the ways a rollout's can differ from them.
+LINES = {
+    "a.weight": "torch.float32|(4, 4)|h1",
+    "b.weight": "torch.float32|(4,)|h2",
+    "c.weight": "torch.bfloat16|(2, 4)|h3",
+}
+
+
+@pytest.mark.parametrize(
+    ("held", "expected"),
+    [
+        (LINES, None),
+        (
+            {**LINES, "b.weight": "torch.float32|(4,)|x"},
+            "b.weight (torch.float32, shape (4,)): its bytes differ",
+        ),
+        (
+            {**LINES, "c.weight": "torch.float16|(2, 4)|h3"},
+            "c.weight was sent as torch.bfloat16 and is held as torch.float16",
+        ),
+        (
+            {**LINES, "a.weight": "torch.float32|(2, 8)|h1"},
+            "a.weight was sent with shape (4, 4) and is held with shape (2, 8)",
+        ),
+        (
+            {k: v for k, v in LINES.items() if k != "a.weight"},
+            "a.weight was sent and the rollout never loaded it",
+        ),
+        (
+            {**LINES, "a.extra": "torch.float32|(1,)|h4"},
+            "a.extra was loaded by the rollout and the trainer never sent it",
+        ),
+        (  # the first in name order is named, and how many others differ
+            {**LINES, "c.weight": "torch.bfloat16|(2, 4)|x", "b.weight": "torch.float32|(4,)|x"},
+            "b.weight (torch.float32, shape (4,)): its bytes differ (1 more of 3 differ)",
+        ),
+    ],
+    ids=["same", "bytes", "dtype", "shape", "never-loaded", "never-sent", "first-of-two"],
+)
+def test_the_first_differing_tensor_is_named_with_how_it_differs(
+    held: dict[str, str], expected: str | None
+) -> None:
+    assert tensor_difference(LINES, held) == expected
+
+
+def test_a_mismatch_names_its_tensor_or_says_why_it_cannot() -> None:
+    mismatch = first_mismatch([one_process(0, X)])
+    assert mismatch is not None
+    named = mismatch.named(LINES, {**LINES, "c.weight": "torch.bfloat16|(2, 4)|x"})
+    assert str(named).endswith(
+        "; the first tensor that differs: c.weight (torch.bfloat16, shape (2, 4)): its bytes differ"
+    )
+    agreeing = mismatch.named(LINES, LINES)
+    assert agreeing.tensor is None
+    assert "both sides' per-tensor lines agree" in str(agreeing)
+    assert str(mismatch.not_named("no answer")).endswith(
+        "; which tensor differs is not known: no answer"
+    )

@@ -194,7 +194,7 @@ class _Cycle:
         self.meetings: dict[int, anyio.CancelScope] = {}
         self.at_barrier: dict[int, _Ran] = {}  # BARRIER answered; reported once the rank met
         self.batches: dict[int, msgspec.Raw] = {}  # rank -> its last ROLLOUT's samples
-        self.weights = WeightsCheck(self.node_ranks, config.checks.on_weights_mismatch)
+        self.weights = WeightsCheck(self.node_ranks, config.checks.on_weights_mismatch, workers)
         self.commands: CommandFeed | None = None
         self.publish_due = anyio.Event()  # the state changed since it was last written
         self.lifecycle_moved = anyio.Event()  # ... to a new lifecycle: written without delay
@@ -398,7 +398,9 @@ class _Cycle:
         await self._report(ran)
         if ran.phase is Phase.SYNC:  # every rollout holds its trainer's weights, or the run ends
             trainer = ran.results["trainer"]
-            failed = self.weights.synced(ran.step, self.node_ranks[ran.rank], trainer, rollout)
+            failed = await self.weights.synced(
+                ran.step, self.node_ranks[ran.rank], trainer, rollout
+            )
             if failed is not None:
                 return self._keep(failed)
         return RankFinished(ran.rank, ran.phase)

@@ -233,6 +233,8 @@ class RolloutEngine(ABC):
         # What each tensor-parallel worker of the engine loaded of the last version (empty:
         # an engine that loads in one process).
         self.worker_loads: list[WorkerLoad] = []
+        # ... and the per-tensor lines each of those workers' digest is of, by TP rank.
+        self.worker_tables: dict[int, dict[str, str]] = {}
         # A generate still running after this is aborted (GenerateTimeout) and the engine stays
         # usable; the driver's phase deadline, around it, is longer.
         self.generate_timeout_s = generate_timeout_s
@@ -263,6 +265,11 @@ class RolloutEngine(ABC):
     @abstractmethod
     def digest(self) -> str:
         """`weights_digest` of the weights loaded (compared with the trainer's after SYNC)."""
+
+    def table(self) -> dict[str, str]:
+        """The per-tensor lines `digest` is of (engines/digest.py `WeightsDigest.table`):
+        asked for only once the digest differs from the trainer's, to name the tensor."""
+        raise TimeshareError(f"{type(self).__name__} keeps no per-tensor lines of its weights")
 
     @abstractmethod
     def held_mb(self) -> float:

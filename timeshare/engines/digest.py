@@ -49,22 +49,32 @@ class WeightsDigest:
     """
 
     def __init__(self) -> None:
-        self._lines: dict[str, str] = {}
+        self._tensors: dict[str, str] = {}  # name -> "dtype|shape|hash of the bytes"
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        line = f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|{tensor_hash(tensor)}"
-        self._lines[name] = line
+        self._tensors[name] = f"{tensor.dtype}|{tuple(tensor.shape)}|{tensor_hash(tensor)}"
 
     def hexdigest(self) -> str:
         digest = xxhash.xxh3_128()
-        for name in sorted(self._lines):
-            digest.update(self._lines[name].encode() + b"\n")
+        for name in sorted(self._tensors):
+            digest.update(f"{name}|{self._tensors[name]}\n".encode())
         return f"{ALGORITHM}:{digest.hexdigest()}"
+
+    def table(self) -> dict[str, str]:
+        """Each tensor's line, by name ("dtype|shape|hash of the bytes"): what the digest is
+        of, kept by both sides of a transfer so that a mismatch can name the first tensor that
+        differs (state/weights.py `tensor_difference`)."""
+        return dict(self._tensors)
 
 
 def weights_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """The `WeightsDigest` of all of `named`: equal iff the weights are equal."""
+    return digest_of(named).hexdigest()
+
+
+def digest_of(named: Iterable[tuple[str, torch.Tensor]]) -> WeightsDigest:
+    """A `WeightsDigest` fed all of `named`."""
     digest = WeightsDigest()
     for name, tensor in named:
         digest.add(name, tensor)
-    return digest.hexdigest()
+    return digest

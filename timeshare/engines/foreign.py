@@ -21,12 +21,14 @@ import shutil
 import tempfile
 import threading
 from abc import abstractmethod
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import ClassVar, TypeVar
 
 from timeshare.engines.base import RolloutEngine
+from timeshare.engines.load_report import LoadReport
 from timeshare.errors import EngineBroken, TimeshareError
+from timeshare.protocols.commands.results import WorkerLoad
 from timeshare.runtime import (
     children_of,
     foreign_temp_dir,
@@ -208,6 +210,25 @@ class ForeignRollout(RolloutEngine):
         if self.torn or not self.digest_of_version:
             raise TimeshareError("digest: no whole weight version has been loaded")
         return self.digest_of_version
+
+    def table(self) -> dict[str, str]:
+        """The per-tensor lines of what arrived at the loader (TP worker 0's, as `digest`)."""
+        self.digest()  # (a torn version has none)
+        return self.worker_tables.get(0, {})
+
+    def loaded(self, reports: Sequence[LoadReport]) -> LoadReport:
+        """The engine's TP workers' reports of a whole version (checked, in TP-rank order):
+        kept, each worker's own, since each was sent every tensor and hashed what reached its
+        loader (every digest must be the trainer's: state/weights.py). Worker 0's is the
+        engine's. Returns it."""
+        received = reports[0]
+        self.digest_of_version = received.digest
+        self.weights_bytes = received.transfer.bytes
+        self.worker_loads = [
+            WorkerLoad(report.worker, report.transfer.bytes, report.digest) for report in reports
+        ]
+        self.worker_tables = {report.worker: report.tensors for report in reports}
+        return received
 
     # -- memory ---------------------------------------------------------------------------------
 

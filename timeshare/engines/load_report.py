@@ -33,14 +33,17 @@ class LoadSeconds(msgspec.Struct, kw_only=True):
 
 class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     """One whole version as the engine's process received it: the channel's report
-    (`transfer`), the digest of what arrived at the model's loader ("" when not asked for), the
-    whole receiving call (`call_s`) and where its time went (`spent`)."""
+    (`transfer`), the digest of what arrived at the model's loader ("" when not asked for) and
+    its per-tensor lines (`tensors`: kept by the rollout worker, read only when the digest
+    differs from the trainer's), the whole receiving call (`call_s`) and where its time went
+    (`spent`)."""
 
     transfer: TransferReport
     digest: str
     call_s: float
     spent: LoadSeconds
     worker: int = 0  # the engine's tensor-parallel rank that loaded it
+    tensors: dict[str, str] = {}  # name -> "dtype|shape|hash" (engines/digest.py)
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

@@ -43,7 +43,7 @@ from timeshare.engines.outlet import digested, drain
 from timeshare.engines.pairs import build_rollout, build_trainer, workload_of
 from timeshare.engines.spec import EngineSpec
 from timeshare.engines.task import Scoring, Workload
-from timeshare.errors import ProtocolError, SimulatedFault
+from timeshare.errors import ProtocolError, SimulatedFault, TimeshareError
 from timeshare.protocols.commands import WorkerServer
 from timeshare.protocols.commands.params import PhaseParams
 from timeshare.protocols.commands.params import decode as decode_params
@@ -53,6 +53,7 @@ from timeshare.protocols.commands.results import (
     HeldResult,
     RolloutResult,
     SyncResult,
+    TablesResult,
     TrainResult,
     WorkerLoad,
 )
@@ -157,6 +158,8 @@ class TrainerWorker:
         # Within the current command (the trace shows them); each stretch that ends is progress
         # (waking weights, preparing, sleeping: none is a stall of its own).
         self.spans = Spans(on_end=server.report_progress)
+        # The last SYNC's version and digest, whose per-tensor lines `tables` answers with.
+        self.last_sync: tuple[int, WeightsDigest] | None = None
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -168,6 +171,7 @@ class TrainerWorker:
             "resume": NOTHING_TO_DO,
             "rollout": NOTHING_TO_DO,
             "held": self.held,
+            "tables": self.tables,
         }
 
     def bootstrap(self, params: PhaseParams) -> BootstrapResult:
@@ -186,6 +190,7 @@ class TrainerWorker:
         with self.spans.span("prepare"):
             self.engine.prepare_sync()
         digest = WeightsDigest()
+        self.last_sync = (self.engine.step, digest)
         if self.sender is None:
             return self.sync_without_sending(digest)
         weights = digested(self.engine.iter_weights(), digest)
@@ -221,6 +226,13 @@ class TrainerWorker:
 
     def held(self, params: PhaseParams) -> HeldResult:
         return HeldResult(held_mb=self.engine.held_mb())
+
+    def tables(self, params: PhaseParams) -> TablesResult:
+        """The per-tensor lines of what the last SYNC sent (or produced)."""
+        if self.last_sync is None:
+            raise TimeshareError("tables: this trainer has not synced a version yet")
+        version, digest = self.last_sync
+        return TablesResult(version=version, tensors=digest.table())
 
     def close(self) -> None:
         try:
@@ -266,6 +278,7 @@ class RolloutWorker:
             "resume": self.resume,
             "rollout": self.rollout,
             "held": self.held,
+            "tables": self.tables,
         }
 
     def sync(self, params: PhaseParams) -> SyncResult:
@@ -284,6 +297,15 @@ class RolloutWorker:
 
     def held(self, params: PhaseParams) -> HeldResult:
         return HeldResult(held_mb=self.engine.held_mb(), resident_mb=self.engine.resident_mb())
+
+    def tables(self, params: PhaseParams) -> TablesResult:
+        """The per-tensor lines of the version the engine holds: its own and each TP
+        worker's (what each one's digest in the SYNC result is of)."""
+        version = self.engine.weight_version
+        if version is None:
+            raise TimeshareError("tables: this rollout has loaded no version yet")
+        tensors = self.engine.table()
+        return TablesResult(version=version, tensors=tensors, workers=self.engine.worker_tables)
 
     def rollout(self, params: PhaseParams) -> RolloutResult:
         step = params.step or 0

@@ -21,18 +21,25 @@ Rules (the functions below are the truth; this comment explains them):
   default) ends the cycle naming it, since every sample the rollout draws is then off-policy;
   "warn" goes on, and says so loudly every step it happens.
 
-Which tensor differs is not known here: each side reports one digest of the whole version.
+- Which tensor differs: each side keeps its per-tensor lines of the last version (name ->
+  "dtype|shape|hash", engines/digest.py), asked for only once a digest differs; the first name
+  in sorted order whose lines differ is named (`tensor_difference`), with how many others do.
+  Lines that cannot be had (a worker that reported nothing, a side that did not answer) leave
+  it unknown, and the error says why.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 OnMismatch = Literal["fail", "warn"]
+# One side's per-tensor lines of a version: name -> "dtype|shape|hash of the bytes".
+Table = Mapping[str, str]
 
 
 class Verdict(enum.Enum):
@@ -74,12 +81,25 @@ class Mismatch:
     expected: str
     found: str | None
     what: str  # the mismatch in words
+    tensor: str | None = None  # the first tensor that differs, in words (None: not known)
+    unknown: str = "its lines were not asked for"  # why `tensor` is not known
 
     def __str__(self) -> str:
-        return (
-            f"{self.what}; which tensor differs is not known (trainer and rollout each report "
-            "one digest of the whole version)"
-        )
+        if self.tensor is not None:
+            return f"{self.what}; the first tensor that differs: {self.tensor}"
+        return f"{self.what}; which tensor differs is not known: {self.unknown}"
+
+    def named(self, sent: Table, held: Table) -> Mismatch:
+        """This mismatch with its first differing tensor, from the trainer's lines (`sent`)
+        and those of the rollout's engine or TP worker found differing (`held`)."""
+        difference = tensor_difference(sent, held)
+        if difference is None:  # both sides' lines agree: the whole digests were of others
+            why = "both sides' per-tensor lines agree (they were of another version?)"
+            return dataclasses.replace(self, unknown=why)
+        return dataclasses.replace(self, tensor=difference)
+
+    def not_named(self, why: str) -> Mismatch:
+        return dataclasses.replace(self, unknown=why)
 
 
 @dataclass(frozen=True)
@@ -155,3 +175,39 @@ def _engine_mismatch(rank: int, expected: str, engine: RankSync, where: str) -> 
             f"the engine holds {engine.held}, not the {expected} its trainer sent",
         )
     return None
+
+
+def tensor_difference(sent: Table, held: Table) -> str | None:
+    """The first tensor, in name order, whose line differs between what the trainer sent and
+    what the rollout holds, in words, with how many more differ; None when all agree."""
+    differing = sorted(
+        name for name in sent.keys() | held.keys() if sent.get(name) != held.get(name)
+    )
+    if not differing:
+        return None
+    name = differing[0]
+    more = len(differing) - 1
+    also = f" ({more} more of {len(sent.keys() | held.keys())} differ)" if more else ""
+    return _line_difference(name, sent.get(name), held.get(name)) + also
+
+
+def _line_difference(name: str, sent: str | None, held: str | None) -> str:
+    if held is None:
+        return f"{name} was sent and the rollout never loaded it"
+    if sent is None:
+        return f"{name} was loaded by the rollout and the trainer never sent it"
+    sent_dtype, sent_shape, _ = _fields(sent)
+    held_dtype, held_shape, _ = _fields(held)
+    if sent_dtype != held_dtype:
+        return f"{name} was sent as {sent_dtype} and is held as {held_dtype}"
+    if sent_shape != held_shape:
+        return f"{name} was sent with shape {sent_shape} and is held with shape {held_shape}"
+    return f"{name} ({sent_dtype}, shape {sent_shape}): its bytes differ"
+
+
+def _fields(line: str) -> tuple[str, str, str]:
+    """(dtype, shape, hash) of a table's line; a line of another form is all hash."""
+    parts = line.split("|")
+    if len(parts) != 3:
+        return "", "", line
+    return parts[0], parts[1], parts[2]

@@ -27,7 +27,7 @@ from timeshare.engines.base import (
     finish_reason,
     until_stop,
 )
-from timeshare.engines.digest import weights_digest
+from timeshare.engines.digest import digest_of, weights_digest
 from timeshare.engines.inlet import LocalInlet
 from timeshare.errors import (
     GenerateTimeout,
@@ -97,13 +97,19 @@ def test_every_worker_of_the_engine_loads_every_version_whole(
     workers = tp_rollout_engine.spec.rollout_workers()
     weights = tp_rollout_engine.weights(tp_rollout_engine.variant)
     sent, received = tp_rollout_engine.sync(tp_rollout_engine.variant).reports()
-    loads = engine.worker_loads
+    loads, tables = engine.worker_loads, engine.worker_tables
     if isinstance(tp_rollout_engine.inlet, LocalInlet):
-        assert (workers, loads) == (1, []), loads
+        assert (workers, loads, tables) == (1, [], {}), loads
         loads = [WorkerLoad(0, received.bytes, engine.digest())]
+        tables = {0: engine.table()}
     assert [load.worker for load in loads] == list(range(workers))
     assert [load.digest for load in loads] == [weights_digest(tensors(weights))] * workers
     assert [load.bytes for load in loads] == [sent.bytes] * workers
+    # The per-tensor lines each digest is of, kept to name a differing tensor: the trainer's.
+    lines = digest_of(tensors(weights)).table()
+    assert len(lines) == len(list(tensors(weights)))
+    assert tables == dict.fromkeys(range(workers), lines)
+    assert engine.table() == lines
 
 
 def test_seeded_generation_is_reproducible(rollout_engine: RolloutHarness) -> None:

@@ -69,7 +69,6 @@ from timeshare.errors import (
     TimeshareError,
     TransferError,
 )
-from timeshare.protocols.commands.results import WorkerLoad
 from timeshare.protocols.weights import TransferConfig, TransferReport
 from timeshare.protocols.weights.layout import DTYPES
 from timeshare.runtime import SEMAPHORE_PREFIX, SHM_ROOT, mapped_anywhere
@@ -411,14 +410,7 @@ class SglangInlet:
             engine.checked("end_weight_update", engine.sgl.end_weight_update)
         progress()
         reports = self.read_answers(order)
-        received = reports[0]
-        engine.digest_of_version = received.digest
-        engine.weights_bytes = received.transfer.bytes
-        # Each TP rank was sent every tensor and hashed what reached its loader: every one's
-        # digest must be the trainer's (weights_match, cycle/steps.py).
-        engine.worker_loads = [
-            WorkerLoad(report.worker, report.transfer.bytes, report.digest) for report in reports
-        ]
+        received = engine.loaded(reports)
         engine.mark_whole(received.transfer.version)
         # SGLang's scheduler is a process of this machine: its spans' clock is this one's.
         return received.transfer

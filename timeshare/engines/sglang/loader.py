@@ -131,6 +131,7 @@ def _receive(model: Any, order: LoadOrder, worker: int) -> LoadReport:
         call_s=time.perf_counter() - started,
         spent=spent,
         worker=worker,
+        tensors={} if digest is None else digest.table(),
     )
 
 

@@ -29,7 +29,7 @@ from timeshare.engines.base import (
     refuse_unsupported,
 )
 from timeshare.engines.context import EngineContext
-from timeshare.engines.digest import weights_digest
+from timeshare.engines.digest import digest_of
 from timeshare.engines.inlet import LocalInlet
 from timeshare.engines.simulated.spec import SimulatedSpec
 from timeshare.errors import LoaderFailed, SimulatedOOM
@@ -273,10 +273,13 @@ class SimulatedRollout(RolloutEngine):
         `corrupt_weights` drills a rollout holding other weights than the trainer's)."""
         first = self.spec.corrupt_weights.get(str(self.rank))
         if first is not None and version >= first:
-            self.loaded[weight_names(self.spec)[0]][0] += 1.0
+            self.loaded[weight_names(self.spec)[-1]][0] += 1.0
 
     def digest(self) -> str:
-        return weights_digest(self.loaded.items())
+        return digest_of(self.loaded.items()).hexdigest()
+
+    def table(self) -> dict[str, str]:
+        return digest_of(self.loaded.items()).table()
 
     def traits(self) -> RolloutTraits:
         """Every input (ignored), memory in the ledger, no sequence limit."""

@@ -33,5 +33,5 @@ class SimulatedSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     generate_timeout_s: Seconds | None = None
     # A drill of a rollout holding other weights than its trainer sent: rank (a string, as TOML
     # keys are) -> the first weight version that rank's rollout loads altered (one value of its
-    # first tensor changed after loading), that version and every later one.
+    # last tensor changed after loading), that version and every later one.
     corrupt_weights: dict[str, int] = {}

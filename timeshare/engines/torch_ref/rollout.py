@@ -26,7 +26,7 @@ from timeshare.engines.base import (
     until_stop,
 )
 from timeshare.engines.context import EngineContext
-from timeshare.engines.digest import weights_digest
+from timeshare.engines.digest import WeightsDigest, digest_of
 from timeshare.engines.inlet import LocalInlet
 from timeshare.engines.invariance import enable_strict_gemm
 from timeshare.engines.model_config import ModelConfig
@@ -126,9 +126,15 @@ class TorchRefRollout(RolloutEngine):
             raise TimeshareError(f"weight update {version} left {sorted(missing)} unloaded")
 
     def digest(self) -> str:
+        return self._digest().hexdigest()
+
+    def table(self) -> dict[str, str]:
+        return self._digest().table()
+
+    def _digest(self) -> WeightsDigest:
         if self.model is None:
             raise EngineAsleep("digest: the weights are asleep")
-        return weights_digest((name, p.detach()) for name, p in self.model.named_parameters())
+        return digest_of((name, p.detach()) for name, p in self.model.named_parameters())
 
     # -- generation ----------------------------------------------------------------------------
 

@@ -170,6 +170,7 @@ class TimeshareWeightTransfer(WeightTransferEngine[TimeshareInitInfo, TimeshareU
             call_s=time.perf_counter() - started,
             spent=spent,
             worker=receiver.member,
+            tensors={} if digest is None else digest.table(),
         )
 
     def finish_weight_update(self) -> None:

@@ -54,7 +54,6 @@ from timeshare.errors import (
     LoaderFailed,
     TransferError,
 )
-from timeshare.protocols.commands.results import WorkerLoad
 from timeshare.protocols.weights import TransferConfig, TransferReport
 from timeshare.runtime import SEMAPHORE_PREFIX
 from timeshare.units import MIB
@@ -295,17 +294,10 @@ class VllmInlet:
         progress()
         answers = self.engine.call("timeshare_report", lambda: llm.collective_rpc(EXTENSION_REPORT))
         reports = worker_reports(answers, self.engine.rank, self.engine.spec.tensor_parallel_size)
-        received = reports[0]
-        version = received.transfer.version
+        version = reports[0].transfer.version
         self._step("finish_weight_update")
         llm.llm_engine.set_weight_version(str(version))
-        self.engine.digest_of_version = received.digest
-        self.engine.weights_bytes = received.transfer.bytes
-        # Each TP worker was sent every tensor and hashed what reached its loader: every one's
-        # digest must be the trainer's (weights_match, cycle/steps.py).
-        self.engine.worker_loads = [
-            WorkerLoad(report.worker, report.transfer.bytes, report.digest) for report in reports
-        ]
+        received = self.engine.loaded(reports)
         self.engine.mark_whole(version)
         # vLLM's worker is a process of this machine: its spans' monotonic clock is this one's.
         return received.transfer

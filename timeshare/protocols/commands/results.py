@@ -194,6 +194,17 @@ class RolloutResult(CommandResult, frozen=True, kw_only=True):
     val_samples: int = 0
 
 
+class TablesResult(CommandResult, frozen=True, kw_only=True):
+    """A side's per-tensor lines of the last version it sent or loaded (name -> "dtype|shape|
+    hash of the bytes", engines/digest.py): asked for only once its digest differs from the
+    other side's, to name the first tensor that does (`tables`). `tensors`: the trainer's, or
+    the rollout engine's own; `workers`: each TP worker's that reported them, by TP rank."""
+
+    version: int
+    tensors: dict[str, str] = {}
+    workers: dict[int, dict[str, str]] = {}
+
+
 class WorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     """A worker's answer to `status` on its control lane (answered while work runs)."""
 
@@ -213,9 +224,11 @@ RESULTS: dict[tuple[str, str], type[CommandResult]] = {
     ("rollout", "rollout"): RolloutResult,
     ("held", "trainer"): HeldResult,
     ("held", "rollout"): HeldResult,
+    ("tables", "trainer"): TablesResult,
+    ("tables", "rollout"): TablesResult,
 }
 COMMANDS = frozenset(
-    {"bootstrap", "train", "offload", "sync", "barrier", "resume", "rollout", "held"}
+    {"bootstrap", "train", "offload", "sync", "barrier", "resume", "rollout", "held", "tables"}
 )
 
 
