@@ -26,6 +26,7 @@ from timeshare.protocols.weights import TransferConfig
 from timeshare.runtime import (
     FOREIGN_SEGMENTS_SUFFIX,
     FOREIGN_TEMP_MAKER,
+    FOREIGN_TEMP_PREFIX,
     foreign_temp_dir,
     record_foreign_segments,
     running_since,
@@ -122,11 +123,14 @@ def test_its_processes_and_their_segments_are_recorded_and_close_releases_everyt
     assert sorted(engine._titles.values()) == ["FAKE::Worker_TP0", "FAKE::Worker_TP1"]
     assert sorted(engine._children) == sorted(p.pid for p in engine.processes)
     scratch = engine.scratch()
+    # in a directory naming this process: a sweep removes it should this process be killed
+    maker = json.loads((scratch.parent / FOREIGN_TEMP_MAKER).read_text())
+    assert scratch.parent.name.startswith(FOREIGN_TEMP_PREFIX) and maker["pid"] == os.getpid()
     engine.close()
     assert all(running_since(p.pid) is None for p in engine.processes)  # reaped: no zombie
     assert not record_of(engine).exists()
     assert not Path(f"/dev/shm/{SEGMENT}").exists()
-    assert not scratch.exists()
+    assert not scratch.parent.exists()
 
 
 def test_its_processes_are_what_its_start_started_not_its_hosts_other_children(

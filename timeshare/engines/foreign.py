@@ -245,10 +245,14 @@ class ForeignRollout(RolloutEngine):
     # -- processes ------------------------------------------------------------------------------
 
     def scratch(self) -> Path:
-        """This engine's own temporary directory, made on first use, removed by `close`."""
+        """This engine's own temporary directory, made on first use, removed by `close`; inside
+        a `foreign_temp_dir` naming this process, so that a later run's sweep removes it
+        should this process be killed before `close` (the directory itself holds only what
+        the engine puts there: a model directory's files, read by the engine)."""
         if self._scratch is None:
-            prefix = f"timeshare-{self.name.lower()}-{self.rank}-"
-            self._scratch = Path(tempfile.mkdtemp(prefix=prefix))
+            scratch = foreign_temp_dir(f"{self.owner}-scratch") / "scratch"
+            scratch.mkdir()
+            self._scratch = scratch
         return self._scratch
 
     @contextlib.contextmanager
@@ -320,5 +324,5 @@ class ForeignRollout(RolloutEngine):
 
     def remove_scratch(self) -> None:
         if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
+            shutil.rmtree(self._scratch.parent, ignore_errors=True)
             self._scratch = None
