@@ -8,10 +8,12 @@ process or one of its live descendants (segments.py says how a name carries both
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -33,6 +35,16 @@ structlog.configure(logger_factory=structlog.PrintLoggerFactory(__import__("sys"
 
 # Fixtures holding the directories a test works in (their tags name its segments).
 DIRECTORY_FIXTURES = ("runtime_dir", "tmp_path")
+
+# Every process the session starts carries this mark in its environment (children inherit it;
+# pytest-xdist's workers keep their controller's): one still running when the session ends, not
+# a descendant of the session's own process, was left behind by the test its
+# PYTEST_CURRENT_TEST names. (One spinning child, left so, took half a core of this two-core
+# machine for the rest of `make test`.)
+SESSION_MARK = "TESTS_SESSION_MARK"
+# For processes a last test ended a moment ago to be gone (tests/test_left_behind.py, which
+# leaks one on purpose, waits less).
+LEFT_BEHIND_S = float(os.environ.get("TESTS_LEFT_BEHIND_S", "10"))
 
 
 def staging_segments(runtime_dir: Path | None = None) -> set[str]:
@@ -131,3 +143,50 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault(SESSION_MARK, f"{os.getpid()}-{os.urandom(4).hex()}")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The session fails if a process it started outlives it; those are killed, each named
+    with the test that started it."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return  # the controller looks, once every worker is gone
+    mark = os.environ[SESSION_MARK]
+    deadline = time.monotonic() + LEFT_BEHIND_S
+    while (left := left_behind(mark)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not left:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("=", "processes left behind by tests")
+    for process, test in left.items():
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+        if reporter is not None:
+            reporter.write_line(
+                f"a process outlived its test, killed: pid {process.pid} "
+                f"{' '.join(process.info['cmdline'] or [])[:120]!r}, started by {test}"
+            )
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def left_behind(mark: str) -> dict[psutil.Process, str]:
+    """Processes carrying `mark` that are neither this one nor its descendants: each with the
+    test that started it (its PYTEST_CURRENT_TEST)."""
+    own = {psutil.Process().pid, *(p.pid for p in psutil.Process().children(recursive=True))}
+    left = {}
+    for process in psutil.process_iter(["cmdline"]):
+        if process.pid in own:
+            continue
+        try:
+            environ = process.environ()
+        except psutil.Error:  # gone, a zombie, or not ours to read
+            continue
+        if environ.get(SESSION_MARK) == mark:
+            left[process] = environ.get("PYTEST_CURRENT_TEST", "no test (the session itself)")
+    return left

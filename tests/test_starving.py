@@ -4,6 +4,8 @@ wants none is not, and a process the cgroup refuses skips the test naming it."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,8 +24,12 @@ PF_KTHREAD = 0x00200000
 
 
 def test_a_child_that_wants_a_cpu_waits_and_a_sleeping_process_does_not() -> None:
-    spinning = subprocess.Popen([sys.executable, "-c", SPINS_IN_A_CHILD])
-    sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # Each in a process group of its own, killed whole: the spinning child too (left, it spun
+    # for the rest of the session, half a core of a two-core machine).
+    spinning = subprocess.Popen([sys.executable, "-c", SPINS_IN_A_CHILD], start_new_session=True)
+    sleeping = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
     try:
         with cpu_starved([spinning.pid], 0.1) as starved:
             time.sleep(3.0)  # the child spins most of it, on a tenth of a CPU
@@ -31,7 +37,7 @@ def test_a_child_that_wants_a_cpu_waits_and_a_sleeping_process_does_not() -> Non
             time.sleep(1.0)
     finally:
         for process in (spinning, sleeping):
-            process.kill()
+            os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     assert starved.waited_s > 1.0, starved
     if starved.throttled_s is not None:  # (a cgroup's quota, not spinning beside it)
