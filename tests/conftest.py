@@ -21,6 +21,7 @@ import psutil
 import pytest
 import structlog
 
+from tests.shared_runs import SESSION_MARK, remove_shared_runs
 from timeshare.protocols.weights.segments import SEGMENT_PREFIX, parse_segment_name, staging_tag
 from timeshare.runtime import SHM_ROOT, process_start_time
 
@@ -41,7 +42,6 @@ DIRECTORY_FIXTURES = ("runtime_dir", "tmp_path")
 # a descendant of the session's own process, was left behind by the test its
 # PYTEST_CURRENT_TEST names. (One spinning child, left so, took half a core of this two-core
 # machine for the rest of `make test`.)
-SESSION_MARK = "TESTS_SESSION_MARK"
 # For processes a last test ended a moment ago to be gone (tests/test_left_behind.py, which
 # leaks one on purpose, waits less).
 LEFT_BEHIND_S = float(os.environ.get("TESTS_LEFT_BEHIND_S", "10"))
@@ -153,8 +153,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The session fails if a process it started outlives it; those are killed, each named
     with the test that started it."""
-    if "PYTEST_XDIST_WORKER" in os.environ:
-        return  # the controller looks, once every worker is gone
+    if hasattr(session.config, "workerinput"):
+        return  # a pytest-xdist worker: the controller looks, once every worker is gone
+    remove_shared_runs()
     mark = os.environ[SESSION_MARK]
     deadline = time.monotonic() + LEFT_BEHIND_S
     while (left := left_behind(mark)) and time.monotonic() < deadline:

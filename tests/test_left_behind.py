@@ -66,8 +66,13 @@ def test_a_process_left_behind_fails_the_session_naming_its_test(
 
 
 def _environ() -> dict[str, str]:
-    """This session's environment less its mark: the inner session is a session of its own."""
-    return {k: v for k, v in os.environ.items() if k != "TESTS_SESSION_MARK"}
+    """This session's environment less its mark and pytest's variables (a pytest-xdist
+    worker's among them): the inner session is a session of its own."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k != "TESTS_SESSION_MARK" and not k.startswith("PYTEST_")
+    }
 
 
 def _running(token: str) -> bool:

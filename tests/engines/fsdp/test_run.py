@@ -14,9 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from tests.configs import merged, toml_file
 from tests.cycle.jobs import assert_nothing_left
 from tests.daemon.test_run import steps_of, timeshare_run
 from tests.engines.vllm.test_run import VLLM_JOB
+from tests.shared_runs import shared_run
 from timeshare.config import load_config
 from timeshare.engines.model_dir import ModelShape, init_model_dir
 from timeshare.engines.task import RepeatDigit
@@ -38,6 +37,7 @@ from timeshare.task.vocab import EOS
 
 pytestmark = pytest.mark.slow
 
+KEY = "fsdp-learned"  # of its shared run
 STEPS = 30
 ROOT = Path(__file__).resolve().parents[3]
 # The digit task at the size examples/fsdp-grpo.toml runs (head_dim 32, as vLLM's CPU attention
@@ -81,15 +81,16 @@ class Learned:
 
 
 @pytest.fixture(scope="module")
-def learned() -> Iterator[Learned]:
-    root = Path(tempfile.mkdtemp(prefix="ts-", dir="/tmp"))  # short: ipc paths are bounded
-    try:
+def learned() -> Learned:
+    """Made once a session, whichever worker asks first (tests/shared_runs.py)."""
+
+    def run(root: Path) -> subprocess.CompletedProcess[str]:
         model_dir = init_model_dir(root / "model", SHAPE, seed=0)
         config = write_config(root, model_dir, STEPS)
-        done = timeshare_run(config, root / "summary.json", timeout_s=600)
-        yield Learned(root, model_dir, done)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+        return timeshare_run(config, root / "summary.json", timeout_s=600)
+
+    root, done = shared_run(KEY, run, timeout_s=900)
+    return Learned(root, root / "model", done)
 
 
 def test_thirty_steps_learn_the_task_with_the_weights_matching_every_step(
