@@ -5,6 +5,7 @@ same paths on vLLM and SGLang (tests/engines/vllm, tests/engines/sglang)."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from timeshare.engines.base import RolloutRequest, RolloutSample, RolloutTraits
-from timeshare.engines.foreign import ForeignRollout
+from timeshare.engines.foreign import ForeignRollout, compile_caches
 from timeshare.engines.inlet import WeightInlet
 from timeshare.errors import EngineBroken, TimeshareError
 from timeshare.protocols.weights import TransferConfig
@@ -230,12 +231,17 @@ listener.bind(tempfile.mktemp(suffix=".sock"))  # as libzmq does: the file stays
 """
 
 
-def test_what_its_processes_leave_in_tmpdir_goes_with_the_engine(tmp_path: Path) -> None:
+def test_what_its_processes_leave_in_tmpdir_goes_with_the_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """vLLM and SGLang make their ipc sockets in TMPDIR, where libzmq leaves the files: started
     under `starting`, an engine's processes make them in a directory of its own, recorded in
     the runtime dir, which its close removes, or a sweep once its processes are gone (a
     SIGKILLed worker). (pytest's tmp_path is long: a socket's path in the runtime dir would not
     fit in 107 bytes.)"""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", raising=False)
+    outside = tempfile.gettempdir()
     for ending in ("close", "sweep"):
         runtime = tmp_path / ending
         engine = FakeEngine.__new__(FakeEngine)
@@ -246,6 +252,16 @@ def test_what_its_processes_leave_in_tmpdir_goes_with_the_engine(tmp_path: Path)
             temp = engine.temp
             assert tempfile.gettempdir() == str(temp)
             subprocess.run([sys.executable, "-c", LEAVES_A_SOCKET], check=True, timeout=60)
+            # torch's compiler cache stays where it is without the engine's TMPDIR: kept
+            # from one start to the next, not compiled again into a directory that goes
+            said = subprocess.run(
+                [sys.executable, "-c", "import os; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=60,
+            )
+            assert said.stdout.strip() == f"{outside}/torchinductor_{getpass.getuser()}"
         assert tempfile.gettempdir() != str(temp)
         assert sorted(p.suffix for p in temp.iterdir()) == [".json", ".sock"]  # (its maker)
         if ending == "close":
@@ -297,3 +313,16 @@ def test_its_temporary_directory_goes_once_its_maker_is_gone_record_or_not(
     (elsewhere / FOREIGN_TEMP_MAKER).write_text(json.dumps(maker))
     assert sweep_foreign_temp_dirs(tmp_path) == [str(gone)]
     assert live.is_dir() and unnamed.is_dir() and elsewhere.is_dir() and not gone.exists()
+
+
+def test_the_compiler_settings_the_user_made_stay_as_they_made_them() -> None:
+    default = f"{tempfile.gettempdir()}/torchinductor_{getpass.getuser()}"
+    assert compile_caches({}) == {
+        "TORCHINDUCTOR_CACHE_DIR": default,
+        "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0",
+    }
+    users = {
+        "TORCHINDUCTOR_CACHE_DIR": "/srv/cache",
+        "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "1",
+    }
+    assert compile_caches(users) == {}
