@@ -31,7 +31,6 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-import timeshare
 from timeshare.errors import ConfigError
 
 CHECKS_DIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "timeshare/checks"
@@ -72,7 +71,7 @@ def _environment() -> str:
         for entry in os.scandir(directory)
         if entry.name.endswith((".dist-info", ".egg-info"))
     )
-    source = Path(timeshare.__file__).parent
+    source = Path(__file__).resolve().parents[1]  # the timeshare package
     for path in sorted(source.rglob("*.py")):
         stat = path.stat()
         found.append(f"{path}:{stat.st_size}:{stat.st_mtime_ns}")
