@@ -254,27 +254,15 @@ def test_what_its_processes_leave_in_tmpdir_goes_with_the_engine(
             subprocess.run([sys.executable, "-c", LEAVES_A_SOCKET], check=True, timeout=60)
             # torch's compiler cache stays where it is without the engine's TMPDIR: kept
             # from one start to the next, not compiled again into a directory that goes
-            said = subprocess.run(
-                [sys.executable, "-c", "import os; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"],
-                capture_output=True,
-                text=True,
-                check=True,
-                timeout=60,
-            )
-            assert said.stdout.strip() == f"{outside}/torchinductor_{getpass.getuser()}"
+            said = python_says("import os; print(os.environ['TORCHINDUCTOR_CACHE_DIR'])")
+            assert said == f"{outside}/torchinductor_{getpass.getuser()}"
         assert tempfile.gettempdir() != str(temp)
         assert sorted(p.suffix for p in temp.iterdir()) == [".json", ".sock"]  # (its maker)
         if ending == "close":
             engine.close()
         else:  # its record names this process; a process that has exited stands in for it
-            gone = subprocess.run(
-                [sys.executable, "-c", "import os; print(os.getpid())"],
-                capture_output=True,
-                text=True,
-                check=True,
-                timeout=60,
-            )
-            record_foreign_segments(runtime, engine.owner, [int(gone.stdout)], [], temp)
+            gone = int(python_says("import os; print(os.getpid())"))
+            record_foreign_segments(runtime, engine.owner, [gone], [], temp)
             assert str(temp) in sweep_foreign_segments(runtime)
         assert not temp.exists()
         assert list(runtime.iterdir()) == []
@@ -326,3 +314,11 @@ def test_the_compiler_settings_the_user_made_stay_as_they_made_them() -> None:
         "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "1",
     }
     assert compile_caches(users) == {}
+
+
+def python_says(code: str) -> str:
+    """What a Python child running `code` prints (stripped)."""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    return done.stdout.strip()
