@@ -10,8 +10,8 @@ one node (the config requires it), so a node's reports are enough.
 
 A mismatch names the first tensor that differs: the two sides' per-tensor lines of the version
 (`tables`, a worker command asked for only then: they are kept where they were hashed, never
-sent every step) are compared by state/weights.py. What cannot be had within TABLES_S leaves it
-unknown, saying why; the check's verdict does not wait on it.
+sent every step) are compared by state/weights.py. What cannot be had within TABLES_S (each
+side's, one after the other) leaves it unknown, saying why; the verdict stands either way.
 """
 
 from __future__ import annotations
